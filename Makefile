@@ -1,0 +1,31 @@
+# One tool stack: every target runs inside .venv, created on first use.
+PY      := .venv/bin/python
+STAMP   := .venv/.installed
+CONFIG  ?= configs/tiny.py
+WORKDIR ?= runs/demo
+
+.PHONY: install train test test-all lint bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+train: $(STAMP)
+	$(PY) train.py --config $(CONFIG) --workdir $(WORKDIR)
+
+test: $(STAMP)
+	$(PY) -m pytest -n 2 -q
+
+test-all: $(STAMP)
+	$(PY) -m pytest -n 2 -q -m ''
+
+lint: $(STAMP)
+	$(PY) -m ruff check seqpipe tests configs train.py
+	$(PY) -m ruff format --check seqpipe tests configs train.py
+
+clean:
+	rm -rf runs .pytest_cache
