@@ -1,0 +1,229 @@
+"""Config schema, loading (`--config FILE --config.a.b=value`) and validation with one-line errors.
+
+Config files live in `configs/` and define `get_config()`, starting from `base_config()`
+so that every key has a default and a typo in an override is an error, not a new key.
+"""
+
+import ast
+import importlib.util
+import math
+from pathlib import Path
+
+import ml_collections
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+SCHEDULES = ("none", "gpipe", "1f1b", "seq1f1b", "interleaved_1f1b", "seq1f1b_interleaved")
+PARTITIONS = ("uniform", "flops")
+DTYPES = ("float32", "bfloat16", "float16")
+SOURCES = ("stdlib", "text", "tokens")
+TOKENIZERS = ("bpe", "byte")
+
+
+class ConfigError(ValueError):
+    """A bad config value; the message is one line naming the key and what would be valid."""
+
+
+def base_config() -> ml_collections.ConfigDict:
+    """Every key seqpipe reads, with defaults."""
+    c = ml_collections.ConfigDict()
+    c.model = dict(
+        vocab_size=4096, num_layers=4, d_model=128, num_heads=4, d_ff=512,
+        dtype="float32", param_dtype="float32", rope_base=10000.0, init_std=0.02,
+    )
+    c.mesh = dict(data=1, stage=1)
+    c.pipeline = dict(
+        schedule="none", microbatches=1, segments=1, partition="uniform",
+        partition_multiple=1, virtual_stages=1, inflight="full", remat=False,
+    )
+    c.train = dict(
+        steps=100, global_batch_size=8, seq_len=128, learning_rate=3e-3,
+        min_lr_ratio=0.1, warmup_steps=10, weight_decay=0.1, grad_clip=1.0,
+        b1=0.9, b2=0.95, seed=0, log_every=10, eval_every=0, eval_batches=4,
+    )
+    c.data = dict(
+        source="stdlib", path="", tokenizer="bpe", token_dtype="uint16",
+        eval_fraction=0.02, cache_dir="",
+    )
+    return c
+
+
+def resolve_path(name: str) -> Path:
+    """A config path as given, else a bare name looked up in `configs/`."""
+    for candidate in (Path(name), CONFIG_DIR / name, CONFIG_DIR / f"{name}.py"):
+        if candidate.is_file():
+            return candidate
+    raise ConfigError(
+        f"--config {name}: no such file here or in {CONFIG_DIR}; "
+        f"choose one of {sorted(p.name for p in CONFIG_DIR.glob('*.py'))}"
+    )
+
+
+def load_file(name: str) -> ml_collections.ConfigDict:
+    path = resolve_path(name)
+    spec = importlib.util.spec_from_file_location(f"seqpipe_config_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+        config = module.get_config()
+    except Exception as e:  # a user's file: report it in one line
+        raise ConfigError(f"--config {path}: failed to load: {type(e).__name__}: {e}") from e
+    if not isinstance(config, ml_collections.ConfigDict):
+        raise ConfigError(f"--config {path}: get_config() must return an ml_collections.ConfigDict")
+    return config
+
+
+def _parse_value(key: str, text: str, default):
+    """Coerce an override string to the type of the key's default."""
+    if isinstance(default, bool):
+        if text.lower() in ("true", "1", "yes"):
+            return True
+        if text.lower() in ("false", "0", "no"):
+            return False
+        raise ConfigError(f"--config.{key}={text}: expected true or false")
+    if isinstance(default, str):
+        return int(text) if key == "pipeline.inflight" and text.isdigit() else text
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        raise ConfigError(
+            f"--config.{key}={text}: expected a {type(default).__name__}"
+        ) from None
+    if isinstance(default, float) and isinstance(value, int):
+        value = float(value)
+    if not isinstance(value, type(default)):
+        raise ConfigError(f"--config.{key}={text}: expected a {type(default).__name__}")
+    return value
+
+
+def apply_overrides(config: ml_collections.ConfigDict, overrides: dict[str, str]) -> None:
+    for key, text in overrides.items():
+        *parents, leaf = key.split(".")
+        node = config
+        for part in parents:
+            if part not in node or not isinstance(node[part], ml_collections.ConfigDict):
+                raise ConfigError(f"--config.{key}: unknown key; sections are {sorted(config)}")
+            node = node[part]
+        if leaf not in node:
+            raise ConfigError(f"--config.{key}: unknown key; valid keys are {sorted(node)}")
+        with node.unlocked():
+            node[leaf] = _parse_value(key, text, node[leaf])
+
+
+def load(name: str, overrides: dict[str, str] | None = None) -> ml_collections.ConfigDict:
+    """Load a config file, apply `a.b=value` overrides, and check the result."""
+    config = load_file(name)
+    base = base_config()
+    for section in config:
+        if section not in base:
+            raise ConfigError(f"config section '{section}' is unknown; valid: {sorted(base)}")
+        for key in config[section]:
+            if key not in base[section]:
+                raise ConfigError(
+                    f"config key {section}.{key} is unknown; valid: {sorted(base[section])}"
+                )
+    apply_overrides(config, overrides or {})
+    validate(config)
+    config.lock()
+    return config
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _choice(config, key: str, choices) -> None:
+    section, leaf = key.split(".")
+    value = config[section][leaf]
+    _require(value in choices, f"{key}={value!r} is not valid; choose one of {list(choices)}")
+
+
+def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
+    """Check everything that can be checked before any device work; raise ConfigError."""
+    m, mesh, p, t, d = config.model, config.mesh, config.pipeline, config.train, config.data
+    for key in ("vocab_size", "num_layers", "d_model", "num_heads", "d_ff"):
+        _require(m[key] >= 1, f"model.{key}={m[key]} must be at least 1")
+    _require(
+        m.d_model % m.num_heads == 0,
+        f"model.num_heads={m.num_heads} must divide model.d_model={m.d_model}",
+    )
+    _require(
+        (m.d_model // m.num_heads) % 2 == 0,
+        f"model.d_model / model.num_heads = {m.d_model // m.num_heads} must be even for rotary "
+        "embeddings; change model.num_heads",
+    )
+    _choice(config, "model.dtype", DTYPES)
+    _choice(config, "model.param_dtype", DTYPES)
+    for axis in ("data", "stage"):
+        _require(mesh[axis] >= 1, f"mesh.{axis}={mesh[axis]} must be at least 1")
+    if num_devices is not None:
+        _require(
+            mesh.data * mesh.stage == num_devices,
+            f"mesh.data * mesh.stage = {mesh.data * mesh.stage} but {num_devices} devices are "
+            "visible; set mesh.data and mesh.stage so their product matches",
+        )
+    _choice(config, "pipeline.schedule", SCHEDULES)
+    _choice(config, "pipeline.partition", PARTITIONS)
+    _require(
+        p.schedule != "none" or mesh.stage == 1,
+        f"mesh.stage={mesh.stage} needs a pipeline schedule; set pipeline.schedule "
+        f"(one of {list(SCHEDULES[1:])}) or mesh.stage=1",
+    )
+    for key in ("microbatches", "segments", "virtual_stages", "partition_multiple"):
+        _require(p[key] >= 1, f"pipeline.{key}={p[key]} must be at least 1")
+    inflight = p.inflight
+    _require(
+        inflight in ("minimal", "full") or (isinstance(inflight, int) and inflight >= 1),
+        f"pipeline.inflight={inflight!r} is not valid; use 'minimal', 'full' or a positive integer",
+    )
+    _require(t.steps >= 1, f"train.steps={t.steps} must be at least 1")
+    _require(t.seq_len >= 1, f"train.seq_len={t.seq_len} must be at least 1")
+    _require(
+        p.segments <= t.seq_len,
+        f"pipeline.segments={p.segments} exceeds train.seq_len={t.seq_len}; use fewer segments",
+    )
+    per_replica = mesh.data * p.microbatches
+    _require(
+        t.global_batch_size >= 1 and t.global_batch_size % per_replica == 0,
+        f"train.global_batch_size={t.global_batch_size} must be a positive multiple of "
+        f"mesh.data * pipeline.microbatches = {per_replica}",
+    )
+    for key in ("learning_rate", "weight_decay", "grad_clip", "min_lr_ratio"):
+        value = t[key]
+        _require(
+            math.isfinite(value) and value >= 0, f"train.{key}={value} must be finite and >= 0"
+        )
+    for key in ("warmup_steps", "log_every", "eval_every", "eval_batches"):
+        _require(t[key] >= 0, f"train.{key}={t[key]} must be >= 0")
+    _require(t.log_every >= 1, f"train.log_every={t.log_every} must be at least 1")
+    _choice(config, "data.source", SOURCES)
+    _choice(config, "data.tokenizer", TOKENIZERS)
+    _choice(config, "data.token_dtype", ("uint16", "uint32"))
+    _require(
+        d.source == "stdlib" or d.path,
+        f"data.source={d.source!r} needs data.path (a file, directory or glob)",
+    )
+    _require(
+        d.tokenizer != "byte" or m.vocab_size >= 256,
+        f"model.vocab_size={m.vocab_size} is below 256, the byte tokenizer's size",
+    )
+    _require(
+        0 < d.eval_fraction < 1, f"data.eval_fraction={d.eval_fraction} must be in (0, 1)"
+    )
+
+
+def parse_overrides(args: list[str]) -> dict[str, str]:
+    """`--config.a.b=value` (or `--config.a.b value`) arguments to {'a.b': 'value'}."""
+    overrides, i = {}, 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--config."):
+            raise ConfigError(f"unknown argument {arg!r}; overrides look like --config.train.steps=10")
+        key, sep, value = arg[len("--config."):].partition("=")
+        if not sep:
+            if i + 1 >= len(args):
+                raise ConfigError(f"{arg} needs a value, e.g. {arg}=VALUE")
+            value, i = args[i + 1], i + 1
+        overrides[key] = value
+        i += 1
+    return overrides

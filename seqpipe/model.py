@@ -1,0 +1,199 @@
+"""A GPT decoder as pure functions of a params pytree.
+
+Layer parameters are stacked with a leading layer axis N so a pipeline can reshape
+them to [S, N/S, ...]. Every layer function works on one sequence *segment* and the
+keys/values of the positions before it, which is the identity Seq1F1B rests on:
+running a sequence segment by segment, carrying the KV prefix, equals running it whole.
+"""
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from seqpipe.attention import rope, segment_attention
+
+Params = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """Static model shape (hashable, so it can be a jit static argument)."""
+
+    vocab_size: int
+    num_layers: int
+    d_model: int
+    num_heads: int
+    d_ff: int
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    rope_base: float = 10000.0
+    init_std: float = 0.02
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+    @classmethod
+    def from_config(cls, model_cfg) -> "GPTConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in model_cfg.items() if k in names})
+
+
+def init_params(cfg: GPTConfig, key: jax.Array) -> Params:
+    """Normal(0, init_std) matrices, output projections scaled by 1/sqrt(2N), unit norms."""
+    n, d, h, e, f, v = (
+        cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.head_dim, cfg.d_ff, cfg.vocab_size
+    )
+    dt = jnp.dtype(cfg.param_dtype)
+    std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * n)
+    keys = iter(jax.random.split(key, 8))
+
+    def normal(shape, s):
+        return (s * jax.random.normal(next(keys), shape, jnp.float32)).astype(dt)
+
+    return {
+        "embed": normal((v, d), std),
+        "layers": {
+            "attn_norm": jnp.ones((n, d), dt),
+            "wq": normal((n, d, h, e), std),
+            "wk": normal((n, d, h, e), std),
+            "wv": normal((n, d, h, e), std),
+            "wo": normal((n, h, e, d), out_std),
+            "mlp_norm": jnp.ones((n, d), dt),
+            "w_in": normal((n, d, f), std),
+            "w_out": normal((n, f, d), out_std),
+        },
+        "final_norm": jnp.ones((d,), dt),
+        "head": normal((d, v), std),
+    }
+
+
+def num_params(params: Params) -> int:
+    return sum(x.size for x in jax.tree.leaves(params))
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float = 1e-6) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def embed(params: Params, tokens_BxQ: jax.Array, cfg: GPTConfig) -> jax.Array:
+    return params["embed"].astype(cfg.dtype)[tokens_BxQ]
+
+
+def layer(
+    p: Params,
+    x_BxQxD: jax.Array,
+    k_prefix_BxPxHxE: jax.Array,
+    v_prefix_BxPxHxE: jax.Array,
+    offset: int,
+    cfg: GPTConfig,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One pre-norm decoder layer on a segment: (x_seg, kv_prefix, offset) -> (y_seg, kv_seg)."""
+    p = jax.tree.map(lambda w: w.astype(cfg.dtype), p)
+    h_BxQxD = rms_norm(x_BxQxD, p["attn_norm"])
+    q = rope(jnp.einsum("bqd,dhe->bqhe", h_BxQxD, p["wq"]), offset, cfg.rope_base)
+    k_seg = rope(jnp.einsum("bqd,dhe->bqhe", h_BxQxD, p["wk"]), offset, cfg.rope_base)
+    v_seg = jnp.einsum("bqd,dhe->bqhe", h_BxQxD, p["wv"])
+    k_all = jnp.concatenate([k_prefix_BxPxHxE.astype(k_seg.dtype), k_seg], axis=1)
+    v_all = jnp.concatenate([v_prefix_BxPxHxE.astype(v_seg.dtype), v_seg], axis=1)
+    attn_BxQxHxE = segment_attention(q, k_all, v_all, offset)
+    x_BxQxD = x_BxQxD + jnp.einsum("bqhe,hed->bqd", attn_BxQxHxE, p["wo"])
+    h_BxQxD = rms_norm(x_BxQxD, p["mlp_norm"])
+    ff_BxQxF = jax.nn.gelu(jnp.einsum("bqd,df->bqf", h_BxQxD, p["w_in"]))
+    x_BxQxD = x_BxQxD + jnp.einsum("bqf,fd->bqd", ff_BxQxF, p["w_out"])
+    return x_BxQxD, k_seg, v_seg
+
+
+def layers(
+    p_layers: Params,
+    x_BxQxD: jax.Array,
+    k_prefix_NxBxPxHxE: jax.Array,
+    v_prefix_NxBxPxHxE: jax.Array,
+    offset: int,
+    cfg: GPTConfig,
+    remat: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A stack of layers (leading axis N) on one segment; returns y and the segment's K/V per layer."""
+
+    def body(x, per_layer):
+        p, k_prefix, v_prefix = per_layer
+        y, k_seg, v_seg = layer(p, x, k_prefix, v_prefix, offset, cfg)
+        return y, (k_seg, v_seg)
+
+    if remat:
+        body = jax.checkpoint(body)
+    y, (k_NxBxQxHxE, v_NxBxQxHxE) = jax.lax.scan(
+        body, x_BxQxD, (p_layers, k_prefix_NxBxPxHxE, v_prefix_NxBxPxHxE)
+    )
+    return y, k_NxBxQxHxE, v_NxBxQxHxE
+
+
+def empty_kv(cfg: GPTConfig, num_layers: int, batch: int) -> tuple[jax.Array, jax.Array]:
+    shape = (num_layers, batch, 0, cfg.num_heads, cfg.head_dim)
+    return jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype)
+
+
+def logits(params: Params, x_BxQxD: jax.Array, cfg: GPTConfig) -> jax.Array:
+    h = rms_norm(x_BxQxD, params["final_norm"].astype(cfg.dtype))
+    return jnp.einsum("bqd,dv->bqv", h, params["head"].astype(cfg.dtype),
+                      preferred_element_type=jnp.float32)
+
+
+def token_loss_sum(logits_BxQxV: jax.Array, targets_BxQ: jax.Array) -> jax.Array:
+    """Summed (not averaged) cross-entropy, so segments and micro-batches add up exactly."""
+    logz = jax.nn.logsumexp(logits_BxQxV, axis=-1)
+    target_logit = jnp.take_along_axis(logits_BxQxV, targets_BxQ[..., None], axis=-1)[..., 0]
+    return jnp.sum(logz - target_logit)
+
+
+def forward(
+    params: Params,
+    tokens_BxL: jax.Array,
+    cfg: GPTConfig,
+    segment_lengths: tuple[int, ...] | None = None,
+    remat: bool = False,
+) -> jax.Array:
+    """Logits of the whole model; with `segment_lengths`, computed segment by segment."""
+    batch, seq_len = tokens_BxL.shape
+    segment_lengths = segment_lengths or (seq_len,)
+    if sum(segment_lengths) != seq_len:
+        raise ValueError(f"segment lengths {segment_lengths} do not sum to {seq_len}")
+    k_cache, v_cache = empty_kv(cfg, cfg.num_layers, batch)
+    outputs, offset = [], 0
+    for length in segment_lengths:
+        x = embed(params, tokens_BxL[:, offset : offset + length], cfg)
+        y, k_seg, v_seg = layers(params["layers"], x, k_cache, v_cache, offset, cfg, remat)
+        k_cache = jnp.concatenate([k_cache, k_seg], axis=2)
+        v_cache = jnp.concatenate([v_cache, v_seg], axis=2)
+        outputs.append(logits(params, y, cfg))
+        offset += length
+    return jnp.concatenate(outputs, axis=1)
+
+
+def loss(
+    params: Params,
+    tokens_BxL1: jax.Array,
+    cfg: GPTConfig,
+    segment_lengths: tuple[int, ...] | None = None,
+    remat: bool = False,
+) -> jax.Array:
+    """Mean next-token cross-entropy of a [B, L+1] token window."""
+    inputs, targets = tokens_BxL1[:, :-1], tokens_BxL1[:, 1:]
+    out = forward(params, inputs, cfg, segment_lengths, remat)
+    return token_loss_sum(out, targets) / targets.size
+
+
+def flops_per_token(cfg: GPTConfig, seq_len: int) -> float:
+    """Training FLOPs per token, PaLM convention: 6N (non-embedding matmuls and head) + 12*N_l*D*L.
+
+    The attention term counts the full L x L score matrix as PaLM does; causal
+    attention needs half of it, which `seqpipe.partition` accounts for separately.
+    """
+    n, d, f, v = cfg.num_layers, cfg.d_model, cfg.d_ff, cfg.vocab_size
+    matmul_params = n * (4 * d * d + 2 * d * f) + d * v
+    return 6.0 * matmul_params + 12.0 * n * d * seq_len

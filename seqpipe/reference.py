@@ -1,0 +1,13 @@
+"""The un-pipelined model's loss and gradients: the oracle every pipeline schedule must match."""
+
+import jax
+
+from seqpipe import model
+from seqpipe.model import GPTConfig, Params
+
+
+def loss_and_grads(
+    params: Params, tokens_BxL1: jax.Array, cfg: GPTConfig, remat: bool = False
+) -> tuple[jax.Array, Params]:
+    """Mean next-token loss of whole sequences, and its gradient w.r.t. every parameter."""
+    return jax.value_and_grad(model.loss)(params, tokens_BxL1, cfg, None, remat)

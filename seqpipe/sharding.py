@@ -1,0 +1,28 @@
+"""Mesh axes and shardings, declared in one place."""
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+DATA = "data"
+STAGE = "stage"
+
+
+def make_mesh(data: int, stage: int) -> Mesh:
+    """A (data, stage) mesh over the first data * stage devices.
+
+    Auto axes: outside shard_map XLA propagates shardings (the reference model needs
+    no annotations); inside it, the pipeline is explicit anyway.
+    """
+    devices = jax.devices()[: data * stage]
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    return jax.make_mesh((data, stage), (DATA, STAGE), axis_types=auto, devices=devices)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Batches split over data replicas, whole on every stage."""
+    return NamedSharding(mesh, P(DATA))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
