@@ -1,0 +1,112 @@
+"""Segment boundaries along the sequence: uniform, or equal-FLOP for causal attention.
+
+A micro-batch of length L is cut into K contiguous segments. With causal attention a
+later segment attends to a longer prefix, so equal lengths mean unequal work; the
+`flops` partition shrinks segments along the sequence so each costs the same.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+KINDS = ("uniform", "flops")
+
+
+class PartitionError(ValueError):
+    """Raised, with a one-line message, when a partition is impossible."""
+
+
+def _dense_and_attn(d_model: int, num_heads: int, d_ff: int, vocab_size: int) -> tuple[int, int]:
+    """Per-token and per-(query, key) coefficients of the cost model in seq1f1b.md.
+
+    A segment of length s ending at position P costs a*s + c*(s*P - s*s/2), where
+    a = 8*h*h + 4*h*F + 4*h*V (attention projections, MLP, head; n*d = h) and
+    c = (4*d + 3)*n (scores, weighted sum, softmax).
+    """
+    for name, value in (
+        ("d_model", d_model),
+        ("num_heads", num_heads),
+        ("d_ff", d_ff),
+        ("vocab_size", vocab_size),
+    ):
+        if value is None or value < 1:
+            raise PartitionError(f"kind='flops' needs a positive {name}, got {value}")
+    if d_model % num_heads:
+        raise PartitionError(f"d_model {d_model} is not a multiple of num_heads {num_heads}")
+    head_dim = d_model // num_heads
+    dense = 8 * d_model * d_model + 4 * d_model * d_ff + 4 * d_model * vocab_size
+    return dense, (4 * head_dim + 3) * num_heads
+
+
+def _prefix_cost(pos: float, dense: int, attn: int) -> float:
+    # The attention term telescopes: sum over segments of s*P - s*s/2 = P_end**2 / 2.
+    return dense * pos + attn * pos * pos / 2
+
+
+def segment_lengths(
+    seq_len: int,
+    segments: int,
+    kind: str = "uniform",
+    *,
+    d_model: int | None = None,
+    num_heads: int | None = None,
+    d_ff: int | None = None,
+    vocab_size: int | None = None,
+    multiple: int = 1,
+) -> tuple[int, ...]:
+    """Lengths of `segments` contiguous segments summing to `seq_len`.
+
+    Every length is a positive multiple of `multiple`. `uniform` spreads the blocks of
+    `multiple` tokens as evenly as possible, giving any extra block to the earliest
+    segments (they are the cheapest under causal attention). `flops` equalises the
+    per-layer cost model of seq1f1b.md (head included) by solving each boundary for
+    an equal share of the cumulative cost, then rounding it to the nearest multiple.
+    """
+    if kind not in KINDS:
+        raise PartitionError(f"unknown partition kind {kind!r}; choose one of {KINDS}")
+    if seq_len < 1 or segments < 1 or multiple < 1:
+        raise PartitionError(
+            f"seq_len, segments and multiple must be >= 1, got {seq_len}, {segments}, {multiple}"
+        )
+    if seq_len % multiple:
+        raise PartitionError(f"seq_len {seq_len} is not a multiple of {multiple}")
+    blocks = seq_len // multiple
+    if segments > blocks:
+        raise PartitionError(
+            f"{segments} segments of at least {multiple} tokens do not fit in {seq_len} tokens"
+        )
+    if kind == "uniform":
+        base, extra = divmod(blocks, segments)
+        return tuple((base + (i < extra)) * multiple for i in range(segments))
+    dense, attn = _dense_and_attn(d_model, num_heads, d_ff, vocab_size)
+    total = _prefix_cost(seq_len, dense, attn)
+    bounds = [0]
+    for j in range(1, segments):
+        # Solve dense*P + attn*P*P/2 = total*j/K for P.
+        exact = (-dense + math.sqrt(dense * dense + 2 * attn * total * j / segments)) / attn
+        # Clamp so every segment keeps at least one block, front and back.
+        lo, hi = bounds[-1] // multiple + 1, blocks - (segments - j)
+        bounds.append(min(max(round(exact / multiple), lo), hi) * multiple)
+    bounds.append(seq_len)
+    return tuple(b - a for a, b in zip(bounds, bounds[1:]))
+
+
+def segment_flops(
+    lengths: Sequence[int],
+    *,
+    d_model: int,
+    num_heads: int,
+    d_ff: int,
+    vocab_size: int,
+) -> tuple[float, ...]:
+    """Each segment's share (summing to 1) of one micro-batch's cost, per the model above."""
+    if not lengths or min(lengths) < 1:
+        raise PartitionError(f"segment lengths must be positive, got {tuple(lengths)}")
+    dense, attn = _dense_and_attn(d_model, num_heads, d_ff, vocab_size)
+    ends = [0]
+    for n in lengths:
+        ends.append(ends[-1] + n)
+    costs = [_prefix_cost(b, dense, attn) - _prefix_cost(a, dense, attn) for a, b in zip(ends, ends[1:])]
+    total = sum(costs)
+    return tuple(c / total for c in costs)

@@ -1,0 +1,638 @@
+"""Pipeline schedules as data: generate, validate, lower to slot tables, measure, draw.
+
+A schedule is a static table: for every synchronous tick and every stage, at most one
+forward unit and one backward unit. A unit is (micro-batch, segment, local chunk); the
+local chunk c of stage r holds global layer chunk g = c*S + r. Within a tick a stage
+runs its forward, then its backward; then results move one hop (forward outputs to
+stage (r+1) % S, input cotangents to stage (r-1) % S) and can be used from the next tick.
+
+Letters: S stages, M micro-batches, K segments per micro-batch, V chunks per stage.
+Pure Python/NumPy; nothing here knows about the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Sequence
+
+import numpy as np
+
+SCHEDULES = ("gpipe", "1f1b", "seq1f1b", "interleaved_1f1b", "seq1f1b_interleaved")
+INTERLEAVED = ("interleaved_1f1b", "seq1f1b_interleaved")
+DEPTHS = ("minimal", "full")
+
+
+class ScheduleError(ValueError):
+    """Raised, with a one-line message, for bad arguments or an invalid table."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    mb: int  # micro-batch 0..M-1
+    seg: int  # segment 0..K-1
+    chunk: int  # local chunk 0..V-1 on its stage; global chunk = chunk * S + stage
+
+
+Cell = tuple[Unit | None, Unit | None]  # (forward unit, backward unit)
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    name: str
+    stages: int
+    microbatches: int
+    segments: int
+    virtual: int
+    inflight: str | int
+    ticks: tuple[tuple[Cell, ...], ...]  # ticks[t][stage]
+
+
+# --------------------------------------------------------------------------- generation
+
+
+def _check_args(name, stages, microbatches, segments, virtual, inflight, costs) -> None:
+    if name not in SCHEDULES:
+        raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    for label, value in (
+        ("stages", stages),
+        ("microbatches", microbatches),
+        ("segments", segments),
+        ("virtual", virtual),
+    ):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ScheduleError(f"{label} must be an integer >= 1, got {value!r}")
+    if virtual > 1 and name not in INTERLEAVED:
+        raise ScheduleError(f"schedule {name!r} takes virtual=1; use one of {INTERLEAVED}")
+    if virtual > 1 and microbatches % stages:
+        raise ScheduleError(
+            f"virtual={virtual} needs microbatches ({microbatches}) to be a multiple of "
+            f"stages ({stages})"
+        )
+    if isinstance(inflight, bool) or not (
+        inflight in DEPTHS or (isinstance(inflight, int) and inflight >= 1)
+    ):
+        raise ScheduleError(f"inflight must be 'minimal', 'full' or an integer >= 1, got {inflight!r}")
+    if costs is not None and (len(costs) != segments or min(costs) <= 0):
+        raise ScheduleError(f"costs must be {segments} positive numbers, got {list(costs)}")
+
+
+def _granularity(name: str, segments: int) -> int:
+    """Units per in-flight item: whole micro-batches for the 1F1B family, segments for Seq1F1B."""
+    return 1 if name.startswith("seq1f1b") else segments
+
+
+def _group(name: str, stages: int, segments: int) -> int:
+    """Units per chunk round in the interleaved forward order.
+
+    Megatron sends S micro-batches through one chunk before the next. For Seq1F1B-I a
+    round is the fewest whole micro-batches with at least S segments: a round that split
+    a micro-batch would order its backward before later segments of the same micro-batch.
+    """
+    if name == "seq1f1b_interleaved":
+        return segments * -(-stages // segments)
+    return segments * stages
+
+
+def _caps(name, stages, microbatches, segments, virtual, inflight) -> list[int]:
+    """Most units a stage may hold between a forward and its backward, per stage."""
+    total = microbatches * segments * virtual
+    if name == "gpipe":
+        return [total] * stages
+    unit = _granularity(name, segments)
+    rounds = (virtual - 1) * _group(name, stages, segments)
+    # The first backward in order needs every forward before it in order: (V-1) rounds
+    # plus one micro-batch's K segments. Less would deadlock.
+    need = rounds + segments
+    caps = []
+    for r in range(stages):
+        if inflight == "minimal" and virtual == 1 and name != "seq1f1b_interleaved":
+            # Megatron / reference warm-up (S-r-1 items) plus the steady-state forward.
+            cap = (stages - r) * unit + segments - unit
+        elif inflight in DEPTHS:
+            # A round trip from stage r to the last stage and back takes 2*(S-r-1) ticks;
+            # Megatron's interleaved warm-up already counts it, so minimal == full there.
+            cap = rounds + 2 * (stages - r - 1) * unit + segments
+        else:
+            cap = inflight * unit
+            if cap < need:
+                raise ScheduleError(
+                    f"inflight={inflight} is too small for {name} with S={stages}, "
+                    f"K={segments}, V={virtual}: it needs at least {-(-need // unit)}"
+                )
+        caps.append(min(max(cap, need), total))
+    return caps
+
+
+def _orders(name, stages, microbatches, segments, virtual) -> tuple[list[Unit], list[Unit]]:
+    """Forward and backward op orders (the same on every stage)."""
+    fwd_units = [(m, k) for m in range(microbatches) for k in range(segments)]
+    # Backward: micro-batches first in, first out; segments descending inside one.
+    bwd_units = [(m, k) for m in range(microbatches) for k in reversed(range(segments))]
+    group = len(fwd_units) if virtual == 1 else _group(name, stages, segments)
+    fwd, bwd = [], []
+    for start in range(0, len(fwd_units), group):
+        for c in range(virtual):
+            fwd += [Unit(m, k, c) for m, k in fwd_units[start : start + group]]
+        for c in reversed(range(virtual)):
+            bwd += [Unit(m, k, c) for m, k in bwd_units[start : start + group]]
+    return fwd, bwd
+
+
+def build(
+    name: str,
+    stages: int,
+    microbatches: int,
+    segments: int = 1,
+    virtual: int = 1,
+    inflight: str | int = "full",
+    costs: Sequence[float] | None = None,
+) -> Schedule:
+    """Generate and pack a schedule into synchronous ticks.
+
+    Each stage walks its forward order and its backward order and issues the next op
+    of each in the earliest tick where its dependencies hold, a forward only while the
+    stage holds fewer than its cap of units in flight. `inflight` sets the cap: an
+    integer (in micro-batches for the 1F1B family and GPipe, segments for Seq1F1B),
+    'minimal' (the reference warm-up plus one) or 'full' (2*(S-r-1)+K on stage r, one
+    round trip of units, which keeps every tick busy). `costs` (per-segment forward
+    costs) is checked but does not change the packing, which is earliest-tick greedy.
+    """
+    _check_args(name, stages, microbatches, segments, virtual, inflight, costs)
+    S, K, V = stages, segments, virtual
+    caps = _caps(name, S, microbatches, K, V, inflight)
+    fwd_order, bwd_order = _orders(name, S, microbatches, K, V)
+    f_tick = np.full((S, microbatches, K, V), -1, dtype=np.int64)
+    b_tick = np.full((S, microbatches, K, V), -1, dtype=np.int64)
+    f_next, b_next, held = [0] * S, [0] * S, [0] * S
+    n_units = len(fwd_order)
+    ticks: list[tuple[Cell, ...]] = []
+    while min(b_next) < n_units:
+        t = len(ticks)
+        row = []
+        for r in range(S):
+            f = b = None
+            if f_next[r] < n_units and held[r] < caps[r]:
+                u = fwd_order[f_next[r]]
+                g = u.chunk * S + r
+                src = f_tick[(r - 1) % S, u.mb, u.seg, u.chunk - (r == 0)] if g else 0
+                if 0 <= src < t or g == 0:
+                    f, f_next[r], held[r] = u, f_next[r] + 1, held[r] + 1
+                    f_tick[r, u.mb, u.seg, u.chunk] = t
+            if b_next[r] < n_units:
+                u = bwd_order[b_next[r]]
+                g = u.chunk * S + r
+                own = f_tick[r, u.mb, u.seg, u.chunk]
+                if g == V * S - 1:
+                    ready = own >= 0
+                else:
+                    src = b_tick[(r + 1) % S, u.mb, u.seg, u.chunk + (r == S - 1)]
+                    ready = 0 <= src < t and own >= 0
+                if ready:
+                    b, b_next[r] = u, b_next[r] + 1
+                    b_tick[r, u.mb, u.seg, u.chunk] = t
+            row.append((f, b))
+        if all(f is None and b is None for f, b in row):
+            raise ScheduleError(f"{name} deadlocks with caps {caps} (S={S}, K={K}, V={V})")
+        for r, (_, b) in enumerate(row):
+            held[r] -= b is not None
+        ticks.append(tuple(row))
+    return Schedule(name, S, microbatches, K, V, inflight, tuple(ticks))
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def validate(s: Schedule) -> None:
+    """Check the table against every rule, independently of the generators.
+
+    Raises ScheduleError naming the first violated rule.
+    """
+    S, M, K, V = s.stages, s.microbatches, s.segments, s.virtual
+    last = V * S - 1
+    f_tick: dict[tuple[int, int, int, int], int] = {}  # (stage, mb, seg, chunk) -> tick
+    b_tick: dict[tuple[int, int, int, int], int] = {}
+    for t, row in enumerate(s.ticks):
+        if len(row) != S:
+            raise ScheduleError(f"tick {t} has {len(row)} cells, expected one per stage ({S})")
+        for r, cell in enumerate(row):
+            if len(cell) != 2:
+                raise ScheduleError(f"tick {t} stage {r}: a cell is (forward, backward)")
+            for kind, u, seen in (("forward", cell[0], f_tick), ("backward", cell[1], b_tick)):
+                if u is None:
+                    continue
+                if not (0 <= u.mb < M and 0 <= u.seg < K and 0 <= u.chunk < V):
+                    raise ScheduleError(f"tick {t} stage {r}: {kind} {u} is out of range")
+                key = (r, u.mb, u.seg, u.chunk)
+                if key in seen:
+                    raise ScheduleError(f"tick {t} stage {r}: {kind} {u} runs twice")
+                seen[key] = t
+    for kind, seen in (("forward", f_tick), ("backward", b_tick)):
+        if len(seen) != S * M * K * V:
+            missing = next(
+                (r, m, k, c)
+                for r in range(S)
+                for m in range(M)
+                for k in range(K)
+                for c in range(V)
+                if (r, m, k, c) not in seen
+            )
+            raise ScheduleError(f"stage {missing[0]}: {kind} {Unit(*missing[1:])} never runs")
+    for (r, m, k, c), t in f_tick.items():
+        g, u = c * S + r, Unit(m, k, c)
+        if g > 0 and not f_tick[((r - 1) % S, m, k, c - (r == 0))] < t:
+            raise ScheduleError(f"stage {r}: forward {u} at tick {t} runs before its input")
+        if k > 0 and not f_tick[(r, m, k - 1, c)] < t:
+            raise ScheduleError(f"stage {r}: forward {u} at tick {t} runs before its KV prefix")
+    for (r, m, k, c), t in b_tick.items():
+        g, u = c * S + r, Unit(m, k, c)
+        own = f_tick[(r, m, k, c)]
+        if own > t or (own == t and g != last):
+            raise ScheduleError(f"stage {r}: backward {u} at tick {t} runs before its forward")
+        if g < last and not b_tick[((r + 1) % S, m, k, c + (r == S - 1))] < t:
+            raise ScheduleError(f"stage {r}: backward {u} at tick {t} runs before its cotangent")
+        if k < K - 1 and not b_tick[(r, m, k + 1, c)] < t:
+            raise ScheduleError(
+                f"stage {r}: backward {u} at tick {t} runs before the K/V gradient of segment {k + 1}"
+            )
+
+
+# --------------------------------------------------------------------------- lowering
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """The table as int32 arrays of shape [T, S]; -1 means none. See `lower`."""
+
+    fwd_mb: np.ndarray
+    fwd_seg: np.ndarray
+    fwd_chunk: np.ndarray
+    fwd_in: np.ndarray  # recv_fwd slot with the input; -1: token embedding (global chunk 0)
+    fwd_stash: np.ndarray  # stash slot that keeps the input for the backward
+    fwd_kv: np.ndarray  # KV slot of (mb, chunk) on this stage
+    bwd_mb: np.ndarray
+    bwd_seg: np.ndarray
+    bwd_chunk: np.ndarray
+    bwd_in: np.ndarray  # recv_bwd slot with the output cotangent; -1: from the loss
+    bwd_stash: np.ndarray  # stash slot to read (free from the next tick)
+    bwd_kv: np.ndarray
+    recv_fwd: np.ndarray  # slot storing what stage (s-1) % S sent during tick t
+    recv_bwd: np.ndarray  # slot storing what stage (s+1) % S sent during tick t
+    num_stash: int
+    num_kv: int
+    num_recv_fwd: int
+    num_recv_bwd: int
+
+
+def _allocate(intervals: list[tuple[int, int, object]]) -> tuple[dict[object, int], int]:
+    """Lowest-free slot for each [first, last] tick interval; returns (slot per key, count)."""
+    free_at: list[int] = []  # free_at[slot]: first tick the slot is free again
+    slot_of = {}
+    for first, last, key in sorted(intervals, key=lambda x: x[:2]):
+        slot = next((i for i, f in enumerate(free_at) if f <= first), len(free_at))
+        if slot == len(free_at):
+            free_at.append(0)
+        free_at[slot] = last + 1
+        slot_of[key] = slot
+    return slot_of, len(free_at)
+
+
+def lower(s: Schedule) -> Program:
+    """Lower a valid table to per-tick slot indices for one SPMD executor.
+
+    Slot lifetimes in ticks (inclusive): a stash slot from the forward to the backward;
+    a KV slot from the segment-0 forward to the segment-0 backward of (mb, chunk); a
+    message slot from the tick after it was sent to the tick that reads it (a slot read
+    at tick t may take a message sent during t, since stores follow reads).
+    """
+    validate(s)
+    S, V, T = s.stages, s.virtual, len(s.ticks)
+    last = V * S - 1
+    arr = {
+        f: np.full((T, S), -1, dtype=np.int32)
+        for f in (x.name for x in dataclasses.fields(Program))
+        if not f.startswith("num_")
+    }
+    f_at, b_at = {}, {}
+    for t, row in enumerate(s.ticks):
+        for r, (f, b) in enumerate(row):
+            if f is not None:
+                f_at[r, f] = t
+                arr["fwd_mb"][t, r], arr["fwd_seg"][t, r], arr["fwd_chunk"][t, r] = (
+                    f.mb,
+                    f.seg,
+                    f.chunk,
+                )
+            if b is not None:
+                b_at[r, b] = t
+                arr["bwd_mb"][t, r], arr["bwd_seg"][t, r], arr["bwd_chunk"][t, r] = (
+                    b.mb,
+                    b.seg,
+                    b.chunk,
+                )
+    counts = {}
+    for r in range(S):
+        stash, kv, rf, rb = [], [], [], []
+        for (rr, u), tf in f_at.items():
+            if rr != r:
+                continue
+            g, tb = u.chunk * S + r, b_at[r, u]
+            stash.append((tf, tb, u))
+            if u.seg == 0:
+                kv.append((tf, b_at[r, u], (u.mb, u.chunk)))
+            if g > 0:  # input arrives from the previous global chunk
+                sent = f_at[(r - 1) % S, Unit(u.mb, u.seg, u.chunk - (r == 0))]
+                rf.append((sent + 1, tf, u))
+            if g < last:  # cotangent arrives from the next global chunk
+                sent = b_at[(r + 1) % S, Unit(u.mb, u.seg, u.chunk + (r == S - 1))]
+                rb.append((sent + 1, tb, u))
+        stash_of, counts[r, "stash"] = _allocate(stash)
+        kv_of, counts[r, "kv"] = _allocate(kv)
+        rf_of, counts[r, "rf"] = _allocate(rf)
+        rb_of, counts[r, "rb"] = _allocate(rb)
+        for u, slot in stash_of.items():
+            arr["fwd_stash"][f_at[r, u], r] = arr["bwd_stash"][b_at[r, u], r] = slot
+        for (m, c), slot in kv_of.items():
+            for k in range(s.segments):
+                u = Unit(m, k, c)
+                arr["fwd_kv"][f_at[r, u], r] = arr["bwd_kv"][b_at[r, u], r] = slot
+        for u, slot in rf_of.items():
+            arr["fwd_in"][f_at[r, u], r] = slot
+            arr["recv_fwd"][f_at[(r - 1) % S, Unit(u.mb, u.seg, u.chunk - (r == 0))], r] = slot
+        for u, slot in rb_of.items():
+            arr["bwd_in"][b_at[r, u], r] = slot
+            arr["recv_bwd"][b_at[(r + 1) % S, Unit(u.mb, u.seg, u.chunk + (r == S - 1))], r] = slot
+    num = {k: max(counts[r, k] for r in range(S)) for k in ("stash", "kv", "rf", "rb")}
+    return Program(
+        **arr,
+        num_stash=num["stash"],
+        num_kv=num["kv"],
+        num_recv_fwd=num["rf"],
+        num_recv_bwd=num["rb"],
+    )
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+def _unit_costs(segments: int, costs: Sequence[float] | None) -> np.ndarray:
+    """Per-segment forward cost, normalised to mean 1 (so equal segments cost 1 each)."""
+    c = np.ones(segments) if costs is None else np.asarray(costs, dtype=float)
+    if c.shape != (segments,) or (c <= 0).any():
+        raise ScheduleError(f"costs must be {segments} positive numbers, got {list(c)}")
+    return c * segments / c.sum()
+
+
+def stats(
+    s: Schedule,
+    costs: Sequence[float] | None = None,
+    lengths: Sequence[int] | None = None,
+) -> dict:
+    """Time, bubble and memory of a table under the synchronous-tick model.
+
+    A forward of segment k costs costs[k] (normalised to mean 1; default all 1, pass
+    `partition.segment_flops` for FLOP shares), its backward twice that. A tick lasts as
+    long as its busiest stage: time = sum over ticks of max over stages of (fwd + bwd).
+    bubble = mean over stages of 1 - busy_s / time, where busy_s is the work stage s
+    runs (the same on every stage). `inflight_peak[s]` is the most units stage s holds
+    between a forward and its backward (= its stash slots); `activation_fraction[s]` is
+    the peak of the same, weighted by each unit's share of a micro-batch's tokens
+    (`lengths`, default equal) and divided by V: in units of one micro-batch's
+    activations over all of the stage's layers.
+    """
+    S, K, V = s.stages, s.segments, s.virtual
+    fc = _unit_costs(K, costs)
+    tok = np.ones(K) / K if lengths is None else np.asarray(lengths, dtype=float)
+    tok = tok / tok.sum()
+    tick_cost = np.zeros((len(s.ticks), S))
+    held = np.zeros((len(s.ticks), S))  # units held during tick t (forward counted, backward not yet freed)
+    frac = np.zeros((len(s.ticks), S))
+    h, fr = np.zeros(S), np.zeros(S)
+    for t, row in enumerate(s.ticks):
+        for r, (f, b) in enumerate(row):
+            if f is not None:
+                tick_cost[t, r] += fc[f.seg]
+                h[r] += 1
+                fr[r] += tok[f.seg] / V
+            if b is not None:
+                tick_cost[t, r] += 2 * fc[b.seg]
+        held[t], frac[t] = h, fr
+        for r, (_, b) in enumerate(row):
+            if b is not None:
+                h[r] -= 1
+                fr[r] -= tok[b.seg] / V
+    time = float(tick_cost.max(axis=1).sum())
+    busy = tick_cost.sum(axis=0)
+    prog = lower(s)
+    return {
+        "ticks": len(s.ticks),
+        "time": round(time, 6),
+        "bubble": round(float(np.mean(1 - busy / time)), 6),
+        "inflight_peak": [int(x) for x in held.max(axis=0)],
+        "activation_fraction": [round(float(x), 6) for x in frac.max(axis=0)],
+        "stash_slots": prog.num_stash,
+        "kv_slots": prog.num_kv,
+        "recv_fwd_slots": prog.num_recv_fwd,
+        "recv_bwd_slots": prog.num_recv_bwd,
+    }
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+def _label(u: Unit, virtual: int) -> str:
+    return f"{u.mb}.{u.seg}" + (f"c{u.chunk}" if virtual > 1 else "")
+
+
+def to_text(s: Schedule, st: dict | None = None) -> str:
+    """A grid, ticks across and stages down, cells like `F3.1/B2.0`, then the statistics."""
+    cells = [
+        [
+            "/".join(
+                p + _label(u, s.virtual) for p, u in (("F", f), ("B", b)) if u is not None
+            )
+            or "."
+            for f, b in row
+        ]
+        for row in s.ticks
+    ]
+    width = max(len(c) for row in cells for c in row)
+    lines = ["tick     " + " ".join(f"{t:<{width}}" for t in range(len(cells)))]
+    for r in range(s.stages):
+        lines.append(f"stage {r:<2} " + " ".join(f"{row[r]:<{width}}" for row in cells))
+    st = stats(s) if st is None else st
+    lines.append("")
+    lines.append(
+        f"{s.name}  S={s.stages} M={s.microbatches} K={s.segments} V={s.virtual} "
+        f"inflight={s.inflight}"
+    )
+    lines += [f"{k}: {v}" for k, v in st.items()]
+    return "\n".join(lines) + "\n"
+
+
+def to_json(s: Schedule, st: dict | None = None) -> dict:
+    """The stable JSON form: header, ticks (one entry per stage per tick) and stats."""
+
+    def unit(u: Unit | None):
+        return None if u is None else {"mb": u.mb, "seg": u.seg, "chunk": u.chunk}
+
+    return {
+        "schedule": s.name,
+        "stages": s.stages,
+        "microbatches": s.microbatches,
+        "segments": s.segments,
+        "virtual": s.virtual,
+        "ticks": [
+            [
+                {"stage": r, "forward": unit(f), "backward": unit(b)}
+                for r, (f, b) in enumerate(row)
+            ]
+            for row in s.ticks
+        ],
+        "stats": stats(s) if st is None else st,
+    }
+
+
+def to_png(s: Schedule, path: str, costs: Sequence[float] | None = None) -> None:
+    """A timeline: one row per stage, x is synchronous time, boxes coloured by micro-batch.
+
+    Forwards are light, backwards dark and hatched; white gaps are bubbles.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fc = _unit_costs(s.segments, costs)
+    st = stats(s, costs)
+    cmap = plt.get_cmap("tab10" if s.microbatches <= 10 else "tab20")
+    fig, ax = plt.subplots(figsize=(max(8.0, st["time"] * 0.12), 0.5 * s.stages + 1.3))
+    x = 0.0
+    for row in s.ticks:
+        dur = max(
+            (fc[f.seg] if f else 0) + (2 * fc[b.seg] if b else 0) for f, b in row
+        )
+        for r, (f, b) in enumerate(row):
+            y = s.stages - 1 - r
+            x0 = x
+            for u, scale, back in ((f, 1, False), (b, 2, True)):
+                if u is None:
+                    continue
+                w = scale * fc[u.seg]
+                color = cmap(u.mb % cmap.N)
+                ax.add_patch(
+                    matplotlib.patches.Rectangle(
+                        (x0, y + 0.1),
+                        w,
+                        0.8,
+                        facecolor=color,
+                        alpha=1.0 if back else 0.45,
+                        hatch="//" if back else None,
+                        edgecolor="black",
+                        linewidth=0.4,
+                    )
+                )
+                if w >= 0.9:
+                    ax.text(x0 + w / 2, y + 0.5, _label(u, s.virtual), ha="center", va="center", fontsize=5)
+                x0 += w
+        x += dur
+    ax.set_xlim(0, x)
+    ax.set_ylim(0, s.stages)
+    ax.set_yticks([s.stages - 1 - r + 0.5 for r in range(s.stages)])
+    ax.set_yticklabels([f"stage {r}" for r in range(s.stages)])
+    ax.set_xlabel("time (forward = 1, backward = 2; light = forward, dark hatched = backward)")
+    ax.set_title(
+        f"{s.name}  S={s.stages} M={s.microbatches} K={s.segments} V={s.virtual} "
+        f"inflight={s.inflight}: bubble {st['bubble']:.3f}, "
+        f"stage-0 peak {st['inflight_peak'][0]} units"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def _parse_inflight(text: str) -> str | int:
+    if text in DEPTHS:
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be 'minimal', 'full' or an integer, got {text!r}"
+        ) from None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m seqpipe.schedule ...`: print or save a schedule; bad arguments exit 2."""
+    from seqpipe import partition
+
+    parser = argparse.ArgumentParser(prog="python -m seqpipe.schedule", description=__doc__.split("\n")[0])
+
+    def fail(message: str):
+        sys.stderr.write(f"error: {message}\n")
+        sys.exit(2)
+
+    parser.error = fail  # one line, no usage dump
+    parser.add_argument("--schedule", required=True, help=", ".join(SCHEDULES))
+    parser.add_argument("--stages", type=int, required=True)
+    parser.add_argument("--microbatches", type=int, required=True)
+    parser.add_argument("--segments", type=int, default=1)
+    parser.add_argument("--virtual", type=int, default=1)
+    parser.add_argument("--inflight", type=_parse_inflight, default="full")
+    parser.add_argument("--format", choices=("text", "json", "png"), default="text")
+    parser.add_argument("--out", help="output file (required for png; default stdout)")
+    parser.add_argument("--seq-len", type=int, help="check K against it; weight stats by it")
+    parser.add_argument("--partition", choices=partition.KINDS, default="uniform")
+    parser.add_argument("--multiple", type=int, default=1, help="segment lengths multiple")
+    for dim in ("d-model", "num-heads", "d-ff", "vocab-size"):
+        parser.add_argument(f"--{dim}", type=int, help="model shape for --partition flops")
+    args = parser.parse_args(argv)
+    try:
+        costs = lengths = None
+        if args.seq_len is not None or args.partition == "flops":
+            if args.seq_len is None:
+                raise ScheduleError("--partition flops needs --seq-len")
+            dims = dict(
+                d_model=args.d_model,
+                num_heads=args.num_heads,
+                d_ff=args.d_ff,
+                vocab_size=args.vocab_size,
+            )
+            lengths = partition.segment_lengths(
+                args.seq_len, args.segments, args.partition, multiple=args.multiple, **dims
+            )
+            if args.partition == "flops":
+                costs = partition.segment_flops(lengths, **dims)
+        sched = build(
+            args.schedule,
+            args.stages,
+            args.microbatches,
+            args.segments,
+            args.virtual,
+            args.inflight,
+            costs,
+        )
+        if args.format == "png" and not args.out:
+            raise ScheduleError("--format png needs --out FILE")
+    except ValueError as e:  # ScheduleError and PartitionError
+        fail(str(e))
+    st = stats(sched, costs, lengths)
+    if args.format == "png":
+        to_png(sched, args.out, costs)
+        return 0
+    text = to_text(sched, st) if args.format == "text" else json.dumps(to_json(sched, st)) + "\n"
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
