@@ -1,0 +1,337 @@
+"""Real data: a text corpus, its tokenizer, and the grain input pipeline.
+
+Sources (`config.data.source`):
+  stdlib  the running interpreter's standard-library `.py` files (no test packages):
+          real text present on every machine.
+  text    `config.data.path`: a file, a directory (recursive) or a glob of text files.
+  tokens  `config.data.path`: a flat binary of token ids (`config.data.token_dtype`),
+          memory-mapped, never copied.
+
+Caching. Text is tokenized once. The trained BPE and the flat token array live in a
+cache dir (`config.data.cache_dir`, else `$SEQPIPE_CACHE`, else `~/.cache/seqpipe`) under
+names keyed by a fingerprint of the corpus (file paths, sizes, mtimes), the vocab size
+and the tokenizer's own content, so a stale entry can never be picked up. A copy of the
+tokenizer is written to `WORKDIR/tokenizer.json` so a run keeps what it was trained with.
+
+Splits. The last `config.data.eval_fraction` of the token stream (at least one window)
+is held out for evaluation; training never sees it.
+
+Batches. Windows of `seq_len + 1` tokens, stride `seq_len`, are shuffled with
+`config.train.seed` (reshuffled each epoch, repeated forever) and grouped into global
+batches of `global_batch_size` windows. Process i of n reads only rows
+[i*B/n, (i+1)*B/n) of each global batch, so the global batch does not depend on n.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import math
+import os
+import sysconfig
+from collections.abc import Iterator
+from typing import Any
+
+import grain
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from seqpipe import tokenizer as tok
+from seqpipe.tokenizer import Tokenizer
+
+DATA_AXIS = "data"  # mesh axis the batch is split over (replicated over 'stage')
+# BPE training sees at most this much text (whole documents, in corpus order): a few
+# tens of MB already give stable merges, and more only costs time.
+BPE_TRAIN_MAX_CHARS = 64 * 2**20
+# Package dirs under the stdlib that hold tests or third-party code, not library text.
+_STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+
+
+class DataError(ValueError):
+    """Bad data or data config; the message says what is wrong and how to fix it."""
+
+
+# ---------------------------------------------------------------- corpus files
+
+
+def _stdlib_files() -> list[str]:
+    root = sysconfig.get_paths()["stdlib"]
+    files = []
+    for d, dirs, names in os.walk(root):
+        dirs[:] = [x for x in dirs if x not in _STDLIB_SKIP]
+        files += [os.path.join(d, n) for n in names if n.endswith(".py")]
+    return sorted(files)
+
+
+def _is_text(path: str) -> bool:
+    with open(path, "rb") as f:
+        return b"\0" not in f.read(8192)
+
+
+def _text_files(path: str) -> list[str]:
+    if not path:
+        raise DataError("data.source=text needs data.path: a file, a directory or a glob")
+    if os.path.isfile(path):
+        return [path]
+    if os.path.isdir(path):
+        files = []
+        for d, dirs, names in os.walk(path):
+            dirs[:] = [x for x in dirs if not x.startswith(".")]
+            files += [os.path.join(d, n) for n in names if not n.startswith(".")]
+        files = [f for f in files if _is_text(f)]
+    else:
+        files = [f for f in glob.glob(path, recursive=True) if os.path.isfile(f)]
+    if not files:
+        raise DataError(
+            f"data.path={path!r} matches no text files; point it at a file, dir or glob"
+        )
+    return sorted(files)
+
+
+def _corpus_files(config) -> list[str]:
+    source = config.data.source
+    if source == "stdlib":
+        return _stdlib_files()
+    if source == "text":
+        return _text_files(config.data.path)
+    raise DataError(f"data.source={source!r} has no text; use 'stdlib', 'text' or 'tokens'")
+
+
+def _fingerprint(files: list[str], *extra: Any) -> str:
+    """Hash of the file list and stats: cheap, and changes whenever a file does."""
+    stats = [(f, s.st_size, s.st_mtime_ns) for f in files for s in [os.stat(f)]]
+    blob = json.dumps([stats, list(extra)], default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _read_docs(files: list[str]) -> list[str]:
+    # A few stdlib files are not valid UTF-8; replacing beats skipping real text.
+    docs = []
+    for f in files:
+        with open(f, "rb") as fh:
+            docs.append(fh.read().decode("utf-8", errors="replace"))
+    docs = [d for d in docs if d]
+    if not docs:
+        raise DataError(f"the corpus ({len(files)} files) is empty; add text to data.path")
+    return docs
+
+
+def _cache_dir(config) -> str:
+    d = (
+        config.data.get("cache_dir")
+        or os.environ.get("SEQPIPE_CACHE")
+        or os.path.join(os.path.expanduser("~"), ".cache", "seqpipe")
+    )
+    os.makedirs(d, exist_ok=True)
+    return d
+
+
+def _atomic_write(path: str, write) -> None:
+    # Write then rename: a concurrent reader (another process) never sees half a file.
+    tmp = f"{path}.tmp{os.getpid()}"
+    write(tmp)
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------- tokenizer
+
+
+def load_tokenizer(config, workdir: str) -> Tokenizer:
+    """The configured tokenizer; a BPE is trained on the corpus on first use, then cached."""
+    kind = config.data.tokenizer
+    vocab = config.model.vocab_size
+    if kind == "byte":
+        t: Tokenizer = tok.ByteTokenizer()
+    elif kind == "bpe":
+        t = _load_bpe(config)
+    else:
+        raise DataError(f"data.tokenizer={kind!r} is unknown; use 'bpe' or 'byte'")
+    if t.vocab_size > vocab:
+        raise DataError(
+            f"tokenizer has {t.vocab_size} symbols but model.vocab_size={vocab}; "
+            f"set model.vocab_size >= {t.vocab_size}"
+        )
+    if workdir and isinstance(t, tok.BpeTokenizer):
+        os.makedirs(workdir, exist_ok=True)
+        _atomic_write(os.path.join(workdir, "tokenizer.json"), t.hf.save)
+    return t
+
+
+def _load_bpe(config) -> tok.BpeTokenizer:
+    path = config.data.get("tokenizer_path")
+    if path:
+        if not os.path.isfile(path):
+            raise DataError(f"data.tokenizer_path={path!r} does not exist; give a tokenizer.json")
+        return tok.BpeTokenizer.from_file(path)
+    if config.data.source == "tokens":
+        raise DataError(
+            "data.source=tokens has no text to train a BPE on; "
+            "set data.tokenizer_path to its tokenizer.json or use data.tokenizer=byte"
+        )
+    vocab = config.model.vocab_size
+    if vocab < 257:
+        raise DataError(f"a byte-level BPE needs model.vocab_size >= 257 (got {vocab})")
+    files = _corpus_files(config)
+    key = _fingerprint(files, "bpe", vocab, BPE_TRAIN_MAX_CHARS)
+    path = os.path.join(_cache_dir(config), f"bpe-{vocab}-{key}.json")
+    if os.path.exists(path):
+        return tok.BpeTokenizer.from_file(path)
+    docs, total = [], 0
+    for d in _read_docs(files):
+        if total >= BPE_TRAIN_MAX_CHARS:
+            break
+        docs.append(d)
+        total += len(d)
+    t = tok.train_bpe(docs, vocab)
+    _atomic_write(path, t.hf.save)
+    return t
+
+
+# ---------------------------------------------------------------- tokens
+
+
+def _token_dtype(config) -> np.dtype:
+    name = config.data.get("token_dtype") or "uint16"
+    if name not in ("uint16", "uint32"):
+        raise DataError(f"data.token_dtype={name!r} is unsupported; use 'uint16' or 'uint32'")
+    return np.dtype(name)
+
+
+def _encode_corpus(config, workdir: str) -> np.ndarray:
+    t = load_tokenizer(config, workdir)
+    files = _corpus_files(config)
+    key = _fingerprint(files, tok.fingerprint(t))
+    path = os.path.join(_cache_dir(config), f"tokens-{key}.npy")
+    if not os.path.exists(path):
+        dtype = np.uint16 if t.vocab_size <= 2**16 else np.uint32
+        docs = _read_docs(files)
+        if isinstance(t, tok.ByteTokenizer):
+            # Bytes are their own ids: skip the Python lists.
+            stream = np.frombuffer("".join(docs).encode("utf-8"), np.uint8).astype(dtype)
+        else:
+            eot = [] if t.eot_id is None else [t.eot_id]
+            stream = np.concatenate([np.array(ids + eot, dtype) for ids in t.encode_batch(docs)])
+        _atomic_write(path, lambda p: _save_npy(p, stream))
+    return np.load(path, mmap_mode="r")
+
+
+def _save_npy(path: str, array: np.ndarray) -> None:
+    with open(path, "wb") as f:  # a file object, so numpy does not append ".npy"
+        np.save(f, array)
+
+
+def _read_token_file(config) -> np.ndarray:
+    path = config.data.path
+    if not path or not os.path.isfile(path):
+        raise DataError(f"data.path={path!r} is not a file; data.source=tokens needs a flat binary")
+    dtype = _token_dtype(config)
+    if os.path.getsize(path) % dtype.itemsize:
+        raise DataError(f"{path} size is not a multiple of {dtype} ({dtype.itemsize} bytes)")
+    tokens = np.memmap(path, dtype=dtype, mode="r")
+    # One pass in chunks, so a huge file never sits in memory at once.
+    vocab = config.model.vocab_size
+    top = max((int(tokens[i : i + 2**24].max()) for i in range(0, tokens.size, 2**24)), default=0)
+    if top >= vocab:
+        raise DataError(
+            f"{path} holds token id {top} >= model.vocab_size={vocab}; "
+            "check data.token_dtype or raise model.vocab_size"
+        )
+    return tokens
+
+
+def load_tokens(config, workdir: str) -> tuple[np.ndarray, np.ndarray]:
+    """(train_tokens, eval_tokens): 1-D, the eval split is the stream's last part."""
+    if config.data.source == "tokens":
+        tokens = _read_token_file(config)
+    else:
+        tokens = _encode_corpus(config, workdir)
+    window = config.train.seq_len + 1
+    fraction = config.data.get("eval_fraction", 0.02)
+    num_eval = max(math.ceil(fraction * tokens.size), window)
+    if tokens.size - num_eval < window:
+        raise DataError(
+            f"the corpus has {tokens.size} tokens: too few for a train and an eval window of "
+            f"{window}; add data or lower train.seq_len"
+        )
+    split = tokens.size - num_eval
+    return tokens[:split], tokens[split:]
+
+
+# ---------------------------------------------------------------- batches
+
+
+def _num_windows(tokens: np.ndarray, seq_len: int) -> int:
+    n = (tokens.size - 1) // seq_len
+    if n < 1:
+        raise DataError(f"{tokens.size} tokens are too few for one window of {seq_len + 1}")
+    return n
+
+
+def _local_rows(config, process_index: int | None, process_count: int | None) -> slice:
+    """The rows of every global batch that this process reads."""
+    index = jax.process_index() if process_index is None else process_index
+    count = jax.process_count() if process_count is None else process_count
+    batch = config.train.global_batch_size
+    if batch % count:
+        raise DataError(
+            f"train.global_batch_size={batch} does not split over {count} processes; "
+            "make it a multiple"
+        )
+    local = batch // count
+    return slice(index * local, (index + 1) * local)
+
+
+def _gather(tokens: np.ndarray, seq_len: int, window_ids: np.ndarray) -> np.ndarray:
+    """int32 [len(window_ids), seq_len + 1]: window w is tokens[w*L : w*L + L + 1]."""
+    starts = np.asarray(window_ids, dtype=np.int64)[:, None] * seq_len
+    return tokens[starts + np.arange(seq_len + 1)].astype(np.int32)
+
+
+def train_iterator(
+    config,
+    tokens: np.ndarray,
+    *,
+    process_index: int | None = None,
+    process_count: int | None = None,
+) -> Iterator[dict[str, np.ndarray]]:
+    """An endless grain iterator of {"tokens": int32 [B_local, L+1]}; has get/set_state.
+
+    `process_index`/`process_count` default to jax's; tests pass them to simulate hosts.
+    """
+    seq_len = config.train.seq_len
+    rows = _local_rows(config, process_index, process_count)
+    ds = (
+        grain.MapDataset.range(_num_windows(tokens, seq_len))
+        .shuffle(seed=config.train.seed)
+        .repeat()  # infinite; each epoch is shuffled with seed + epoch
+        .batch(config.train.global_batch_size)  # window ids of one global batch
+        .map(lambda ids: {"tokens": _gather(tokens, seq_len, ids[rows])})
+    )
+    # One reader thread keeps a couple of batches ahead of the step; order stays fixed.
+    options = grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)
+    return iter(ds.to_iter_dataset(options))
+
+
+def eval_batches(
+    config,
+    tokens: np.ndarray,
+    num_batches: int,
+    *,
+    process_index: int | None = None,
+    process_count: int | None = None,
+) -> list[np.ndarray]:
+    """The first `num_batches` global batches of eval windows in order (wrapping around)."""
+    seq_len = config.train.seq_len
+    batch = config.train.global_batch_size
+    rows = _local_rows(config, process_index, process_count)
+    n = _num_windows(tokens, seq_len)
+    ids = np.arange(rows.start, rows.stop)
+    return [_gather(tokens, seq_len, (b * batch + ids) % n) for b in range(num_batches)]
+
+
+def to_global(batch: np.ndarray, mesh: jax.sharding.Mesh) -> jax.Array:
+    """Assembles the processes' local batches into one global array sharded P('data')."""
+    sharding = NamedSharding(mesh, PartitionSpec(DATA_AXIS))
+    return jax.make_array_from_process_local_data(sharding, batch)
