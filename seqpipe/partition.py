@@ -107,6 +107,8 @@ def segment_flops(
     ends = [0]
     for n in lengths:
         ends.append(ends[-1] + n)
-    costs = [_prefix_cost(b, dense, attn) - _prefix_cost(a, dense, attn) for a, b in zip(ends, ends[1:])]
+    costs = [
+        _prefix_cost(b, dense, attn) - _prefix_cost(a, dense, attn) for a, b in zip(ends, ends[1:])
+    ]
     total = sum(costs)
     return tuple(c / total for c in costs)

@@ -74,7 +74,9 @@ def _check_args(name, stages, microbatches, segments, virtual, inflight, costs) 
     if isinstance(inflight, bool) or not (
         inflight in DEPTHS or (isinstance(inflight, int) and inflight >= 1)
     ):
-        raise ScheduleError(f"inflight must be 'minimal', 'full' or an integer >= 1, got {inflight!r}")
+        raise ScheduleError(
+            f"inflight must be 'minimal', 'full' or an integer >= 1, got {inflight!r}"
+        )
     if costs is not None and (len(costs) != segments or min(costs) <= 0):
         raise ScheduleError(f"costs must be {segments} positive numbers, got {list(costs)}")
 
@@ -84,16 +86,19 @@ def _granularity(name: str, segments: int) -> int:
     return 1 if name.startswith("seq1f1b") else segments
 
 
-def _group(name: str, stages: int, segments: int) -> int:
-    """Units per chunk round in the interleaved forward order.
+def _rounds(name: str, stages: int, microbatches: int, segments: int) -> list[int]:
+    """Micro-batches per chunk round of the interleaved forward order.
 
-    Megatron sends S micro-batches through one chunk before the next. For Seq1F1B-I a
-    round is the fewest whole micro-batches with at least S segments: a round that split
-    a micro-batch would order its backward before later segments of the same micro-batch.
+    Megatron sends S micro-batches through one chunk before the next. Seq1F1B-I treats
+    segments as micro-batches, so a round needs only ceil(S/K) micro-batches (S or more
+    segments keep the ring busy); it holds whole micro-batches, or a backward would be
+    ordered before a later segment of its own micro-batch. The remainder is spread over
+    the rounds, since a short round would stall the chunk hand-over.
     """
-    if name == "seq1f1b_interleaved":
-        return segments * -(-stages // segments)
-    return segments * stages
+    per = stages if name == "interleaved_1f1b" else -(-stages // segments)
+    count = max(1, microbatches // per)
+    base, extra = divmod(microbatches, count)
+    return [base + (i < extra) for i in range(count)]
 
 
 def _caps(name, stages, microbatches, segments, virtual, inflight) -> list[int]:
@@ -102,13 +107,13 @@ def _caps(name, stages, microbatches, segments, virtual, inflight) -> list[int]:
     if name == "gpipe":
         return [total] * stages
     unit = _granularity(name, segments)
-    rounds = (virtual - 1) * _group(name, stages, segments)
+    rounds = (virtual - 1) * max(_rounds(name, stages, microbatches, segments)) * segments
     # The first backward in order needs every forward before it in order: (V-1) rounds
     # plus one micro-batch's K segments. Less would deadlock.
     need = rounds + segments
     caps = []
     for r in range(stages):
-        if inflight == "minimal" and virtual == 1 and name != "seq1f1b_interleaved":
+        if inflight == "minimal" and virtual == 1:
             # Megatron / reference warm-up (S-r-1 items) plus the steady-state forward.
             cap = (stages - r) * unit + segments - unit
         elif inflight in DEPTHS:
@@ -128,16 +133,16 @@ def _caps(name, stages, microbatches, segments, virtual, inflight) -> list[int]:
 
 def _orders(name, stages, microbatches, segments, virtual) -> tuple[list[Unit], list[Unit]]:
     """Forward and backward op orders (the same on every stage)."""
-    fwd_units = [(m, k) for m in range(microbatches) for k in range(segments)]
-    # Backward: micro-batches first in, first out; segments descending inside one.
-    bwd_units = [(m, k) for m in range(microbatches) for k in reversed(range(segments))]
-    group = len(fwd_units) if virtual == 1 else _group(name, stages, segments)
-    fwd, bwd = [], []
-    for start in range(0, len(fwd_units), group):
+    sizes = [microbatches] if virtual == 1 else _rounds(name, stages, microbatches, segments)
+    fwd, bwd, first = [], [], 0
+    for size in sizes:
+        mbs = range(first, first + size)
         for c in range(virtual):
-            fwd += [Unit(m, k, c) for m, k in fwd_units[start : start + group]]
+            fwd += [Unit(m, k, c) for m in mbs for k in range(segments)]
+        # Backward: chunks descending, micro-batches FIFO, segments descending inside one.
         for c in reversed(range(virtual)):
-            bwd += [Unit(m, k, c) for m, k in bwd_units[start : start + group]]
+            bwd += [Unit(m, k, c) for m in mbs for k in reversed(range(segments))]
+        first += size
     return fwd, bwd
 
 
@@ -407,7 +412,9 @@ def stats(
     tok = np.ones(K) / K if lengths is None else np.asarray(lengths, dtype=float)
     tok = tok / tok.sum()
     tick_cost = np.zeros((len(s.ticks), S))
-    held = np.zeros((len(s.ticks), S))  # units held during tick t (forward counted, backward not yet freed)
+    held = np.zeros(
+        (len(s.ticks), S)
+    )  # units held during tick t (forward counted, backward not yet freed)
     frac = np.zeros((len(s.ticks), S))
     h, fr = np.zeros(S), np.zeros(S)
     for t, row in enumerate(s.ticks):
@@ -450,9 +457,7 @@ def to_text(s: Schedule, st: dict | None = None) -> str:
     """A grid, ticks across and stages down, cells like `F3.1/B2.0`, then the statistics."""
     cells = [
         [
-            "/".join(
-                p + _label(u, s.virtual) for p, u in (("F", f), ("B", b)) if u is not None
-            )
+            "/".join(p + _label(u, s.virtual) for p, u in (("F", f), ("B", b)) if u is not None)
             or "."
             for f, b in row
         ]
@@ -485,10 +490,7 @@ def to_json(s: Schedule, st: dict | None = None) -> dict:
         "segments": s.segments,
         "virtual": s.virtual,
         "ticks": [
-            [
-                {"stage": r, "forward": unit(f), "backward": unit(b)}
-                for r, (f, b) in enumerate(row)
-            ]
+            [{"stage": r, "forward": unit(f), "backward": unit(b)} for r, (f, b) in enumerate(row)]
             for row in s.ticks
         ],
         "stats": stats(s) if st is None else st,
@@ -511,9 +513,7 @@ def to_png(s: Schedule, path: str, costs: Sequence[float] | None = None) -> None
     fig, ax = plt.subplots(figsize=(max(8.0, st["time"] * 0.12), 0.5 * s.stages + 1.3))
     x = 0.0
     for row in s.ticks:
-        dur = max(
-            (fc[f.seg] if f else 0) + (2 * fc[b.seg] if b else 0) for f, b in row
-        )
+        dur = max((fc[f.seg] if f else 0) + (2 * fc[b.seg] if b else 0) for f, b in row)
         for r, (f, b) in enumerate(row):
             y = s.stages - 1 - r
             x0 = x
@@ -535,7 +535,14 @@ def to_png(s: Schedule, path: str, costs: Sequence[float] | None = None) -> None
                     )
                 )
                 if w >= 0.9:
-                    ax.text(x0 + w / 2, y + 0.5, _label(u, s.virtual), ha="center", va="center", fontsize=5)
+                    ax.text(
+                        x0 + w / 2,
+                        y + 0.5,
+                        _label(u, s.virtual),
+                        ha="center",
+                        va="center",
+                        fontsize=5,
+                    )
                 x0 += w
         x += dur
     ax.set_xlim(0, x)
@@ -571,7 +578,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """`python -m seqpipe.schedule ...`: print or save a schedule; bad arguments exit 2."""
     from seqpipe import partition
 
-    parser = argparse.ArgumentParser(prog="python -m seqpipe.schedule", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m seqpipe.schedule", description=__doc__.split("\n")[0]
+    )
 
     def fail(message: str):
         sys.stderr.write(f"error: {message}\n")
