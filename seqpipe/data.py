@@ -36,12 +36,11 @@ from typing import Any
 import grain
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
+from seqpipe import sharding
 from seqpipe import tokenizer as tok
 from seqpipe.tokenizer import Tokenizer
 
-DATA_AXIS = "data"  # mesh axis the batch is split over (replicated over 'stage')
 # BPE training sees at most this much text (whole documents, in corpus order): a few
 # tens of MB already give stable merges, and more only costs time.
 BPE_TRAIN_MAX_CHARS = 64 * 2**20
@@ -332,6 +331,5 @@ def eval_batches(
 
 
 def to_global(batch: np.ndarray, mesh: jax.sharding.Mesh) -> jax.Array:
-    """Assembles the processes' local batches into one global array sharded P('data')."""
-    sharding = NamedSharding(mesh, PartitionSpec(DATA_AXIS))
-    return jax.make_array_from_process_local_data(sharding, batch)
+    """Assembles the processes' local batches into one global array, split over 'data'."""
+    return jax.make_array_from_process_local_data(sharding.batch_sharding(mesh), batch)

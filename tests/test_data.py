@@ -1,0 +1,281 @@
+"""Real text, real tokenizers, the real grain pipeline: no mocks."""
+
+import json
+import os
+import sysconfig
+
+import jax
+import ml_collections
+import numpy as np
+import pytest
+
+from seqpipe import data, sharding
+
+STDLIB = sysconfig.get_paths()["stdlib"]
+
+
+def make_config(tmp_path, **data_overrides):
+    c = ml_collections.ConfigDict(
+        dict(
+            model=dict(vocab_size=512),
+            train=dict(seq_len=16, global_batch_size=8, seed=0),
+            data=dict(
+                source="text",
+                path=os.path.join(STDLIB, "email", "**", "*.py"),
+                tokenizer="bpe",
+                token_dtype="uint16",
+                eval_fraction=0.02,
+                cache_dir=str(tmp_path / "cache"),
+            ),
+        )
+    )
+    c.data.update(data_overrides)
+    return c
+
+
+def stream_config(tmp_path, seq_len=4, batch=8, seed=0):
+    c = make_config(tmp_path)
+    c.train.update(seq_len=seq_len, global_batch_size=batch, seed=seed)
+    return c
+
+
+def take(it, n):
+    return [next(it)["tokens"] for _ in range(n)]
+
+
+# ---------------------------------------------------------------- tokenizers
+
+
+def test_bpe_trains_on_stdlib_text_caches_and_round_trips(tmp_path):
+    config = make_config(tmp_path)
+    tok = data.load_tokenizer(config, str(tmp_path / "work"))
+    assert tok.vocab_size == 512
+    text = open(os.path.join(STDLIB, "email", "utils.py"), encoding="utf-8").read()
+    ids = tok.encode(text)
+    assert len(ids) < len(text.encode()) / 2  # merges learnt from real code compress it
+    assert tok.decode(ids) == text
+    odd = "naïve café → ∑ 😀\n\tx  = 1"  # bytes never seen in training still round-trip
+    assert tok.decode(tok.encode(odd)) == odd
+    # Cached under the data cache and copied into the workdir; a reload is the same tokenizer.
+    assert os.path.exists(tmp_path / "work" / "tokenizer.json")
+    (cached,) = (tmp_path / "cache").glob("bpe-512-*.json")
+    again = data.load_tokenizer(config, "")
+    assert again.to_json() == tok.to_json()
+    assert json.loads(cached.read_text()) == json.loads(tok.to_json())
+    # Another vocab size is another cache entry, never the stale one.
+    config.model.vocab_size = 600
+    assert data.load_tokenizer(config, "").vocab_size == 600
+
+
+def test_byte_tokenizer_round_trips(tmp_path):
+    tok = data.load_tokenizer(make_config(tmp_path, tokenizer="byte"), "")
+    text = "def f(x):\n    return 'ünïcode ∑ 😀'\n"
+    assert tok.vocab_size == 256
+    assert tok.encode(text) == list(text.encode())
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_tokenizer_larger_than_model_vocab_is_an_error(tmp_path):
+    config = make_config(tmp_path, tokenizer="byte")
+    config.model.vocab_size = 200
+    with pytest.raises(data.DataError, match="vocab_size"):
+        data.load_tokenizer(config, "")
+
+
+# ---------------------------------------------------------------- corpus and splits
+
+
+def test_stdlib_corpus_split_and_cache(tmp_path):
+    config = make_config(tmp_path, source="stdlib", path="", tokenizer="byte")
+    train, held_out = data.load_tokens(config, "")
+    files = data._stdlib_files()
+    assert files == sorted(files) and not any("site-packages" in f for f in files)
+    total = sum(len(open(f, "rb").read().decode("utf-8", "replace").encode()) for f in files)
+    assert train.size + held_out.size == total > 5_000_000
+    assert held_out.size == int(np.ceil(0.02 * total))
+    # The split is the stream's tail: the eval tokens follow the training tokens.
+    first = open(files[0], "rb").read()
+    assert bytes(train[: len(first)].astype(np.uint8)) == first
+    # Second load comes from the cached array, identical.
+    train2, held_out2 = data.load_tokens(config, "")
+    np.testing.assert_array_equal(train2, train)
+    np.testing.assert_array_equal(held_out2, held_out)
+
+
+def test_bpe_tokens_carry_end_of_text_between_documents(tmp_path):
+    config = make_config(tmp_path)
+    tok = data.load_tokenizer(config, "")
+    train, held_out = data.load_tokens(config, "")
+    stream = np.concatenate([train, held_out])
+    files = [f for f in data._text_files(config.data.path) if os.path.getsize(f)]
+    assert np.count_nonzero(stream == tok.eot_id) == len(files)  # empty files add nothing
+    first = open(files[0], encoding="utf-8").read()
+    assert tok.decode(stream[: np.argmax(stream == tok.eot_id)]) == first
+
+
+def test_eval_split_is_at_least_one_window(tmp_path):
+    path = tmp_path / "small.txt"
+    path.write_text("abcdefghij" * 10)  # 100 byte tokens
+    config = make_config(tmp_path, path=str(path), tokenizer="byte")
+    train, held_out = data.load_tokens(config, "")
+    assert held_out.size == config.train.seq_len + 1 and train.size == 100 - 17
+
+
+def test_directory_source_skips_binary_and_hidden_files(tmp_path):
+    corpus = tmp_path / "corpus"
+    (corpus / "sub").mkdir(parents=True)
+    (corpus / "b.txt").write_text("second " * 20)
+    (corpus / "sub" / "a.txt").write_text("first " * 20)
+    (corpus / ".hidden").write_text("hidden")
+    (corpus / "blob.bin").write_bytes(b"\0\1\2" * 10)
+    config = make_config(tmp_path, path=str(corpus), tokenizer="byte")
+    train, held_out = data.load_tokens(config, "")
+    text = bytes(np.concatenate([train, held_out]).astype(np.uint8)).decode()
+    assert text == "second " * 20 + "first " * 20  # sorted paths: b.txt < sub/a.txt
+
+
+def test_tokens_source_reads_a_uint16_file(tmp_path):
+    ids = np.random.default_rng(0).integers(0, 512, size=5000, dtype=np.uint16)
+    path = tmp_path / "ids.bin"
+    ids.tofile(path)
+    config = make_config(tmp_path, source="tokens", path=str(path), tokenizer="byte")
+    train, held_out = data.load_tokens(config, "")
+    assert isinstance(train, np.memmap)  # read in place, never copied
+    np.testing.assert_array_equal(np.concatenate([train, held_out]), ids)
+    assert held_out.size == 100
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (dict(source="text", path="/no/such/dir/*.txt"), "matches no text files"),
+        (dict(source="tokens", path="/no/such/file.bin"), "is not a file"),
+        (dict(source="text", path=""), "needs data.path"),
+    ],
+)
+def test_bad_paths_are_clear_errors(tmp_path, overrides, match):
+    with pytest.raises(data.DataError, match=match):
+        data.load_tokens(make_config(tmp_path, tokenizer="byte", **overrides), "")
+
+
+def test_out_of_range_token_ids_are_an_error(tmp_path):
+    path = tmp_path / "ids.bin"
+    np.array([1, 2, 3, 700] * 100, np.uint16).tofile(path)
+    config = make_config(tmp_path, source="tokens", path=str(path), tokenizer="byte")
+    with pytest.raises(data.DataError, match="token id 700 >= model.vocab_size=512"):
+        data.load_tokens(config, "")
+
+
+def test_empty_and_too_small_corpora_are_errors(tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    config = make_config(tmp_path, path=str(tmp_path / "empty.txt"), tokenizer="byte")
+    with pytest.raises(data.DataError, match="empty"):
+        data.load_tokens(config, "")
+    (tmp_path / "tiny.txt").write_text("x" * 20)
+    config.data.path = str(tmp_path / "tiny.txt")
+    with pytest.raises(data.DataError, match="too few"):
+        data.load_tokens(config, "")
+
+
+# ---------------------------------------------------------------- pipeline
+
+# A stream whose tokens are their own positions makes every window checkable.
+STREAM = np.arange(4 * 64 + 1, dtype=np.uint32)  # 64 windows of 4 (+1)
+
+
+def test_windows_are_contiguous_slices_and_an_epoch_covers_each_once(tmp_path):
+    config = stream_config(tmp_path)
+    batches = take(data.train_iterator(config, STREAM), 8)  # 8 x 8 = one epoch
+    for b in batches:
+        assert b.shape == (8, 5) and b.dtype == np.int32
+        np.testing.assert_array_equal(b, b[:, :1] + np.arange(5))
+        assert np.all(b[:, 0] % 4 == 0)
+    starts = np.concatenate([b[:, 0] for b in batches])
+    assert sorted(starts) == list(range(0, 256, 4))
+    assert list(starts) != sorted(starts)  # shuffled
+
+
+def test_same_seed_same_batches_other_seed_other_order(tmp_path):
+    a = take(data.train_iterator(stream_config(tmp_path, seed=1), STREAM), 20)
+    b = take(data.train_iterator(stream_config(tmp_path, seed=1), STREAM), 20)
+    c = take(data.train_iterator(stream_config(tmp_path, seed=2), STREAM), 20)
+    np.testing.assert_array_equal(np.stack(a), np.stack(b))
+    assert not np.array_equal(np.stack(a), np.stack(c))
+    # Each epoch is reshuffled, not replayed.
+    assert not np.array_equal(np.stack(a[:8]), np.stack(a[8:16]))
+
+
+def test_iterator_state_restores_exactly(tmp_path):
+    config = stream_config(tmp_path)
+    it = data.train_iterator(config, STREAM)
+    take(it, 5)
+    state = json.loads(json.dumps(it.get_state()))  # survives a trip through a checkpoint
+    expected = take(it, 12)  # crosses an epoch boundary
+    restored = data.train_iterator(config, STREAM)
+    take(restored, 2)  # wherever it was, set_state wins
+    restored.set_state(state)
+    np.testing.assert_array_equal(np.stack(take(restored, 12)), np.stack(expected))
+
+
+def test_process_shares_are_disjoint_and_cover_the_global_batch(tmp_path):
+    config = stream_config(tmp_path)
+    whole = take(data.train_iterator(config, STREAM, process_index=0, process_count=1), 10)
+    shares = [
+        take(data.train_iterator(config, STREAM, process_index=i, process_count=2), 10)
+        for i in range(2)
+    ]
+    for step, full in enumerate(whole):
+        first, second = shares[0][step], shares[1][step]
+        assert first.shape == second.shape == (4, 5)
+        assert not set(first[:, 0]) & set(second[:, 0])
+        np.testing.assert_array_equal(np.concatenate([first, second]), full)
+
+
+def test_global_batch_must_split_over_processes(tmp_path):
+    with pytest.raises(data.DataError, match="multiple"):
+        data.train_iterator(stream_config(tmp_path), STREAM, process_index=0, process_count=3)
+
+
+def test_eval_batches_are_deterministic_sharded_and_from_the_held_out_tail(tmp_path):
+    config = stream_config(tmp_path, seq_len=16, batch=4)
+    config.data.update(source="tokens", eval_fraction=0.1)
+    path = tmp_path / "ids.bin"
+    np.arange(2000, dtype=np.uint16).tofile(path)
+    config.data.path = str(path)
+    config.model.vocab_size = 2000
+    train, held_out = data.load_tokens(config, "")
+    evals = data.eval_batches(config, held_out, 5)
+    assert data.eval_batches(config, held_out, 5)[4].tolist() == evals[4].tolist()
+    for b in evals:
+        assert b.shape == (4, 17) and b.min() >= train.size  # never a training token
+        np.testing.assert_array_equal(b, b[:, :1] + np.arange(17))
+    assert [b[0, 0] for b in evals[:3]] == [1800, 1864, 1928]  # in order, windows wrap at 12
+    halves = [
+        data.eval_batches(config, held_out, 5, process_index=i, process_count=2) for i in (0, 1)
+    ]
+    for b, x, y in zip(evals, *halves, strict=True):
+        np.testing.assert_array_equal(np.concatenate([x, y]), b)
+    train_starts = {int(s) for b in take(data.train_iterator(config, train), 30) for s in b[:, 0]}
+    assert max(train_starts) + 17 <= train.size
+
+
+def test_to_global_shards_the_batch_over_data(tmp_path):
+    mesh = sharding.make_mesh(4, 2)
+    batch = np.arange(8 * 5, dtype=np.int32).reshape(8, 5)
+    x = data.to_global(batch, mesh)
+    assert x.shape == (8, 5) and x.sharding.spec == jax.sharding.PartitionSpec("data")
+    np.testing.assert_array_equal(np.asarray(x), batch)
+    # Each device holds two rows; the two stages of a data replica hold the same ones.
+    assert {s.data.shape for s in x.addressable_shards} == {(2, 5)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("vocab_size", [4096, 8192])
+def test_bpe_on_the_whole_stdlib(tmp_path, vocab_size):
+    config = make_config(tmp_path, source="stdlib", path="")
+    config.model.vocab_size = vocab_size
+    tok = data.load_tokenizer(config, "")
+    assert tok.vocab_size == vocab_size
+    train, held_out = data.load_tokens(config, "")
+    assert train.size + held_out.size > 2_000_000
+    assert tok.decode(train[:2000]).startswith(open(data._stdlib_files()[0]).read()[:500])
