@@ -89,7 +89,7 @@ def segment_lengths(
         lo, hi = bounds[-1] // multiple + 1, blocks - (segments - j)
         bounds.append(min(max(round(exact / multiple), lo), hi) * multiple)
     bounds.append(seq_len)
-    return tuple(b - a for a, b in zip(bounds, bounds[1:]))
+    return tuple(b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True))
 
 
 def segment_flops(
@@ -108,7 +108,8 @@ def segment_flops(
     for n in lengths:
         ends.append(ends[-1] + n)
     costs = [
-        _prefix_cost(b, dense, attn) - _prefix_cost(a, dense, attn) for a, b in zip(ends, ends[1:])
+        _prefix_cost(b, dense, attn) - _prefix_cost(a, dense, attn)
+        for a, b in zip(ends[:-1], ends[1:], strict=True)
     ]
     total = sum(costs)
     return tuple(c / total for c in costs)

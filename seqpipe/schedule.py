@@ -186,7 +186,8 @@ def build(
                 if 0 <= src < t or g == 0:
                     f, f_next[r], held[r] = u, f_next[r] + 1, held[r] + 1
                     f_tick[r, u.mb, u.seg, u.chunk] = t
-            if b_next[r] < n_units:
+            # GPipe: a stage starts its backwards once all its forwards have run.
+            if b_next[r] < n_units and (name != "gpipe" or f_next[r] == n_units):
                 u = bwd_order[b_next[r]]
                 g = u.chunk * S + r
                 own = f_tick[r, u.mb, u.seg, u.chunk]
@@ -260,7 +261,7 @@ def validate(s: Schedule) -> None:
             raise ScheduleError(f"stage {r}: backward {u} at tick {t} runs before its cotangent")
         if k < K - 1 and not b_tick[(r, m, k + 1, c)] < t:
             raise ScheduleError(
-                f"stage {r}: backward {u} at tick {t} runs before the K/V gradient of segment {k + 1}"
+                f"stage {r}: backward {u} at tick {t} precedes its K/V gradient (segment {k + 1})"
             )
 
 

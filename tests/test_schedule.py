@@ -1,0 +1,486 @@
+"""Schedule tables: validity, depth bounds, bubble formulas, slot lowering, CLI."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from seqpipe import schedule as sc
+from seqpipe.schedule import Schedule, ScheduleError, Unit
+
+PROPS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def configs(draw, names=sc.SCHEDULES, depths=("minimal", "full", "int")):
+    """(name, S, M, K, V, inflight) over S 1..8, M 1..16, K 1..8, V 1..3."""
+    name = draw(st.sampled_from(names))
+    S = draw(st.integers(1, 8))
+    K = draw(st.integers(1, 8))
+    V = draw(st.integers(1, 3)) if name in sc.INTERLEAVED else 1
+    # V > 1 needs M to be a multiple of S (Megatron's rule).
+    M = S * draw(st.integers(1, 16 // S)) if V > 1 else draw(st.integers(1, 16))
+    depth = draw(st.sampled_from(depths))
+    inflight = draw(st.integers(1, 40)) if depth == "int" else depth
+    return name, S, M, K, V, inflight
+
+
+def build_or_skip(name, S, M, K, V, inflight):
+    """Build; an integer depth below the schedule's minimum is refused, never deadlocks."""
+    try:
+        return sc.build(name, S, M, K, V, inflight)
+    except ScheduleError as e:
+        assert isinstance(inflight, int) and "too small" in str(e), e
+        return None
+
+
+def units_by_stage(s: Schedule):
+    fwd = [[] for _ in range(s.stages)]
+    bwd = [[] for _ in range(s.stages)]
+    for row in s.ticks:
+        for r, (f, b) in enumerate(row):
+            if f is not None:
+                fwd[r].append(f)
+            if b is not None:
+                bwd[r].append(b)
+    return fwd, bwd
+
+
+def key(u: Unit):
+    return (u.mb, u.seg, u.chunk)
+
+
+def all_units(s: Schedule):
+    units = [
+        Unit(m, k, c)
+        for m in range(s.microbatches)
+        for k in range(s.segments)
+        for c in range(s.virtual)
+    ]
+    return sorted(units, key=key)
+
+
+def with_cell(s: Schedule, t: int, r: int, cell) -> Schedule:
+    ticks = [list(row) for row in s.ticks]
+    ticks[t][r] = cell
+    return Schedule(**{**s.__dict__, "ticks": tuple(tuple(row) for row in ticks)})
+
+
+def find(s: Schedule, r: int, u: Unit, side: int) -> int:
+    return next(t for t, row in enumerate(s.ticks) if row[r][side] == u)
+
+
+# --------------------------------------------------------------------------- simulator
+
+
+def simulate(s: Schedule, p: sc.Program) -> None:
+    """Run a Program's slot reads and writes and check each read finds the right content.
+
+    This is what the SPMD executor does with the arrays, so a lowering bug shows up here
+    as a wrong or missing message, stash entry or KV cache.
+    """
+    S, V, K = s.stages, s.virtual, s.segments
+    last = V * S - 1
+    stash = [[None] * p.num_stash for _ in range(S)]
+    kv = [[None] * p.num_kv for _ in range(S)]
+    rf = [[None] * p.num_recv_fwd for _ in range(S)]
+    rb = [[None] * p.num_recv_bwd for _ in range(S)]
+    for t, row in enumerate(s.ticks):
+        sent_f, sent_b = [None] * S, [None] * S  # by receiving stage
+        freed_stash = []
+        for r, (f, b) in enumerate(row):
+            if f is None:
+                assert p.fwd_mb[t, r] == -1 and p.fwd_stash[t, r] == -1
+            else:
+                assert (p.fwd_mb[t, r], p.fwd_seg[t, r], p.fwd_chunk[t, r]) == (
+                    f.mb,
+                    f.seg,
+                    f.chunk,
+                )
+                g = f.chunk * S + r
+                if g == 0:
+                    assert p.fwd_in[t, r] == -1
+                else:
+                    slot = p.fwd_in[t, r]
+                    assert rf[r][slot] == ("act", f.mb, f.seg, g - 1), (t, r, f)
+                    rf[r][slot] = None  # consumed; reusable for a store at the end of t
+                slot = p.fwd_stash[t, r]
+                assert stash[r][slot] is None, f"stash slot {slot} overwritten at {t, r}"
+                stash[r][slot] = ("x", f.mb, f.seg, g)
+                slot = p.fwd_kv[t, r]
+                if f.seg == 0:
+                    assert kv[r][slot] is None, f"kv slot {slot} overwritten at {t, r}"
+                    kv[r][slot] = [f.mb, f.chunk, 0, K]  # mb, chunk, segs written, lowest bwd
+                else:
+                    assert kv[r][slot][:3] == [f.mb, f.chunk, f.seg], (t, r, f)
+                kv[r][slot][2] += 1
+                if g < last:
+                    sent_f[(r + 1) % S] = ("act", f.mb, f.seg, g)
+            if b is None:
+                assert p.bwd_mb[t, r] == -1 and p.bwd_stash[t, r] == -1
+                continue
+            assert (p.bwd_mb[t, r], p.bwd_seg[t, r], p.bwd_chunk[t, r]) == (
+                b.mb,
+                b.seg,
+                b.chunk,
+            )
+            g = b.chunk * S + r
+            if g == last:
+                assert p.bwd_in[t, r] == -1
+            else:
+                slot = p.bwd_in[t, r]
+                assert rb[r][slot] == ("grad", b.mb, b.seg, g + 1), (t, r, b)
+                rb[r][slot] = None
+            slot = p.bwd_stash[t, r]
+            assert stash[r][slot] == ("x", b.mb, b.seg, g), (t, r, b)
+            freed_stash.append((r, slot))
+            slot = p.bwd_kv[t, r]
+            # All K segments' K/V are cached, and segments above b.seg already ran backward.
+            assert kv[r][slot] == [b.mb, b.chunk, K, b.seg + 1], (t, r, b, kv[r][slot])
+            kv[r][slot][3] = b.seg
+            if b.seg == 0:
+                kv[r][slot] = None
+            if g > 0:
+                sent_b[(r - 1) % S] = ("grad", b.mb, b.seg, g)
+        for r, slot in freed_stash:
+            stash[r][slot] = None
+        for r in range(S):
+            for msg, slots, bufs in ((sent_f[r], p.recv_fwd, rf), (sent_b[r], p.recv_bwd, rb)):
+                if msg is None:
+                    assert slots[t, r] == -1
+                else:
+                    assert bufs[r][slots[t, r]] is None, f"message overwritten at {t, r}"
+                    bufs[r][slots[t, r]] = msg
+    for bufs in (stash, kv, rf, rb):
+        assert all(x is None for per in bufs for x in per), "something left unconsumed"
+
+
+# --------------------------------------------------------------------------- properties
+
+
+@PROPS
+@given(configs())
+def test_every_generator_is_valid_and_runs_every_unit_once(cfg):
+    s = build_or_skip(*cfg)
+    if s is None:
+        return
+    sc.validate(s)
+    fwd, bwd = units_by_stage(s)
+    for r in range(s.stages):
+        assert sorted(fwd[r], key=key) == all_units(s)
+        assert sorted(bwd[r], key=key) == all_units(s)
+    simulate(s, sc.lower(s))
+
+
+@PROPS
+@given(configs(), st.randoms(use_true_random=False))
+def test_broken_tables_are_rejected(cfg, rnd):
+    s = build_or_skip(*cfg)
+    if s is None:
+        return
+    S, K = s.stages, s.segments
+    r = rnd.randrange(S)
+    u = rnd.choice(all_units(s))
+    tf, tb = find(s, r, u, 0), find(s, r, u, 1)
+    # A unit missing.
+    with pytest.raises(ScheduleError, match="never runs"):
+        sc.validate(with_cell(s, tb, r, (s.ticks[tb][r][0], None)))
+    # A unit run twice: append a tick repeating it.
+    twice = Schedule(**{**s.__dict__, "ticks": s.ticks + (((u, None),) * S,)})
+    with pytest.raises(ScheduleError, match="twice"):
+        sc.validate(twice)
+    if K > 1 and u.seg < K - 1:
+        # Two segments of one micro-batch swapped: the KV prefix (forward) or the K/V
+        # gradient (backward) comes too late.
+        v = Unit(u.mb, u.seg + 1, u.chunk)
+        tv = find(s, r, v, 0)
+        broken = with_cell(s, tf, r, (v, s.ticks[tf][r][1]))
+        broken = with_cell(broken, tv, r, (u, s.ticks[tv][r][1]))
+        with pytest.raises(ScheduleError, match="KV prefix|input"):
+            sc.validate(broken)
+        tv = find(s, r, v, 1)
+        broken = with_cell(s, tb, r, (s.ticks[tb][r][0], v))
+        broken = with_cell(broken, tv, r, (s.ticks[tv][r][0], u))
+        with pytest.raises(ScheduleError, match="K/V gradient|cotangent|before its forward"):
+            sc.validate(broken)
+    # Everything on stage r one tick later: its backwards now meet their cotangents (or
+    # the next stage meets its inputs) in the same tick.
+    if S > 1:
+        ticks = [list(row) for row in s.ticks] + [[(None, None)] * S]
+        for t in reversed(range(1, len(ticks))):
+            ticks[t][r] = ticks[t - 1][r]
+        ticks[0][r] = (None, None)
+        late = Schedule(**{**s.__dict__, "ticks": tuple(tuple(row) for row in ticks)})
+        with pytest.raises(ScheduleError, match="input|cotangent"):
+            sc.validate(late)
+
+
+@PROPS
+@given(configs(depths=("minimal", "full")))
+def test_inflight_bounds(cfg):
+    name, S, M, K, V, depth = cfg
+    peak = sc.stats(sc.build(*cfg))["inflight_peak"]
+    # With V == 1 the interleaved names are their plain forms (tested exactly below).
+    if name == "gpipe":
+        bound = M * K
+    elif V > 1:
+        bound = V * M * K
+        assert sc.build(*cfg).ticks == sc.build(name, S, M, K, V, "minimal").ticks
+    elif name.startswith("seq1f1b"):
+        bound = min(S + K - 1 if depth == "minimal" else 2 * (S - 1) + K, M * K)
+    else:  # whole micro-batches
+        bound = min(S if depth == "minimal" else 2 * S - 1, M) * K
+    assert peak[0] <= bound
+    assert peak == sorted(peak, reverse=True)  # later stages never hold more
+
+
+def test_stage0_peaks_reach_the_stated_depths():
+    for S, M, K in [(4, 8, 4), (8, 16, 4), (4, 8, 1), (3, 5, 2)]:
+        seq = {d: sc.stats(sc.build("seq1f1b", S, M, K, inflight=d)) for d in sc.DEPTHS}
+        assert seq["minimal"]["inflight_peak"][0] == min(S + K - 1, M * K)
+        assert seq["full"]["inflight_peak"][0] == min(2 * (S - 1) + K, M * K)
+        one = {d: sc.stats(sc.build("1f1b", S, M, inflight=d)) for d in sc.DEPTHS}
+        assert one["minimal"]["inflight_peak"][0] == min(S, M)
+        assert one["full"]["inflight_peak"][0] == min(2 * S - 1, M)
+        assert sc.stats(sc.build("gpipe", S, M, K))["inflight_peak"][0] == M * K
+
+
+@PROPS
+@given(configs(names=("1f1b", "seq1f1b", *sc.INTERLEAVED), depths=("full",)))
+def test_full_depth_reaches_the_asynchronous_bubble(cfg):
+    name, S, M, K, V, _ = cfg
+    bubble = sc.stats(sc.build(*cfg))["bubble"]
+    assert bubble == pytest.approx((S - 1) / (V * M * K + S - 1), abs=5e-4)
+
+
+# --------------------------------------------------------------------------- stated numbers
+
+
+@pytest.mark.parametrize("S", [4, 8])
+@pytest.mark.parametrize("M", [8, 16])
+@pytest.mark.parametrize("K", [1, 2, 4, 8])
+def test_bubble_table_full(S, M, K):
+    seq = sc.stats(sc.build("seq1f1b", S, M, K))["bubble"]
+    assert round(seq, 3) == round((S - 1) / (M * K + S - 1), 3)
+    one = sc.stats(sc.build("1f1b", S, M))["bubble"]
+    assert round(one, 3) == round((S - 1) / (M + S - 1), 3)
+
+
+def test_minimal_depth_numbers_from_the_design_note():
+    assert round(sc.stats(sc.build("1f1b", 4, 8, inflight="minimal"))["bubble"], 3) == 0.5
+    got = sc.stats(sc.build("seq1f1b", 4, 8, 4, inflight="minimal"))
+    assert round(got["bubble"], 3) == 0.425
+    assert got["inflight_peak"][0] == 7
+    got = sc.stats(sc.build("seq1f1b", 8, 16, 4, inflight="minimal"))
+    assert round(got["bubble"], 3) == 0.478
+
+
+def test_headline_seq1f1b_4_8_4():
+    got = sc.stats(sc.build("seq1f1b", 4, 8, 4))
+    assert round(got["bubble"], 3) == 0.086
+    assert got["inflight_peak"] == [10, 8, 6, 4]
+    assert got["activation_fraction"][0] == pytest.approx(2.5)  # 10 quarter micro-batches
+    assert got["kv_slots"] == 4  # micro-batches with a live KV cache on stage 0
+    assert sc.stats(sc.build("1f1b", 4, 8))["activation_fraction"][0] == pytest.approx(7.0)
+
+
+@pytest.mark.parametrize("depth", ["minimal", "full", 1, 3, 6])
+@pytest.mark.parametrize("S,M", [(1, 1), (1, 5), (2, 1), (4, 8), (5, 3), (8, 16)])
+def test_seq1f1b_with_one_segment_is_1f1b(S, M, depth):
+    a = sc.build("seq1f1b", S, M, 1, inflight=depth)
+    assert a.ticks == sc.build("1f1b", S, M, 1, inflight=depth).ticks
+    assert a.ticks == sc.build("seq1f1b_interleaved", S, M, 1, inflight=depth).ticks
+    assert a.ticks == sc.build("interleaved_1f1b", S, M, 1, inflight=depth).ticks
+
+
+def test_gpipe_runs_all_forwards_first():
+    s = sc.build("gpipe", 3, 4, 2)
+    fwd_end = max(t for t, row in enumerate(s.ticks) if row[0][0] is not None)
+    bwd_start = min(t for t, row in enumerate(s.ticks) if row[0][1] is not None)
+    assert fwd_end < bwd_start
+
+
+def test_time_and_bubble_by_hand():
+    # S=2, M=1: F on stage 0 (1), F+B on stage 1 (3), B on stage 0 (2).
+    got = sc.stats(sc.build("1f1b", 2, 1))
+    assert (got["ticks"], got["time"], got["bubble"]) == (3, 6.0, 0.5)
+    one = sc.stats(sc.build("seq1f1b", 1, 1, 1))
+    assert (one["ticks"], one["time"], one["bubble"]) == (1, 3.0, 0.0)
+    s = sc.build("seq1f1b", 4, 8, 4)
+    assert sc.stats(s, costs=[5, 5, 5, 5]) == sc.stats(s)
+    # Costs normalise to mean 1: [0.5, 1.5]. Ticks: F0.0 (0.5), F0.1+B0.1 (1.5+3), B0.0 (1).
+    weighted = sc.stats(sc.build("seq1f1b", 1, 1, 2), costs=[1, 3], lengths=[3, 1])
+    assert (weighted["time"], weighted["bubble"]) == (6.0, 0.0)
+    assert weighted["activation_fraction"] == [1.0]
+    two = sc.stats(sc.build("seq1f1b", 1, 2, 2), lengths=[3, 1])
+    assert two["activation_fraction"] == [1.5]  # (0,0) still stashed when (1,0) starts
+
+
+# --------------------------------------------------------------------------- hand-made tables
+
+
+def test_hand_made_tables():
+    u = Unit(0, 0, 0)
+    ok = Schedule("1f1b", 1, 1, 1, 1, "full", (((u, u),),))
+    sc.validate(ok)
+    early = Schedule("1f1b", 1, 1, 1, 1, "full", (((None, u),), ((u, None),)))
+    with pytest.raises(ScheduleError, match="before its forward"):
+        sc.validate(early)
+    same_tick = Schedule(
+        "1f1b", 2, 1, 1, 1, "full", (((u, None), (u, u)), ((None, u), (None, None)))
+    )
+    with pytest.raises(ScheduleError, match="input"):
+        sc.validate(same_tick)
+    not_last = Schedule(
+        "1f1b", 2, 1, 1, 1, "full", (((u, u), (None, None)), ((None, None), (u, u)))
+    )
+    with pytest.raises(ScheduleError, match="before its forward"):
+        sc.validate(not_last)
+    out_of_range = Schedule("1f1b", 1, 1, 1, 1, "full", (((Unit(0, 0, 1), u),),))
+    with pytest.raises(ScheduleError, match="out of range"):
+        sc.validate(out_of_range)
+    short_row = Schedule("1f1b", 2, 1, 1, 1, "full", (((u, u),),))
+    with pytest.raises(ScheduleError, match="one per stage"):
+        sc.validate(short_row)
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (("nope", 4, 8), "unknown schedule"),
+        (("1f1b", 0, 8), "stages"),
+        (("1f1b", 4, 0), "microbatches"),
+        (("seq1f1b", 4, 8, 0), "segments"),
+        (("seq1f1b", 4, 6, 2, 2), "virtual"),
+        (("interleaved_1f1b", 4, 6, 1, 2), "multiple of"),
+        (("seq1f1b", 4, 8, 2, 1, "deep"), "inflight"),
+        (("seq1f1b", 4, 8, 4, 1, 2), "too small"),
+        (("seq1f1b", 4, 8, 2, 1, "full", [1.0]), "costs"),
+    ],
+)
+def test_bad_arguments(args, match):
+    with pytest.raises(ScheduleError, match=match):
+        sc.build(*args)
+
+
+def test_lowering_of_the_headline_schedule():
+    p = sc.lower(sc.build("seq1f1b", 4, 8, 4))
+    assert p.fwd_mb.shape == (len(sc.build("seq1f1b", 4, 8, 4).ticks), 4)
+    assert p.fwd_mb.dtype.name == "int32"
+    assert (p.num_stash, p.num_kv, p.num_recv_fwd, p.num_recv_bwd) == (10, 4, 1, 1)
+    s = sc.build("seq1f1b_interleaved", 4, 8, 2, 2)
+    simulate(s, sc.lower(s))
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "seqpipe.schedule", *args], capture_output=True, text=True
+    )
+
+
+def test_cli_text_and_json(tmp_path):
+    res = cli("--schedule", "seq1f1b", "--stages", "4", "--microbatches", "8", "--segments", "4")
+    assert res.returncode == 0, res.stderr
+    assert "F0.0" in res.stdout and "F3.1/B" in res.stdout and "B7.0" in res.stdout
+    assert "bubble: 0.0857" in res.stdout
+    out = tmp_path / "s.json"
+    res = cli(
+        "--schedule",
+        "seq1f1b_interleaved",
+        "--stages",
+        "2",
+        "--microbatches",
+        "4",
+        "--segments",
+        "2",
+        "--virtual",
+        "2",
+        "--inflight",
+        "minimal",
+        "--format",
+        "json",
+        "--out",
+        str(out),
+    )
+    assert res.returncode == 0, res.stderr
+    data = json.loads(out.read_text())
+    assert [data[k] for k in ("schedule", "stages", "microbatches", "segments", "virtual")] == [
+        "seq1f1b_interleaved",
+        2,
+        4,
+        2,
+        2,
+    ]
+    assert data["ticks"][0][0] == {
+        "stage": 0,
+        "forward": {"mb": 0, "seg": 0, "chunk": 0},
+        "backward": None,
+    }
+    assert len(data["ticks"][0]) == 2 and "bubble" in data["stats"]
+
+
+def test_cli_png(tmp_path):
+    out = tmp_path / "s.png"
+    res = cli("--schedule", "1f1b", "--stages", "2", "--microbatches", "3", "--format", "png")
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1
+    res = cli(
+        "--schedule",
+        "1f1b",
+        "--stages",
+        "2",
+        "--microbatches",
+        "3",
+        "--format",
+        "png",
+        "--out",
+        str(out),
+    )
+    assert res.returncode == 0, res.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--schedule", "seq1f1b", "--stages", "0", "--microbatches", "8"],
+        ["--schedule", "zero_bubble", "--stages", "4", "--microbatches", "8"],
+        ["--schedule", "seq1f1b", "--stages", "4", "--microbatches", "6", "--virtual", "2"],
+        [
+            "--schedule",
+            "seq1f1b_interleaved",
+            "--stages",
+            "4",
+            "--microbatches",
+            "6",
+            "--virtual",
+            "2",
+        ],
+        [
+            "--schedule",
+            "seq1f1b",
+            "--stages",
+            "4",
+            "--microbatches",
+            "8",
+            "--segments",
+            "9",
+            "--seq-len",
+            "8",
+        ],
+        ["--schedule", "seq1f1b", "--stages", "4", "--microbatches", "8", "--inflight", "deep"],
+        ["--schedule", "seq1f1b", "--stages", "four", "--microbatches", "8"],
+        ["--stages", "4", "--microbatches", "8"],
+    ],
+)
+def test_cli_bad_arguments_one_line_exit_2(args):
+    res = cli(*args)
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), res.stderr
+    assert "Traceback" not in res.stderr
