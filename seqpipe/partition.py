@@ -17,12 +17,15 @@ class PartitionError(ValueError):
     """Raised, with a one-line message, when a partition is impossible."""
 
 
-def _dense_and_attn(d_model: int, num_heads: int, d_ff: int, vocab_size: int) -> tuple[int, int]:
-    """Per-token and per-(query, key) coefficients of the cost model in seq1f1b.md.
+def _dense_and_attn(
+    d_model: int, num_heads: int, d_ff: int, vocab_size: int, num_layers: int | None
+) -> tuple[float, int]:
+    """Per-token and per-(query, key) coefficients of the per-layer cost model in seq1f1b.md.
 
-    A segment of length s ending at position P costs a*s + c*(s*P - s*s/2), where
-    a = 8*h*h + 4*h*F + 4*h*V (attention projections, MLP, head; n*d = h) and
-    c = (4*d + 3)*n (scores, weighted sum, softmax).
+    A segment of length s ending at position P costs a*s + c*(s*P - s*s/2) per layer, with
+    a = 8*h*h + 4*h*F (attention projections, MLP; n*d = h) and c = (4*d + 3)*n (scores,
+    weighted sum, softmax). The head's 4*h*V per token runs once per model, so it is
+    spread over `num_layers` when given and left out otherwise.
     """
     for name, value in (
         ("d_model", d_model),
@@ -35,7 +38,11 @@ def _dense_and_attn(d_model: int, num_heads: int, d_ff: int, vocab_size: int) ->
     if d_model % num_heads:
         raise PartitionError(f"d_model {d_model} is not a multiple of num_heads {num_heads}")
     head_dim = d_model // num_heads
-    dense = 8 * d_model * d_model + 4 * d_model * d_ff + 4 * d_model * vocab_size
+    dense = 8 * d_model * d_model + 4 * d_model * d_ff
+    if num_layers is not None:
+        if num_layers < 1:
+            raise PartitionError(f"num_layers must be >= 1, got {num_layers}")
+        dense += 4 * d_model * vocab_size / num_layers
     return dense, (4 * head_dim + 3) * num_heads
 
 
@@ -53,6 +60,7 @@ def segment_lengths(
     num_heads: int | None = None,
     d_ff: int | None = None,
     vocab_size: int | None = None,
+    num_layers: int | None = None,
     multiple: int = 1,
 ) -> tuple[int, ...]:
     """Lengths of `segments` contiguous segments summing to `seq_len`.
@@ -60,8 +68,9 @@ def segment_lengths(
     Every length is a positive multiple of `multiple`. `uniform` spreads the blocks of
     `multiple` tokens as evenly as possible, giving any extra block to the earliest
     segments (they are the cheapest under causal attention). `flops` equalises the
-    per-layer cost model of seq1f1b.md (head included) by solving each boundary for
-    an equal share of the cumulative cost, then rounding it to the nearest multiple.
+    per-layer cost model of seq1f1b.md (the head spread over `num_layers` if given): it
+    solves each boundary for an equal share of the cumulative cost (the same as solving
+    f(s, P) = T/K from the tail) and rounds it to the nearest multiple.
     """
     if kind not in KINDS:
         raise PartitionError(f"unknown partition kind {kind!r}; choose one of {KINDS}")
@@ -79,7 +88,7 @@ def segment_lengths(
     if kind == "uniform":
         base, extra = divmod(blocks, segments)
         return tuple((base + (i < extra)) * multiple for i in range(segments))
-    dense, attn = _dense_and_attn(d_model, num_heads, d_ff, vocab_size)
+    dense, attn = _dense_and_attn(d_model, num_heads, d_ff, vocab_size, num_layers)
     total = _prefix_cost(seq_len, dense, attn)
     bounds = [0]
     for j in range(1, segments):
@@ -99,11 +108,12 @@ def segment_flops(
     num_heads: int,
     d_ff: int,
     vocab_size: int,
+    num_layers: int | None = None,
 ) -> tuple[float, ...]:
     """Each segment's share (summing to 1) of one micro-batch's cost, per the model above."""
     if not lengths or min(lengths) < 1:
         raise PartitionError(f"segment lengths must be positive, got {tuple(lengths)}")
-    dense, attn = _dense_and_attn(d_model, num_heads, d_ff, vocab_size)
+    dense, attn = _dense_and_attn(d_model, num_heads, d_ff, vocab_size, num_layers)
     ends = [0]
     for n in lengths:
         ends.append(ends[-1] + n)
