@@ -599,8 +599,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, help="check K against it; weight stats by it")
     parser.add_argument("--partition", choices=partition.KINDS, default="uniform")
     parser.add_argument("--multiple", type=int, default=1, help="segment lengths multiple")
-    for dim in ("d-model", "num-heads", "d-ff", "vocab-size"):
-        parser.add_argument(f"--{dim}", type=int, help="model shape for --partition flops")
+    for dim in ("d-model", "num-heads", "d-ff", "vocab-size", "num-layers"):
+        parser.add_argument(f"--{dim}", type=int, help="model shape: FLOP-weighted costs")
     args = parser.parse_args(argv)
     try:
         costs = lengths = None
@@ -612,11 +612,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 num_heads=args.num_heads,
                 d_ff=args.d_ff,
                 vocab_size=args.vocab_size,
+                num_layers=args.num_layers,
             )
             lengths = partition.segment_lengths(
                 args.seq_len, args.segments, args.partition, multiple=args.multiple, **dims
             )
-            if args.partition == "flops":
+            # Weight units by FLOPs whenever the model shape is known.
+            if args.partition == "flops" or args.d_model is not None:
                 costs = partition.segment_flops(lengths, **dims)
         sched = build(
             args.schedule,
