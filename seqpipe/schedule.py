@@ -501,63 +501,61 @@ def to_json(s: Schedule, st: dict | None = None) -> dict:
 def to_png(s: Schedule, path: str, costs: Sequence[float] | None = None) -> None:
     """A timeline: one row per stage, x is synchronous time, boxes coloured by micro-batch.
 
-    Forwards are light, backwards dark and hatched; white gaps are bubbles.
+    Time is in units of one whole micro-batch's forward on a stage (a unit costs 1/(K*V)
+    of it), so pictures with different K or V share a scale. Forwards are light,
+    backwards dark and hatched; white gaps are bubbles. Ticks are drawn as long as their
+    busiest stage, as the synchronous executor runs them.
     """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
 
-    fc = _unit_costs(s.segments, costs)
+    fc = _unit_costs(s.segments, costs) / (s.segments * s.virtual)
     st = stats(s, costs)
     cmap = plt.get_cmap("tab10" if s.microbatches <= 10 else "tab20")
-    fig, ax = plt.subplots(figsize=(max(8.0, st["time"] * 0.12), 0.5 * s.stages + 1.3))
+    total = st["time"] / (s.segments * s.virtual)
+    fig, ax = plt.subplots(figsize=(max(8.0, total * 0.45), 0.55 * s.stages + 1.4))
     x = 0.0
     for row in s.ticks:
-        dur = max((fc[f.seg] if f else 0) + (2 * fc[b.seg] if b else 0) for f, b in row)
         for r, (f, b) in enumerate(row):
-            y = s.stages - 1 - r
-            x0 = x
+            y, x0 = s.stages - 1 - r, x
             for u, scale, back in ((f, 1, False), (b, 2, True)):
                 if u is None:
                     continue
                 w = scale * fc[u.seg]
-                color = cmap(u.mb % cmap.N)
+                style = dict(alpha=1.0, hatch="///") if back else dict(alpha=0.45)
                 ax.add_patch(
-                    matplotlib.patches.Rectangle(
+                    Rectangle(
                         (x0, y + 0.1),
                         w,
                         0.8,
-                        facecolor=color,
-                        alpha=1.0 if back else 0.45,
-                        hatch="//" if back else None,
+                        facecolor=cmap(u.mb % cmap.N),
                         edgecolor="black",
                         linewidth=0.4,
+                        **style,
                     )
                 )
-                if w >= 0.9:
-                    ax.text(
-                        x0 + w / 2,
-                        y + 0.5,
-                        _label(u, s.virtual),
-                        ha="center",
-                        va="center",
-                        fontsize=5,
-                    )
+                if w >= 0.2:
+                    label = _label(u, s.virtual) if w >= 0.45 else str(u.mb)
+                    ax.text(x0 + w / 2, y + 0.5, label, ha="center", va="center", fontsize=6)
                 x0 += w
-        x += dur
+        x += max((fc[f.seg] if f else 0) + (2 * fc[b.seg] if b else 0) for f, b in row)
     ax.set_xlim(0, x)
     ax.set_ylim(0, s.stages)
     ax.set_yticks([s.stages - 1 - r + 0.5 for r in range(s.stages)])
     ax.set_yticklabels([f"stage {r}" for r in range(s.stages)])
-    ax.set_xlabel("time (forward = 1, backward = 2; light = forward, dark hatched = backward)")
+    ax.set_xlabel(
+        "time (one micro-batch forward on a stage = 1; light = forward, hatched = backward)"
+    )
     ax.set_title(
         f"{s.name}  S={s.stages} M={s.microbatches} K={s.segments} V={s.virtual} "
-        f"inflight={s.inflight}: bubble {st['bubble']:.3f}, "
-        f"stage-0 peak {st['inflight_peak'][0]} units"
+        f"inflight={s.inflight}: bubble {st['bubble']:.3f}, stage-0 peak "
+        f"{st['inflight_peak'][0]} units = {st['activation_fraction'][0]:g} micro-batches"
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
