@@ -484,3 +484,20 @@ def test_cli_bad_arguments_one_line_exit_2(args):
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:"), res.stderr
     assert "Traceback" not in res.stderr
+
+
+@pytest.mark.slow
+def test_full_depth_bubble_over_the_whole_grid():
+    for S in range(1, 9):
+        for K in range(1, 9):
+            for M in range(1, 17):
+                for name in ("1f1b", "seq1f1b"):
+                    got = sc.stats(sc.build(name, S, M, K))["bubble"]
+                    assert got == pytest.approx((S - 1) / (M * K + S - 1), abs=5e-4)
+                for V in (2, 3):
+                    if M % S:
+                        continue
+                    for name in sc.INTERLEAVED:
+                        s = sc.build(name, S, M, K, V)
+                        got = sc.stats(s)["bubble"]
+                        assert got == pytest.approx((S - 1) / (V * M * K + S - 1), abs=5e-4)
