@@ -1,6 +1,7 @@
 """Schedule tables: validity, depth bounds, bubble formulas, slot lowering, CLI."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -11,7 +12,12 @@ from hypothesis import strategies as st
 from seqpipe import schedule as sc
 from seqpipe.schedule import Schedule, ScheduleError, Unit
 
-PROPS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# SEQPIPE_EXAMPLES=500 for a thorough sweep; the default keeps the file under ~20 s.
+PROPS = settings(
+    max_examples=int(os.environ.get("SEQPIPE_EXAMPLES", "40")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 
 
 @st.composite
