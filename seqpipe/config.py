@@ -42,7 +42,7 @@ def base_config() -> ml_collections.ConfigDict:
     )
     c.data = dict(
         source="stdlib", path="", tokenizer="bpe", token_dtype="uint16",
-        eval_fraction=0.02, cache_dir="",
+        eval_fraction=0.02, cache_dir="", tokenizer_path="",
     )
     return c
 
@@ -176,6 +176,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         inflight in ("minimal", "full") or (isinstance(inflight, int) and inflight >= 1),
         f"pipeline.inflight={inflight!r} is not valid; use 'minimal', 'full' or a positive integer",
     )
+    if p.schedule != "none":
+        _validate_pipeline(config)
     _require(t.steps >= 1, f"train.steps={t.steps} must be at least 1")
     _require(t.seq_len >= 1, f"train.seq_len={t.seq_len} must be at least 1")
     _require(
@@ -210,6 +212,30 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     _require(
         0 < d.eval_fraction < 1, f"data.eval_fraction={d.eval_fraction} must be in (0, 1)"
     )
+
+
+def _validate_pipeline(config: ml_collections.ConfigDict) -> None:
+    """The layer split, the segment partition and the schedule table must all be buildable."""
+    from seqpipe import partition, schedule  # pure NumPy, cheap
+
+    m, mesh, p = config.model, config.mesh, config.pipeline
+    chunks = mesh.stage * p.virtual_stages
+    _require(
+        m.num_layers % chunks == 0,
+        f"model.num_layers={m.num_layers} must be divisible by mesh.stage * "
+        f"pipeline.virtual_stages = {chunks}",
+    )
+    try:
+        partition.segment_lengths(
+            config.train.seq_len, p.segments, p.partition, d_model=m.d_model,
+            num_heads=m.num_heads, d_ff=m.d_ff, vocab_size=m.vocab_size,
+            num_layers=m.num_layers, multiple=p.partition_multiple,
+        )
+        schedule.build(
+            p.schedule, mesh.stage, p.microbatches, p.segments, p.virtual_stages, p.inflight
+        )
+    except ValueError as e:
+        raise ConfigError(f"pipeline: {e}") from None
 
 
 def parse_overrides(args: list[str]) -> dict[str, str]:

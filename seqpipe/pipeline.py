@@ -58,11 +58,12 @@ def make_spec(config, seq_len: int | None = None) -> PipelineSpec:
     seq_len = seq_len or config.train.seq_len
     lengths = partition.segment_lengths(
         seq_len, p.segments, p.partition, d_model=cfg.d_model, num_heads=cfg.num_heads,
-        d_ff=cfg.d_ff, vocab_size=cfg.vocab_size, multiple=p.partition_multiple,
+        d_ff=cfg.d_ff, vocab_size=cfg.vocab_size, num_layers=cfg.num_layers,
+        multiple=p.partition_multiple,
     )
     costs = partition.segment_flops(
         lengths, d_model=cfg.d_model, num_heads=cfg.num_heads, d_ff=cfg.d_ff,
-        vocab_size=cfg.vocab_size,
+        vocab_size=cfg.vocab_size, num_layers=cfg.num_layers,
     )
     table = schedule.build(
         p.schedule, config.mesh.stage, p.microbatches, p.segments, p.virtual_stages,

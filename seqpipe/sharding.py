@@ -26,3 +26,14 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
+
+
+def state_shardings(state_shapes, mesh: Mesh):
+    """Layer weights (and their optimizer moments) split over `stage` by blocks of layers;
+    everything else replicated. With one stage this is plain replication."""
+
+    def spec(path, _):
+        in_layers = any(getattr(k, "key", None) == "layers" for k in path)
+        return NamedSharding(mesh, P(STAGE) if in_layers else P())
+
+    return jax.tree_util.tree_map_with_path(spec, state_shapes)

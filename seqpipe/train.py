@@ -12,7 +12,7 @@ import optax
 from ml_collections import ConfigDict
 
 from seqpipe import config as config_lib
-from seqpipe import data, model, optim, reference, sharding
+from seqpipe import data, model, optim, pipeline, reference, sharding
 from seqpipe.metrics import MetricsLog, Throughput
 from seqpipe.model import GPTConfig
 
@@ -31,7 +31,8 @@ def make_grad_fn(config: ConfigDict, mesh: jax.sharding.Mesh) -> GradFn:
         return lambda params, tokens: reference.loss_and_grads(
             params, tokens, cfg, config.pipeline.remat
         )
-    raise NotImplementedError(f"pipeline.schedule={config.pipeline.schedule}")
+    spec = pipeline.make_spec(config)
+    return lambda params, tokens: pipeline.loss_and_grads(params, tokens, spec, mesh)
 
 
 def init_state(
@@ -45,7 +46,7 @@ def init_state(
         return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
 
     shapes = jax.eval_shape(init, jax.random.key(config.train.seed))
-    shardings = jax.tree.map(lambda _: sharding.replicated(mesh), shapes)
+    shardings = sharding.state_shardings(shapes, mesh)
     return jax.jit(init, out_shardings=shardings)(jax.random.key(config.train.seed))
 
 
@@ -78,7 +79,8 @@ def run(config: ConfigDict, workdir: str) -> list[dict]:
     t = config.train
     config_lib.validate(config, jax.device_count())
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.stage)
-    train_tokens, eval_tokens = data.load_tokens(config, workdir)
+    train_tokens, eval_tokens = data.load_tokens(config, workdir)  # checks the data first
+    prepare_workdir(workdir)
     batches = data.train_iterator(config, train_tokens)
     eval_set = (
         [data.to_global(b, mesh) for b in data.eval_batches(config, eval_tokens, t.eval_batches)]
