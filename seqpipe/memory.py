@@ -1,0 +1,246 @@
+"""Per-device memory of the compiled pipelined step: XLA's figures against the carry.
+
+    python -m seqpipe.memory --config CONFIG [--config.key=value ...]
+        [--schedules 1f1b,seq1f1b:2,seq1f1b:4,seq1f1b:8] [--depths full,minimal] [--json FILE]
+
+`step_memory(config)` compiles `pipeline.loss_and_grads` for the configured mesh from
+abstract shapes (nothing is allocated) and returns XLA's `memory_analysis()` (temporary,
+argument, output, alias and generated-code bytes; per device, since the SPMD module is
+the per-device program) next to an analytic breakdown of the scan carry computed from the
+lowered schedule (`schedule.Program`) and the shapes the executor uses:
+
+  stash      max(num_stash, 1) x [b, Lseg, D]              inputs kept for the backward
+  messages   (max(num_recv_fwd, 1) + max(num_recv_bwd, 1)) x [b, Lseg, D]
+  kv         2 x num_kv x [n, b, L, H, E]                    kv_k + kv_v
+  dkv        2 x num_kv x [n, b, L, H, E]                    dkv_k + dkv_v
+  grads      the stage's layer gradients + the replicated shared ones (param dtype)
+
+b rows per micro-batch, Lseg the longest segment, n layers per stage (all chunks), D model
+width, H heads of width E. `temp - carry` is what XLA needs beyond the carry: mostly the
+working set of one unit's recomputed forward and its vjp (attention probabilities of every
+layer of the stage for one segment, logits on the last stage), plus any copies it makes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+# Nothing imports jax at module level, so `main` can still set the fake CPU device count.
+
+DEFAULT_SCHEDULES = "1f1b,seq1f1b:2,seq1f1b:4,seq1f1b:8"
+
+
+def _nbytes(shape, dtype) -> int:
+    import numpy as np
+
+    return int(math.prod(shape)) * np.dtype(dtype).itemsize
+
+
+def carry_bytes(spec, rows: int) -> dict:
+    """Analytic bytes of the executor's scan carry on one device (the largest stage).
+
+    `rows` is the number of sequences in one micro-batch on one data replica.
+    """
+    import jax.numpy as jnp
+
+    cfg, prog = spec.cfg, spec.program
+    seq_len = sum(spec.lengths)
+    n = cfg.num_layers // spec.stages  # layers per stage, all chunks together
+    act = jnp.dtype(cfg.dtype)
+    msg = _nbytes((rows, max(spec.lengths), cfg.d_model), act)
+    kv_one = _nbytes((prog.num_kv, n, rows, seq_len, cfg.num_heads, cfg.head_dim), act)
+    p_item = jnp.dtype(cfg.param_dtype).itemsize
+    shared, layers = _param_counts(cfg)
+    out = {
+        "stash": max(prog.num_stash, 1) * msg,
+        "messages": (max(prog.num_recv_fwd, 1) + max(prog.num_recv_bwd, 1)) * msg,
+        "kv": 2 * kv_one,
+        "dkv": 2 * kv_one,
+        "grads": (shared + layers // spec.stages) * p_item,
+        "loss": 4,
+    }
+    out["carry"] = sum(out.values())
+    return out
+
+
+def _param_counts(cfg) -> tuple[int, int]:
+    """(shared, layer) parameter counts, from abstract shapes."""
+    import jax
+
+    from seqpipe import model
+
+    shapes = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
+    layers = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes["layers"]))
+    total = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
+    return total - layers, layers
+
+
+def compile_step(config):
+    """(spec, compiled) for the pipelined loss-and-gradients step, from abstract inputs.
+
+    Parameters are sharded as in training: layers split over `stage`, the rest
+    replicated; the batch is split over `data`.
+    """
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from seqpipe import model, pipeline, sharding
+
+    spec = pipeline.make_spec(config)
+    mesh = sharding.make_mesh(config.mesh.data, config.mesh.stage)
+    shapes = jax.eval_shape(lambda: model.init_params(spec.cfg, jax.random.key(0)))
+
+    def place(path, x):
+        in_layers = any(getattr(k, "key", None) == "layers" for k in path)
+        part = NamedSharding(mesh, P(sharding.STAGE) if in_layers else P())
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=part)
+
+    params = jax.tree_util.tree_map_with_path(place, shapes)
+    tokens = jax.ShapeDtypeStruct(
+        (config.train.global_batch_size, config.train.seq_len + 1),
+        np.int32,
+        sharding=sharding.batch_sharding(mesh),
+    )
+    step = jax.jit(lambda p, t: pipeline.loss_and_grads(p, t, spec, mesh))
+    return spec, step.lower(params, tokens).compile()
+
+
+def step_memory(config) -> dict:
+    """XLA's per-device memory of the compiled step and the analytic carry breakdown.
+
+    Returns a flat dict: schedule, segments (K), depth, stages, microbatches, rows,
+    seq_len; the schedule's stage-0 bound (`stash_units`: units held between forward and
+    backward; `stash_microbatches`: the same in whole micro-batches of activations); the
+    Program's slot counts; XLA's `temp`, `argument`, `output`, `alias`, `code` bytes;
+    and the carry's `stash`, `messages`, `kv`, `dkv`, `grads`, `carry` bytes.
+    """
+    from seqpipe import schedule
+
+    spec, compiled = compile_step(config)
+    rows = config.train.global_batch_size // (config.mesh.data * config.pipeline.microbatches)
+    st = schedule.stats(spec.schedule, lengths=spec.lengths)
+    prog = spec.program
+    ma = compiled.memory_analysis()
+    return {
+        "schedule": spec.schedule.name,
+        "segments": spec.schedule.segments,
+        "depth": str(spec.schedule.inflight),
+        "stages": spec.stages,
+        "microbatches": spec.schedule.microbatches,
+        "rows": rows,
+        "seq_len": sum(spec.lengths),
+        "stash_units": st["inflight_peak"][0],
+        "stash_microbatches": st["activation_fraction"][0],
+        "num_stash": prog.num_stash,
+        "num_kv": prog.num_kv,
+        "num_recv_fwd": prog.num_recv_fwd,
+        "num_recv_bwd": prog.num_recv_bwd,
+        "temp": int(ma.temp_size_in_bytes),
+        "argument": int(ma.argument_size_in_bytes),
+        "output": int(ma.output_size_in_bytes),
+        "alias": int(ma.alias_size_in_bytes),
+        "code": int(ma.generated_code_size_in_bytes),
+        **carry_bytes(spec, rows),
+    }
+
+
+def with_schedule(config, name: str, segments: int, depth: str | int):
+    """A copy of `config` with another schedule, segment count and depth."""
+    from seqpipe import config as config_lib
+
+    c = config.copy_and_resolve_references()
+    with c.unlocked():
+        c.pipeline.schedule = name
+        c.pipeline.segments = segments
+        c.pipeline.inflight = depth
+    config_lib.validate(c)
+    return c
+
+
+def parse_schedules(text: str) -> list[tuple[str, int]]:
+    """'1f1b,seq1f1b:4' -> [('1f1b', 1), ('seq1f1b', 4)]; a bare seq1f1b keeps K from config."""
+    out = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        name, _, k = item.partition(":")
+        if k and not k.isdigit():
+            raise ValueError(f"--schedules: {item!r}: K must be a positive integer")
+        out.append((name, int(k) if k else 0))
+    if not out:
+        raise ValueError("--schedules is empty")
+    return out
+
+
+def _default_k(config, name: str) -> int:
+    return config.pipeline.segments if name.startswith("seq1f1b") else 1
+
+
+def _mib(x: int) -> str:
+    return f"{x / 2**20:.2f}"
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown: one row per (depth, schedule, K); bytes in MiB; ratio of temp to 1f1b's."""
+    head = (
+        "| schedule | K | depth | stage-0 bound (units = micro-batches) | XLA temp MiB | "
+        "carry MiB | stash MiB | KV+dKV MiB | grads MiB | temp - carry MiB | temp / 1f1b |"
+    )
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    base = {r["depth"]: r["temp"] for r in rows if r["schedule"] == "1f1b"}
+    for r in rows:
+        ratio = f"{r['temp'] / base[r['depth']]:.2f}" if r["depth"] in base else "-"
+        lines.append(
+            f"| {r['schedule']} | {r['segments']} | {r['depth']} | {r['stash_units']} = "
+            f"{r['stash_microbatches']:g} | {_mib(r['temp'])} | {_mib(r['carry'])} | "
+            f"{_mib(r['stash'])} | {_mib(r['kv'] + r['dkv'])} | {_mib(r['grads'])} | "
+            f"{_mib(r['temp'] - r['carry'])} | {ratio} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    from seqpipe import cli
+
+    def flags(parser):
+        parser.add_argument("--schedules", default=DEFAULT_SCHEDULES)
+        parser.add_argument("--depths", default=None, help="e.g. full,minimal (default: config)")
+        parser.add_argument("--json", default=None, help="also write the rows as JSON here")
+
+    config, args = cli.load_or_exit(argv, "python -m seqpipe.memory", flags)
+    from seqpipe import config as config_lib
+
+    try:
+        items = parse_schedules(args.schedules)
+        depths = (
+            [config.pipeline.inflight]
+            if args.depths is None
+            else [int(d) if d.isdigit() else d for d in args.depths.split(",") if d]
+        )
+        configs = [
+            with_schedule(config, name, k or _default_k(config, name), depth)
+            for depth in depths
+            for name, k in items
+        ]
+    except (ValueError, config_lib.ConfigError) as e:
+        cli.fail(str(e))
+    rows = []
+    for c in configs:
+        rows.append(step_memory(c))
+        print(
+            f"# compiled {c.pipeline.schedule} K={c.pipeline.segments} "
+            f"depth={c.pipeline.inflight}: temp {_mib(rows[-1]['temp'])} MiB",
+            file=sys.stderr,
+            flush=True,
+        )
+    sys.stdout.write(table(rows))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
