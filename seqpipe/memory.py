@@ -109,14 +109,60 @@ def compile_step(config):
     return spec, step.lower(params, tokens).compile()
 
 
-def step_memory(config) -> dict:
+def unit_temp_bytes(spec, rows: int, seg: int) -> int:
+    """XLA temp bytes of one backward unit alone: the recomputed forward and its vjp.
+
+    The stage function of segment `seg` (n layers, plus the embedding and the head behind
+    run-time flags, as in the executor) on one device, from abstract inputs: the stashed
+    input, the K/V prefix and the cotangents are arguments here, so this is the working
+    set the step needs on top of its carry while a unit's backward runs.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from seqpipe import model, pipeline
+
+    cfg = spec.cfg
+    n = cfg.num_layers // spec.stages // spec.virtual
+    off, length, seg_max = spec.offsets[seg], spec.lengths[seg], max(spec.lengths)
+    act = jnp.dtype(cfg.dtype)
+    shapes = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
+    chunk = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((n,) + x.shape[1:], x.dtype), shapes["layers"]
+    )
+    shared = {k: v for k, v in shapes.items() if k != "layers"}
+    sds = jax.ShapeDtypeStruct
+    x_in = sds((rows, seg_max, cfg.d_model), act)
+    prefix = sds((n, rows, off, cfg.num_heads, cfg.head_dim), act)
+    own = sds((n, rows, length, cfg.num_heads, cfg.head_dim), act)
+    tok = sds((rows, length), jnp.int32)
+    flag = sds((), jnp.bool_)
+    unit = pipeline._unit(spec, seg, 1.0)
+
+    def backward(p, sh, x, k, v, tokens, targets, first, last, dy, dk, dv):
+        f = lambda p, sh, x, k, v: unit(p, sh, x, k, v, tokens, targets, first, last)  # noqa: E731
+        _, vjp = jax.vjp(f, p, sh, x, k, v)
+        return vjp((dy, jnp.ones((), jnp.float32), dk, dv))
+
+    compiled = (
+        jax.jit(backward)
+        .lower(chunk, shared, x_in, prefix, prefix, tok, tok, flag, flag, x_in, own, own)
+        .compile()
+    )
+    return int(compiled.memory_analysis().temp_size_in_bytes)
+
+
+def step_memory(config, unit: bool = True) -> dict:
     """XLA's per-device memory of the compiled step and the analytic carry breakdown.
 
     Returns a flat dict: schedule, segments (K), depth, stages, microbatches, rows,
     seq_len; the schedule's stage-0 bound (`stash_units`: units held between forward and
     backward; `stash_microbatches`: the same in whole micro-batches of activations); the
-    Program's slot counts; XLA's `temp`, `argument`, `output`, `alias`, `code` bytes;
-    and the carry's `stash`, `messages`, `kv`, `dkv`, `grads`, `carry` bytes.
+    Program's slot counts; XLA's `temp`, `argument`, `output`, `alias`, `code` bytes; the
+    carry's `stash`, `messages`, `kv`, `dkv`, `grads`, `carry` bytes. With `unit`, also
+    `unit`, the temp bytes of the largest backward unit compiled alone
+    (`unit_temp_bytes`), and `excess = temp - carry - unit`, what XLA holds beyond both
+    (copies of carry buffers, overlapping lifetimes).
     """
     from seqpipe import schedule
 
@@ -125,7 +171,7 @@ def step_memory(config) -> dict:
     st = schedule.stats(spec.schedule, lengths=spec.lengths)
     prog = spec.program
     ma = compiled.memory_analysis()
-    return {
+    out = {
         "schedule": spec.schedule.name,
         "segments": spec.schedule.segments,
         "depth": str(spec.schedule.inflight),
@@ -146,6 +192,12 @@ def step_memory(config) -> dict:
         "code": int(ma.generated_code_size_in_bytes),
         **carry_bytes(spec, rows),
     }
+    if unit:
+        # The largest working set: the longest segment, or the one with the longest prefix.
+        segs = {spec.lengths.index(max(spec.lengths)), len(spec.lengths) - 1}
+        out["unit"] = max(unit_temp_bytes(spec, rows, k) for k in segs)
+        out["excess"] = out["temp"] - out["carry"] - out["unit"]
+    return out
 
 
 def with_schedule(config, name: str, segments: int, depth: str | int):
@@ -183,20 +235,28 @@ def _mib(x: int) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    """Markdown: one row per (depth, schedule, K); bytes in MiB; ratio of temp to 1f1b's."""
+    """Markdown: one row per (depth, schedule, K), bytes in MiB, ratios to 1f1b's row."""
     head = (
-        "| schedule | K | depth | stage-0 bound (units = micro-batches) | XLA temp MiB | "
-        "carry MiB | stash MiB | KV+dKV MiB | grads MiB | temp - carry MiB | temp / 1f1b |"
+        "| schedule | K | depth | stage-0 bound, units (micro-batches) | bound / 1f1b | "
+        "XLA temp MiB | temp / 1f1b | stash MiB | KV+dKV MiB (% of temp) | grads MiB | "
+        "carry MiB | unit MiB | excess MiB |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    base = {r["depth"]: r["temp"] for r in rows if r["schedule"] == "1f1b"}
+    base = {r["depth"]: r for r in rows if r["schedule"] == "1f1b"}
+
+    def ratio(r, key):
+        b = base.get(r["depth"])
+        return f"{r[key] / b[key]:.2f}" if b else "-"
+
     for r in rows:
-        ratio = f"{r['temp'] / base[r['depth']]:.2f}" if r["depth"] in base else "-"
+        kv = r["kv"] + r["dkv"]
         lines.append(
-            f"| {r['schedule']} | {r['segments']} | {r['depth']} | {r['stash_units']} = "
-            f"{r['stash_microbatches']:g} | {_mib(r['temp'])} | {_mib(r['carry'])} | "
-            f"{_mib(r['stash'])} | {_mib(r['kv'] + r['dkv'])} | {_mib(r['grads'])} | "
-            f"{_mib(r['temp'] - r['carry'])} | {ratio} |"
+            f"| {r['schedule']} | {r['segments']} | {r['depth']} | {r['stash_units']} "
+            f"({r['stash_microbatches']:g}) | {ratio(r, 'stash_microbatches')} | "
+            f"{_mib(r['temp'])} | {ratio(r, 'temp')} | {_mib(r['stash'])} | "
+            f"{_mib(kv)} ({100 * kv / r['temp']:.0f}%) | {_mib(r['grads'])} | "
+            f"{_mib(r['carry'])} | {_mib(r['unit']) if 'unit' in r else '-'} | "
+            f"{_mib(r['excess']) if 'excess' in r else '-'} |"
         )
     return "\n".join(lines) + "\n"
 
