@@ -27,22 +27,55 @@ def base_config() -> ml_collections.ConfigDict:
     """Every key seqpipe reads, with defaults."""
     c = ml_collections.ConfigDict()
     c.model = dict(
-        vocab_size=4096, num_layers=4, d_model=128, num_heads=4, d_ff=512,
-        dtype="float32", param_dtype="float32", rope_base=10000.0, init_std=0.02,
+        vocab_size=4096,
+        num_layers=4,
+        d_model=128,
+        num_heads=4,
+        d_ff=512,
+        dtype="float32",
+        param_dtype="float32",
+        rope_base=10000.0,
+        init_std=0.02,
     )
     c.mesh = dict(data=1, stage=1)
     c.pipeline = dict(
-        schedule="none", microbatches=1, segments=1, partition="uniform",
-        partition_multiple=1, virtual_stages=1, inflight="full", remat=False,
+        schedule="none",
+        microbatches=1,
+        segments=1,
+        partition="uniform",
+        partition_multiple=1,
+        virtual_stages=1,
+        inflight="full",
+        remat=False,
     )
     c.train = dict(
-        steps=100, global_batch_size=8, seq_len=128, learning_rate=3e-3,
-        min_lr_ratio=0.1, warmup_steps=10, weight_decay=0.1, grad_clip=1.0,
-        b1=0.9, b2=0.95, seed=0, log_every=10, eval_every=0, eval_batches=4,
+        steps=100,
+        global_batch_size=8,
+        seq_len=128,
+        learning_rate=3e-3,
+        min_lr_ratio=0.1,
+        warmup_steps=10,
+        weight_decay=0.1,
+        grad_clip=1.0,
+        b1=0.9,
+        b2=0.95,
+        seed=0,
+        log_every=10,
+        eval_every=0,
+        eval_batches=4,
+        stop_at=0,  # end this invocation at this step, with a checkpoint; 0: at train.steps
     )
+    # Checkpoints under WORKDIR/checkpoints: every `every` steps (0: only at the end), the
+    # newest `keep` kept (0: all), written by a background thread when async_save.
+    c.checkpoint = dict(every=1000, keep=3, async_save=True)
     c.data = dict(
-        source="stdlib", path="", tokenizer="bpe", token_dtype="uint16",
-        eval_fraction=0.02, cache_dir="", tokenizer_path="",
+        source="stdlib",
+        path="",
+        tokenizer="bpe",
+        token_dtype="uint16",
+        eval_fraction=0.02,
+        cache_dir="",
+        tokenizer_path="",
     )
     return c
 
@@ -85,9 +118,7 @@ def _parse_value(key: str, text: str, default):
     try:
         value = ast.literal_eval(text)
     except (ValueError, SyntaxError):
-        raise ConfigError(
-            f"--config.{key}={text}: expected a {type(default).__name__}"
-        ) from None
+        raise ConfigError(f"--config.{key}={text}: expected a {type(default).__name__}") from None
     if isinstance(default, float) and isinstance(value, int):
         value = float(value)
     if not isinstance(value, type(default)):
@@ -198,6 +229,10 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     for key in ("warmup_steps", "log_every", "eval_every", "eval_batches"):
         _require(t[key] >= 0, f"train.{key}={t[key]} must be >= 0")
     _require(t.log_every >= 1, f"train.log_every={t.log_every} must be at least 1")
+    _require(t.stop_at >= 0, f"train.stop_at={t.stop_at} must be >= 0 (0: run to train.steps)")
+    ck = config.checkpoint
+    for key in ("every", "keep"):
+        _require(ck[key] >= 0, f"checkpoint.{key}={ck[key]} must be >= 0")
     _choice(config, "data.source", SOURCES)
     _choice(config, "data.tokenizer", TOKENIZERS)
     _choice(config, "data.token_dtype", ("uint16", "uint32"))
@@ -209,9 +244,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         d.tokenizer != "byte" or m.vocab_size >= 256,
         f"model.vocab_size={m.vocab_size} is below 256, the byte tokenizer's size",
     )
-    _require(
-        0 < d.eval_fraction < 1, f"data.eval_fraction={d.eval_fraction} must be in (0, 1)"
-    )
+    _require(0 < d.eval_fraction < 1, f"data.eval_fraction={d.eval_fraction} must be in (0, 1)")
 
 
 def _validate_pipeline(config: ml_collections.ConfigDict) -> None:
@@ -227,9 +260,15 @@ def _validate_pipeline(config: ml_collections.ConfigDict) -> None:
     )
     try:
         partition.segment_lengths(
-            config.train.seq_len, p.segments, p.partition, d_model=m.d_model,
-            num_heads=m.num_heads, d_ff=m.d_ff, vocab_size=m.vocab_size,
-            num_layers=m.num_layers, multiple=p.partition_multiple,
+            config.train.seq_len,
+            p.segments,
+            p.partition,
+            d_model=m.d_model,
+            num_heads=m.num_heads,
+            d_ff=m.d_ff,
+            vocab_size=m.vocab_size,
+            num_layers=m.num_layers,
+            multiple=p.partition_multiple,
         )
         schedule.build(
             p.schedule, mesh.stage, p.microbatches, p.segments, p.virtual_stages, p.inflight
@@ -244,8 +283,10 @@ def parse_overrides(args: list[str]) -> dict[str, str]:
     while i < len(args):
         arg = args[i]
         if not arg.startswith("--config."):
-            raise ConfigError(f"unknown argument {arg!r}; overrides look like --config.train.steps=10")
-        key, sep, value = arg[len("--config."):].partition("=")
+            raise ConfigError(
+                f"unknown argument {arg!r}; overrides look like --config.train.steps=10"
+            )
+        key, sep, value = arg[len("--config.") :].partition("=")
         if not sep:
             if i + 1 >= len(args):
                 raise ConfigError(f"{arg} needs a value, e.g. {arg}=VALUE")

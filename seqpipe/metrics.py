@@ -1,30 +1,117 @@
-"""Training metrics: console lines and WORKDIR/metrics.jsonl (one JSON object per logged step)."""
+"""Training metrics: console, WORKDIR/metrics.jsonl and TensorBoard event files in WORKDIR.
+
+FLOPs follow PaLM's convention (`model.flops_per_token`: 6N + 12 * layers * d_model *
+seq_len per token, N the non-embedding matmul and head parameters). MFU is achieved model
+FLOP/s over the devices' dense bf16 peak from `PEAK_FLOPS` (per chip, from the vendors'
+data sheets); on a device kind not in the table (and on CPU) only the achieved FLOP/s are
+reported.
+"""
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
 
+# Dense (no sparsity) bf16 peak FLOP/s per device, keyed by a prefix of `device.device_kind`.
+PEAK_FLOPS = {
+    "TPU v2": 45e12,
+    "TPU v3": 123e12,
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,  # v5e
+    "TPU v5e": 197e12,
+    "TPU v5p": 459e12,
+    "TPU v5": 459e12,
+    "TPU v6 lite": 918e12,  # v6e (Trillium)
+    "TPU v6e": 918e12,
+    "NVIDIA A100": 312e12,
+    "NVIDIA H100 PCIe": 756e12,
+    "NVIDIA H100": 989e12,  # SXM
+    "NVIDIA H200": 989e12,
+    "NVIDIA H800": 989e12,
+    "NVIDIA GH200": 989e12,
+    "NVIDIA B200": 2250e12,
+    "NVIDIA L4": 121e12,
+    "NVIDIA A10G": 70e12,
+    "NVIDIA L40S": 362e12,
+}
+
+
+def peak_flops(device_kind: str) -> float | None:
+    """Peak dense bf16 FLOP/s of one device of this kind, or None if unknown (e.g. CPU)."""
+    matches = [k for k in PEAK_FLOPS if device_kind.startswith(k)]
+    return PEAK_FLOPS[max(matches, key=len)] if matches else None
+
+
+def device_memory_peak(devices) -> int | None:
+    """Largest `peak_bytes_in_use` over the devices, where the backend reports it."""
+    peaks = []
+    for d in devices:
+        try:
+            stats = d.memory_stats()
+        except Exception:  # some backends raise instead of returning None
+            stats = None
+        if stats and "peak_bytes_in_use" in stats:
+            peaks.append(int(stats["peak_bytes_in_use"]))
+    return max(peaks) if peaks else None
+
 
 class MetricsLog:
-    """Writes logged steps to the console and to metrics.jsonl; only the main process writes."""
+    """Writes logged steps to the console, metrics.jsonl and TensorBoard; only if enabled
+    (the main process). On a terminal a progress bar with ETA sits below the lines."""
 
-    def __init__(self, workdir: str | Path, total_steps: int, enabled: bool = True):
+    def __init__(
+        self, workdir: str | Path, total_steps: int, enabled: bool = True, start_step: int = 0
+    ):
         self.enabled = enabled
         self.total_steps = total_steps
         self.path = Path(workdir) / "metrics.jsonl"
         self._file = open(self.path, "a") if enabled else None
+        self._tb = None
+        if enabled:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(str(workdir), flush_secs=10)
+        self.progress = Progress(total_steps, start_step) if enabled and _isatty() else None
 
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        print(format_line(record, self.total_steps), flush=True)
+        for key, value in record.items():
+            if key != "step" and isinstance(value, int | float) and math.isfinite(value):
+                self._tb.add_scalar(key, value, record["step"])
+        self.print(format_line(record, self.total_steps))
+
+    def print(self, line: str) -> None:
+        """A console line (main process only), drawn above the progress bar."""
+        if not self.enabled:
+            return
+        if self.progress:
+            self.progress.clear()
+        print(line, flush=True)
+        if self.progress:
+            self.progress.draw()
+
+    def step(self, step: int) -> None:
+        if self.progress:
+            self.progress.update(step)
 
     def close(self) -> None:
+        if self.progress:
+            self.progress.clear()
+        if self._tb:
+            self._tb.close()
         if self._file:
             self._file.close()
+
+
+def _isatty() -> bool:
+    try:
+        return sys.stdout.isatty()
+    except (AttributeError, ValueError):
+        return False
 
 
 def format_line(record: dict, total_steps: int) -> str:
@@ -36,18 +123,75 @@ def format_line(record: dict, total_steps: int) -> str:
         ("grad_norm", "grad_norm {:.3f}"),
         ("tokens_per_s", "tok/s {:,.0f}"),
         ("step_time_s", "step {:.3f}s"),
+        ("mfu", "mfu {:.1%}"),
+        ("flops_per_s", "{:.3g} FLOP/s"),
+        ("peak_memory_bytes", "mem {}"),
     ):
+        if key == "flops_per_s" and "mfu" in record:
+            continue  # MFU says it where the peak is known
         if key in record:
-            parts.append(fmt.format(record[key]))
+            value = record[key]
+            parts.append(fmt.format(_bytes(value) if key == "peak_memory_bytes" else value))
     return "  ".join(parts)
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+class Progress:
+    """A one-line bar with rate and ETA, redrawn in place on a terminal."""
+
+    WIDTH = 30
+
+    def __init__(self, total: int, start: int = 0, stream=None):
+        self.total, self.start, self.step = total, start, start
+        self.stream = stream or sys.stdout
+        self._t0 = time.perf_counter()
+        self._shown = False
+
+    def update(self, step: int) -> None:
+        self.step = step
+        self.draw()
+
+    def text(self) -> str:
+        done = self.step - self.start
+        elapsed = time.perf_counter() - self._t0
+        rate = done / elapsed if elapsed > 0 and done else 0.0
+        eta = (self.total - self.step) / rate if rate else float("nan")
+        filled = int(self.WIDTH * self.step / max(self.total, 1))
+        bar = "#" * filled + "." * (self.WIDTH - filled)
+        return f"[{bar}] {self.step}/{self.total}  {rate:.2f} step/s  eta {_duration(eta)}"
+
+    def draw(self) -> None:
+        self.stream.write("\r" + self.text() + "\x1b[K")
+        self.stream.flush()
+        self._shown = True
+
+    def clear(self) -> None:
+        if self._shown:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+            self._shown = False
+
+
+def _duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "--:--"
+    s = int(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
 class Throughput:
     """Tokens per second between successive logged steps, measured on the host clock."""
 
-    def __init__(self):
+    def __init__(self, start_step: int = 0):
         self._time = time.perf_counter()
-        self._step = 0
+        self._step = start_step
 
     def update(self, step: int, tokens_per_step: int) -> tuple[float, float]:
         now = time.perf_counter()

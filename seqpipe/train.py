@@ -1,6 +1,15 @@
-"""Train state, the jitted training step and the training loop."""
+"""Train state, the jitted training step, the training loop, and ahead-of-time compilation.
+
+The loop dispatches step t, then reads step t-1's metrics, so the host never waits on the
+step it just launched. Checkpoints (`seqpipe.checkpoint`) are saved every
+`checkpoint.every` steps and at the end; a run resumes from the newest one in its workdir.
+SIGTERM or SIGINT finishes the current step, saves, and returns; a second SIGINT aborts.
+"""
 
 import math
+import signal
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -11,9 +20,9 @@ import numpy as np
 import optax
 from ml_collections import ConfigDict
 
+from seqpipe import checkpoint, data, model, optim, pipeline, reference, schedule, sharding
 from seqpipe import config as config_lib
-from seqpipe import data, model, optim, pipeline, reference, sharding
-from seqpipe.metrics import MetricsLog, Throughput
+from seqpipe.metrics import MetricsLog, Throughput, device_memory_peak, peak_flops
 from seqpipe.model import GPTConfig
 
 State = dict[str, Any]
@@ -35,19 +44,31 @@ def make_grad_fn(config: ConfigDict, mesh: jax.sharding.Mesh) -> GradFn:
     return lambda params, tokens: pipeline.loss_and_grads(params, tokens, spec, mesh)
 
 
-def init_state(
-    config: ConfigDict, mesh: jax.sharding.Mesh, tx: optax.GradientTransformation
-) -> State:
-    """Parameters and optimizer state, created directly in their shardings."""
+def _init_fn(config: ConfigDict, tx: optax.GradientTransformation) -> Callable:
     cfg = GPTConfig.from_config(config.model)
 
     def init(key):
         params = model.init_params(cfg, key)
         return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
 
-    shapes = jax.eval_shape(init, jax.random.key(config.train.seed))
-    shardings = sharding.state_shardings(shapes, mesh)
-    return jax.jit(init, out_shardings=shardings)(jax.random.key(config.train.seed))
+    return init
+
+
+def abstract_state(
+    config: ConfigDict, mesh: jax.sharding.Mesh, tx: optax.GradientTransformation
+) -> State:
+    """Shapes, dtypes and shardings of the train state, with nothing allocated."""
+    shapes = jax.eval_shape(_init_fn(config, tx), jax.random.key(config.train.seed))
+    return checkpoint.abstract(shapes, sharding.state_shardings(shapes, mesh))
+
+
+def init_state(
+    config: ConfigDict, mesh: jax.sharding.Mesh, tx: optax.GradientTransformation
+) -> State:
+    """Parameters and optimizer state, created directly in their shardings."""
+    shardings = jax.tree.map(lambda s: s.sharding, abstract_state(config, mesh, tx))
+    init = jax.jit(_init_fn(config, tx), out_shardings=shardings)
+    return init(jax.random.key(config.train.seed))
 
 
 def make_train_step(grad_fn: GradFn, tx: optax.GradientTransformation, lr_fn) -> Callable:
@@ -74,8 +95,62 @@ def make_eval_fn(config: ConfigDict) -> Callable:
     return jax.jit(lambda params, tokens: model.loss(params, tokens, cfg))
 
 
+def bubble_fraction(config: ConfigDict) -> float:
+    """The schedule's idle fraction under the synchronous-tick model (0 without a pipeline)."""
+    if config.pipeline.schedule == "none":
+        return 0.0
+    spec = pipeline.make_spec(config)
+    return schedule.stats(spec.schedule)["bubble"]
+
+
+class StopRequest:
+    """SIGTERM/SIGINT set a flag the loop checks after each step; a second SIGINT aborts.
+
+    With several processes, all must stop at the same step: SIGTERM is left to JAX's
+    preemption service (`reached_preemption_sync_point`), which agrees on a step across
+    processes, and SIGINT is forwarded to it as a SIGTERM.
+    """
+
+    def __init__(self):
+        self.signal_name: str | None = None
+        self._previous = {}
+        self._multi = jax.process_count() > 1
+
+    def __enter__(self):
+        if threading.current_thread() is not threading.main_thread():
+            return self  # signals can only be caught on the main thread
+        signals = (signal.SIGINT,) if self._multi else (signal.SIGTERM, signal.SIGINT)
+        for sig in signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame):
+        if signum == signal.SIGINT and self.signal_name == "SIGINT":
+            raise KeyboardInterrupt  # the second Ctrl-C: stop now
+        self.signal_name = signal.Signals(signum).name
+        if self._multi:
+            import os
+
+            os.kill(os.getpid(), signal.SIGTERM)  # to JAX's preemption notifier
+
+    def requested(self, step: int) -> bool:
+        if self._multi:
+            from jax.experimental import multihost_utils
+
+            if multihost_utils.reached_preemption_sync_point(step):
+                self.signal_name = self.signal_name or "SIGTERM"
+                return True
+            return False
+        return self.signal_name is not None
+
+
 def run(config: ConfigDict, workdir: str) -> list[dict]:
-    """Train for config.train.steps steps; returns the logged records."""
+    """Train to config.train.steps (or train.stop_at), resuming from the newest checkpoint
+    in workdir; returns the records logged by this invocation."""
     t = config.train
     config_lib.validate(config, jax.device_count())
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.stage)
@@ -88,38 +163,140 @@ def run(config: ConfigDict, workdir: str) -> list[dict]:
         else []
     )
     tx = optim.make_optimizer(t)
-    state = init_state(config, mesh, tx)
+    main = jax.process_index() == 0
+    manager = checkpoint.make_manager(workdir, config)
+    restored = checkpoint.restore_latest(manager, abstract_state(config, mesh, tx), config)
+    if restored:
+        start, state, data_state = restored
+        batches.set_state(data_state)
+    else:
+        start, state = 0, init_state(config, mesh, tx)
+    end = min(t.stop_at or t.steps, t.steps)
+    log = MetricsLog(workdir, t.steps, enabled=main, start_step=start)
+    if restored:
+        log.print(f"resumed from {checkpoint.directory(workdir)}/{start}")
+    if start >= end:
+        log.print(f"nothing to do: the checkpoint is at step {start}, the run ends at {end}")
+        log.close()
+        manager.close()
+        return []
+
     step_fn = make_train_step(make_grad_fn(config, mesh), tx, optim.lr_schedule(t))
     eval_fn = make_eval_fn(config)
     tokens_per_step = t.global_batch_size * t.seq_len
-    log = MetricsLog(workdir, t.steps, enabled=jax.process_index() == 0)
-    records, throughput, pending = [], Throughput(), None
+    flops_per_token = model.flops_per_token(GPTConfig.from_config(config.model), t.seq_len)
+    devices = mesh.devices.flatten().tolist()
+    peak = peak_flops(devices[0].device_kind)
+    constants = {"flops_per_token": flops_per_token, "bubble": bubble_fraction(config)}
+    records, throughput = [], Throughput(start)
+    saved = -1
 
-    def report(step: int, metrics: dict) -> None:
+    def report(step: int, metrics: dict, eval_losses: list | None, force: bool = False) -> None:
         # Called one step late so the host never waits on the step it just dispatched.
-        if step % t.log_every and step != t.steps:
+        if step % t.log_every and step != end and not force and not eval_losses:
             return
         record = {"step": step, **{k: float(v) for k, v in jax.device_get(metrics).items()}}
         if not math.isfinite(record["loss"]):
             raise TrainingError(f"loss is {record['loss']} at step {step}; lower the learning rate")
         record["tokens_per_s"], record["step_time_s"] = throughput.update(step, tokens_per_step)
-        if eval_set and (step % t.eval_every == 0 or step == t.steps):
-            losses = [eval_fn(state["params"], b) for b in eval_set]
-            record["eval_loss"] = float(np.mean(jax.device_get(losses)))
+        if eval_losses:
+            record["eval_loss"] = float(np.mean(jax.device_get(eval_losses)))
+        record.update(constants)
+        record["flops_per_s"] = flops_per_token * record["tokens_per_s"]
+        if peak:
+            record["mfu"] = record["flops_per_s"] / (peak * len(devices))
+        memory = device_memory_peak(jax.local_devices())
+        if memory is not None:
+            record["peak_memory_bytes"] = memory
         records.append(record)
         log.write(record)
 
+    def save(step: int) -> None:
+        nonlocal saved
+        checkpoint.save(manager, step, state, batches.get_state(), config)
+        saved = step
+
+    pending, step = None, start
     try:
-        for step in range(1, t.steps + 1):
-            batch = data.to_global(next(batches)["tokens"], mesh)
-            state, metrics = step_fn(state, batch)
-            if pending:
-                report(*pending)
-            pending = (step, metrics)
-        report(*pending)
+        with StopRequest() as stop:
+            for step in range(start + 1, end + 1):
+                batch = data.to_global(next(batches)["tokens"], mesh)
+                state, metrics = step_fn(state, batch)
+                evaluate = bool(eval_set) and (step % t.eval_every == 0 or step == end)
+                eval_losses = [eval_fn(state["params"], b) for b in eval_set] if evaluate else None
+                if pending:
+                    report(*pending)
+                pending = (step, metrics, eval_losses)
+                log.step(step)
+                stopping = stop.requested(step)
+                if (
+                    step == end
+                    or stopping
+                    or (config.checkpoint.every and step % config.checkpoint.every == 0)
+                ):
+                    report(*pending, force=True)
+                    pending = None
+                    save(step)
+                if stopping:
+                    log.print(
+                        f"stopped by {stop.signal_name} at step {step}; checkpoint saved in "
+                        f"{checkpoint.directory(workdir)}; run again to resume"
+                    )
+                    break
     finally:
+        manager.wait_until_finished()
+        manager.close()
         log.close()
     return records
+
+
+def compile_only(config: ConfigDict) -> dict:
+    """Compile the training step for the configured mesh without allocating parameters.
+
+    Returns per-device memory from XLA's `memory_analysis()` and the model's analytic FLOPs
+    per step (XLA's `cost_analysis` counts a loop body once, whatever its trip count).
+    """
+    t = config.train
+    config_lib.validate(config, jax.device_count())
+    mesh = sharding.make_mesh(config.mesh.data, config.mesh.stage)
+    tx = optim.make_optimizer(t)
+    state = abstract_state(config, mesh, tx)
+    batch = jax.ShapeDtypeStruct(
+        (t.global_batch_size, t.seq_len + 1), jnp.int32, sharding=sharding.batch_sharding(mesh)
+    )
+    step_fn = make_train_step(make_grad_fn(config, mesh), tx, optim.lr_schedule(t))
+    start = time.perf_counter()
+    compiled = step_fn.lower(state, batch).compile()
+    seconds = time.perf_counter() - start
+    mem = compiled.memory_analysis()
+    memory = {
+        "arguments": mem.argument_size_in_bytes,
+        "outputs": mem.output_size_in_bytes,
+        "temporaries": mem.temp_size_in_bytes,
+        "aliased": mem.alias_size_in_bytes,
+        "generated_code": mem.generated_code_size_in_bytes,
+    }
+    # Donated state is aliased to the outputs, so it is counted once.
+    memory["total"] = (
+        memory["arguments"] + memory["outputs"] - memory["aliased"] + memory["temporaries"]
+    )
+    cfg = GPTConfig.from_config(config.model)
+    flops_per_token = model.flops_per_token(cfg, t.seq_len)
+    num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state["params"]))
+    return {
+        "mesh": {"data": config.mesh.data, "stage": config.mesh.stage},
+        "device_kind": mesh.devices.flat[0].device_kind,
+        "schedule": config.pipeline.schedule,
+        "microbatches": config.pipeline.microbatches,
+        "segments": config.pipeline.segments,
+        "params": num_params,
+        "bubble": bubble_fraction(config),
+        "memory_per_device_bytes": memory,
+        "memory_per_device_gib": round(memory["total"] / 2**30, 3),
+        "flops_per_token": flops_per_token,
+        "flops_per_step": flops_per_token * t.global_batch_size * t.seq_len,
+        "compile_s": round(seconds, 1),
+    }
 
 
 def prepare_workdir(workdir: str) -> Path:

@@ -1,0 +1,102 @@
+"""Checkpoints with orbax: train state, data-iterator position and run metadata, together.
+
+Layout: `WORKDIR/checkpoints/<step>/{state,data,meta}`, written by an
+`orbax.checkpoint.CheckpointManager` with asynchronous saves (the host copies the arrays
+off the device, then training goes on while a background thread writes them). A step
+directory appears only once complete, so `latest_step()` is always a restorable one.
+
+- `state`: step, parameters and optimizer state, as sharded arrays (every process writes
+  its own shards). Restored straight into the shardings of the *current* mesh, so a
+  checkpoint written on 1 x 8 devices restores on 2 x 4 (layers split over stages).
+- `data`: the grain iterator's state. Every process reads the same global batch index
+  (only its rows differ), so one JSON state serves any process count.
+- `meta`: the model config and seed, checked on restore so a checkpoint is never loaded
+  into a different model. Training has no random state beyond the seed (no dropout).
+"""
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from ml_collections import ConfigDict
+
+from seqpipe.config import ConfigError
+
+ITEMS = ("state", "data", "meta")
+
+
+def directory(workdir: str | Path) -> Path:
+    return Path(workdir).resolve() / "checkpoints"
+
+
+def make_manager(workdir: str | Path, config: ConfigDict) -> ocp.CheckpointManager:
+    """A manager keeping `checkpoint.keep` checkpoints (0: all), saving asynchronously."""
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=config.checkpoint.keep or None,
+        enable_async_checkpointing=config.checkpoint.async_save,
+        create=True,
+    )
+    return ocp.CheckpointManager(directory(workdir), options=options, item_names=ITEMS)
+
+
+def metadata(config: ConfigDict) -> dict:
+    """What must match between a checkpoint and the run that restores it."""
+    return {"model": config.model.to_dict(), "seed": config.train.seed}
+
+
+def save(
+    manager: ocp.CheckpointManager, step: int, state: Any, data_state: dict, config: ConfigDict
+) -> bool:
+    """Start saving step `step` (returns once the arrays are off the device); False if present."""
+    if step in manager.all_steps():
+        return False
+    args = ocp.args.Composite(
+        state=ocp.args.StandardSave(state),
+        data=ocp.args.JsonSave(data_state),
+        meta=ocp.args.JsonSave(metadata(config)),
+    )
+    return manager.save(step, args=args, force=True)
+
+
+def restore_latest(
+    manager: ocp.CheckpointManager, abstract_state: Any, config: ConfigDict
+) -> tuple[int, Any, dict] | None:
+    """(step, state, data_state) of the newest complete checkpoint, or None if there is none.
+
+    `abstract_state` is a tree of `jax.ShapeDtypeStruct` carrying the target shardings;
+    arrays are read directly into them, whatever mesh wrote the checkpoint.
+    """
+    step = manager.latest_step()
+    if step is None:
+        return None
+    meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    expected = metadata(config)
+    if meta["model"] != expected["model"]:
+        diff = sorted(
+            k
+            for k in set(meta["model"]) | set(expected["model"])
+            if meta["model"].get(k) != expected["model"].get(k)
+        )
+        raise ConfigError(
+            f"the checkpoint at {directory_of(manager)}/{step} is of a different model "
+            f"(model.{', model.'.join(diff)} differ); use a fresh --workdir or the same model"
+        )
+    restored = manager.restore(
+        step,
+        args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()
+        ),
+    )
+    return step, restored["state"], restored["data"]
+
+
+def directory_of(manager: ocp.CheckpointManager) -> str:
+    return str(manager.directory)
+
+
+def abstract(tree: Any, shardings: Any) -> Any:
+    """Shape/dtype structs with shardings: the restore target, without allocating anything."""
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+    )
