@@ -34,7 +34,9 @@ def segment_attention(
     """
     q_len, k_len = q_BxQxHxE.shape[1], k_BxKxHxE.shape[1]
     if k_len != offset + q_len:
-        raise ValueError(f"keys cover {k_len} positions, expected offset + queries = {offset + q_len}")
+        raise ValueError(
+            f"keys cover {k_len} positions; expected offset + queries = {offset + q_len}"
+        )
     scale = q_BxQxHxE.shape[-1] ** -0.5
     logits_BxHxQxK = jnp.einsum(
         "bqhe,bkhe->bhqk", q_BxQxHxE, k_BxKxHxE, preferred_element_type=jnp.float32

@@ -45,7 +45,12 @@ class GPTConfig:
 def init_params(cfg: GPTConfig, key: jax.Array) -> Params:
     """Normal(0, init_std) matrices, output projections scaled by 1/sqrt(2N), unit norms."""
     n, d, h, e, f, v = (
-        cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.head_dim, cfg.d_ff, cfg.vocab_size
+        cfg.num_layers,
+        cfg.d_model,
+        cfg.num_heads,
+        cfg.head_dim,
+        cfg.d_ff,
+        cfg.vocab_size,
     )
     dt = jnp.dtype(cfg.param_dtype)
     std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * n)
@@ -118,7 +123,7 @@ def layers(
     cfg: GPTConfig,
     remat: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """A stack of layers (leading axis N) on one segment; returns y and the segment's K/V per layer."""
+    """A stack of layers (leading axis N) on one segment; returns y and the segment's K/V."""
 
     def body(x, per_layer):
         p, k_prefix, v_prefix = per_layer
@@ -140,8 +145,9 @@ def empty_kv(cfg: GPTConfig, num_layers: int, batch: int) -> tuple[jax.Array, ja
 
 def logits(params: Params, x_BxQxD: jax.Array, cfg: GPTConfig) -> jax.Array:
     h = rms_norm(x_BxQxD, params["final_norm"].astype(cfg.dtype))
-    return jnp.einsum("bqd,dv->bqv", h, params["head"].astype(cfg.dtype),
-                      preferred_element_type=jnp.float32)
+    return jnp.einsum(
+        "bqd,dv->bqv", h, params["head"].astype(cfg.dtype), preferred_element_type=jnp.float32
+    )
 
 
 def token_loss_sum(logits_BxQxV: jax.Array, targets_BxQ: jax.Array) -> jax.Array:

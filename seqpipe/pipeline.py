@@ -57,17 +57,32 @@ def make_spec(config, seq_len: int | None = None) -> PipelineSpec:
     p = config.pipeline
     seq_len = seq_len or config.train.seq_len
     lengths = partition.segment_lengths(
-        seq_len, p.segments, p.partition, d_model=cfg.d_model, num_heads=cfg.num_heads,
-        d_ff=cfg.d_ff, vocab_size=cfg.vocab_size, num_layers=cfg.num_layers,
+        seq_len,
+        p.segments,
+        p.partition,
+        d_model=cfg.d_model,
+        num_heads=cfg.num_heads,
+        d_ff=cfg.d_ff,
+        vocab_size=cfg.vocab_size,
+        num_layers=cfg.num_layers,
         multiple=p.partition_multiple,
     )
     costs = partition.segment_flops(
-        lengths, d_model=cfg.d_model, num_heads=cfg.num_heads, d_ff=cfg.d_ff,
-        vocab_size=cfg.vocab_size, num_layers=cfg.num_layers,
+        lengths,
+        d_model=cfg.d_model,
+        num_heads=cfg.num_heads,
+        d_ff=cfg.d_ff,
+        vocab_size=cfg.vocab_size,
+        num_layers=cfg.num_layers,
     )
     table = schedule.build(
-        p.schedule, config.mesh.stage, p.microbatches, p.segments, p.virtual_stages,
-        p.inflight, costs,
+        p.schedule,
+        config.mesh.stage,
+        p.microbatches,
+        p.segments,
+        p.virtual_stages,
+        p.inflight,
+        costs,
     )
     return PipelineSpec(cfg, table, schedule.lower(table), tuple(lengths))
 
@@ -145,8 +160,9 @@ def _stage_body(spec: PipelineSpec, layers_VxN: Params, shared: Params, tokens_B
         return window[:, off : off + length], window[:, off + 1 : off + length + 1]
 
     def chunk_params(chunk):
-        return jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, chunk, keepdims=False),
-                            layers_VxN)
+        return jax.tree.map(
+            lambda w: jax.lax.dynamic_index_in_dim(w, chunk, keepdims=False), layers_VxN
+        )
 
     def forward(carry, mb, seg, chunk, src, stash_slot, kv_slot):
         g = chunk * S + stage
@@ -157,8 +173,15 @@ def _stage_body(spec: PipelineSpec, layers_VxN: Params, shared: Params, tokens_B
             x_in = carry["recv_fwd"][jnp.maximum(src, 0)]
             k_cache, v_cache = carry["kv_k"][kv_slot], carry["kv_v"][kv_slot]
             y, loss, k_seg, v_seg = units[seg_k](
-                chunk_params(chunk), shared, x_in, k_cache[:, :, :off], v_cache[:, :, :off],
-                tokens, targets, g == 0, g == last_chunk,
+                chunk_params(chunk),
+                shared,
+                x_in,
+                k_cache[:, :, :off],
+                v_cache[:, :, :off],
+                tokens,
+                targets,
+                g == 0,
+                g == last_chunk,
             )
             carry = dict(carry)
             carry["stash"] = carry["stash"].at[stash_slot].set(x_in)
@@ -187,13 +210,16 @@ def _stage_body(spec: PipelineSpec, layers_VxN: Params, shared: Params, tokens_B
             )
             dy = jnp.where(src >= 0, carry["recv_bwd"][jnp.maximum(src, 0)], 0)
             cotangent = (
-                dy, jnp.ones((), jnp.float32),
-                dk_cache[:, :, off : off + length], dv_cache[:, :, off : off + length],
+                dy,
+                jnp.ones((), jnp.float32),
+                dk_cache[:, :, off : off + length],
+                dv_cache[:, :, off : off + length],
             )
             d_chunk, d_shared, dx, dk_prefix, dv_prefix = vjp(cotangent)
             carry = dict(carry)
             carry["grads_layers"] = jax.tree.map(
-                lambda acc, d: acc.at[chunk].add(d.astype(acc.dtype)), carry["grads_layers"],
+                lambda acc, d: acc.at[chunk].add(d.astype(acc.dtype)),
+                carry["grads_layers"],
                 d_chunk,
             )
             carry["grads_shared"] = jax.tree.map(jnp.add, carry["grads_shared"], d_shared)
@@ -210,15 +236,29 @@ def _stage_body(spec: PipelineSpec, layers_VxN: Params, shared: Params, tokens_B
         op = {name: row[stage] for name, row in ops.items()}
         carry, y = jax.lax.cond(
             op["fwd_mb"] >= 0,
-            lambda c: forward(c, op["fwd_mb"], op["fwd_seg"], op["fwd_chunk"], op["fwd_in"],
-                              op["fwd_stash"], op["fwd_kv"]),
+            lambda c: forward(
+                c,
+                op["fwd_mb"],
+                op["fwd_seg"],
+                op["fwd_chunk"],
+                op["fwd_in"],
+                op["fwd_stash"],
+                op["fwd_kv"],
+            ),
             lambda c: (c, act),
             carry,
         )
         carry, dx = jax.lax.cond(
             op["bwd_mb"] >= 0,
-            lambda c: backward(c, op["bwd_mb"], op["bwd_seg"], op["bwd_chunk"], op["bwd_in"],
-                               op["bwd_stash"], op["bwd_kv"]),
+            lambda c: backward(
+                c,
+                op["bwd_mb"],
+                op["bwd_seg"],
+                op["bwd_chunk"],
+                op["bwd_in"],
+                op["bwd_stash"],
+                op["bwd_kv"],
+            ),
             lambda c: (c, act),
             carry,
         )
@@ -226,8 +266,10 @@ def _stage_body(spec: PipelineSpec, layers_VxN: Params, shared: Params, tokens_B
         y_in = jax.lax.ppermute(y, STAGE, [(i, (i + 1) % S) for i in range(S)])
         dx_in = jax.lax.ppermute(dx, STAGE, [(i, (i - 1) % S) for i in range(S)])
         carry = dict(carry)
-        for name, msg, slot in (("recv_fwd", y_in, op["recv_fwd"]),
-                                ("recv_bwd", dx_in, op["recv_bwd"])):
+        for name, msg, slot in (
+            ("recv_fwd", y_in, op["recv_fwd"]),
+            ("recv_bwd", dx_in, op["recv_bwd"]),
+        ):
             keep = jnp.where(slot >= 0, msg, carry[name][jnp.maximum(slot, 0)])
             carry[name] = carry[name].at[jnp.maximum(slot, 0)].set(keep)
         return carry, None
@@ -244,8 +286,11 @@ def _stage_body(spec: PipelineSpec, layers_VxN: Params, shared: Params, tokens_B
         "grads_shared": _zeros_like_tree(shared),
         "loss": jnp.zeros((), jnp.float32),
     }
-    ops = {f.name: jnp.asarray(getattr(prog, f.name)) for f in dataclasses.fields(prog)
-           if isinstance(getattr(prog, f.name), np.ndarray)}
+    ops = {
+        f.name: jnp.asarray(getattr(prog, f.name))
+        for f in dataclasses.fields(prog)
+        if isinstance(getattr(prog, f.name), np.ndarray)
+    }
     final, _ = jax.lax.scan(tick, init, ops)
     # The only collectives over `data` and over `stage` of the step, after the loop.
     loss = jax.lax.pmean(jax.lax.psum(final["loss"], STAGE), DATA)

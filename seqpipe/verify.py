@@ -50,8 +50,11 @@ def compare(config, tokens_BxL1, mesh) -> dict:
     leaf, grad_err = max_relative_error(grads, ref_grads)
     loss_err = abs(float(loss) - float(ref_loss)) / abs(float(ref_loss))
     return {
-        "loss": float(loss), "reference_loss": float(ref_loss), "loss_rel_err": loss_err,
-        "grad_rel_err": grad_err, "worst_leaf": leaf,
+        "loss": float(loss),
+        "reference_loss": float(ref_loss),
+        "loss_rel_err": loss_err,
+        "grad_rel_err": grad_err,
+        "worst_leaf": leaf,
         "ok": loss_err <= LOSS_RTOL and grad_err <= GRAD_RTOL,
     }
 
