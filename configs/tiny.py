@@ -10,7 +10,12 @@ def get_config():
     c.mesh.update(data=2, stage=4)
     c.pipeline.update(schedule="seq1f1b", microbatches=4, segments=4, inflight="full")
     c.train.update(
-        steps=200, global_batch_size=16, seq_len=128, learning_rate=3e-3, warmup_steps=20,
-        log_every=20, eval_every=100,
+        steps=200,
+        global_batch_size=16,
+        seq_len=128,
+        learning_rate=3e-3,
+        warmup_steps=20,
+        log_every=20,
+        eval_every=100,
     )
     return c

@@ -63,10 +63,19 @@ def test_bare_config_name_is_found_in_configs(tmp_path):
 def test_verify_accepts_a_correct_pipeline(tmp_path):
     result = run(
         [
-            "-m", "seqpipe.verify", "--config", "tiny", "--workdir", str(tmp_path),
-            "--config.model.num_layers=4", "--config.model.d_model=32", "--config.model.d_ff=64",
-            "--config.data.tokenizer=byte", "--config.model.vocab_size=256",
-            "--config.train.seq_len=32", "--config.pipeline.segments=3",
+            "-m",
+            "seqpipe.verify",
+            "--config",
+            "tiny",
+            "--workdir",
+            str(tmp_path),
+            "--config.model.num_layers=4",
+            "--config.model.d_model=32",
+            "--config.model.d_ff=64",
+            "--config.data.tokenizer=byte",
+            "--config.model.vocab_size=256",
+            "--config.train.seq_len=32",
+            "--config.pipeline.segments=3",
             "--config.pipeline.partition=flops",
         ],
         cwd=ROOT,

@@ -49,7 +49,10 @@ def make_config(schedule, mesh, segments, part, relation, virtual):
     c.mesh.update(data=data, stage=stages)
     m = microbatch_count(relation, stages, virtual)
     c.pipeline.update(
-        schedule=schedule, microbatches=m, segments=segments, partition=part,
+        schedule=schedule,
+        microbatches=m,
+        segments=segments,
+        partition=part,
         virtual_stages=virtual,
     )
     c.train.update(global_batch_size=data * m * 2, seq_len=SEQ_LEN)
@@ -145,12 +148,15 @@ def test_step_hlo_has_transfers_in_loop_and_no_data_all_reduce():
     mesh = sharding.make_mesh(2, 4)
     params = jax.eval_shape(lambda: model.init_params(spec.cfg, jax.random.key(0)))
     tokens = jax.ShapeDtypeStruct(
-        (config.train.global_batch_size, SEQ_LEN + 1), np.int32,
+        (config.train.global_batch_size, SEQ_LEN + 1),
+        np.int32,
         sharding=sharding.batch_sharding(mesh),
     )
     hlo = (
         jax.jit(lambda p, t: pipeline.loss_and_grads(p, t, spec, mesh))
-        .lower(params, tokens).compile().as_text()
+        .lower(params, tokens)
+        .compile()
+        .as_text()
     )
     comps = _computations(hlo)
     bodies = [b for c in comps.values() for b in re.findall(r"while\([^\n]*body=%?([\w.\-]+)", c)]

@@ -11,8 +11,13 @@ def small_config(**pipeline):
     c = config_lib.base_config()
     c.model.update(vocab_size=256, num_layers=4, d_model=32, num_heads=2, d_ff=64)
     c.train.update(
-        steps=20, global_batch_size=16, seq_len=32, learning_rate=3e-3, warmup_steps=5,
-        log_every=1, eval_every=0,
+        steps=20,
+        global_batch_size=16,
+        seq_len=32,
+        learning_rate=3e-3,
+        warmup_steps=5,
+        log_every=1,
+        eval_every=0,
     )
     c.data.update(source="stdlib", tokenizer="byte")
     c.mesh.update(data=8, stage=1)
