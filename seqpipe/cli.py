@@ -17,8 +17,11 @@ T = TypeVar("T")
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line and exit code 2, not a usage dump
-        self.exit(2, f"error: {message}; usage: {self.prog} --config FILE [--workdir DIR] "
-                     "[--config.key=value ...]\n")
+        self.exit(
+            2,
+            f"error: {message}; usage: {self.prog} --config FILE [--workdir DIR] "
+            "[--config.key=value ...]\n",
+        )
 
 
 def fake_cpu_devices(count: int) -> None:
@@ -50,8 +53,79 @@ def load_or_exit(argv: list[str], prog: str, add_flags: Callable | None = None):
         args.workdir = args.workdir or f"runs/{config_lib.resolve_path(args.config).stem}"
     except config_lib.ConfigError as e:
         fail(str(e))
-    fake_cpu_devices(config.mesh.data * config.mesh.stage)
+    devices = config.mesh.data * config.mesh.stage
+    processes = getattr(args, "num_processes", None) or 1
+    if devices % processes:
+        fail(f"--num_processes {processes} does not divide the mesh's {devices} devices")
+    fake_cpu_devices(devices // processes)
     return config, args
+
+
+def train_flags(parser: argparse.ArgumentParser) -> None:
+    """train.py's own flags: ahead-of-time compile, and multi-host start-up."""
+    parser.add_argument(
+        "--compile_only",
+        action="store_true",
+        help="compile the step without allocating parameters; print memory and FLOPs as JSON",
+    )
+    parser.add_argument("--coordinator", default=None, help="HOST:PORT of process 0")
+    parser.add_argument("--num_processes", type=int, default=None, help="number of processes")
+    parser.add_argument("--process_id", type=int, default=None, help="this process, 0..N-1")
+
+
+# Set by cluster launchers that start one process per host (SLURM, Open MPI, multi-host
+# TPU slices); jax.distributed.initialize() reads the rest from them.
+_CLUSTER_HINTS = (
+    "JAX_COORDINATOR_ADDRESS",
+    "SLURM_NTASKS",
+    "OMPI_COMM_WORLD_SIZE",
+    "TPU_WORKER_HOSTNAMES",
+)
+
+
+def _cluster_env() -> bool:
+    for name in _CLUSTER_HINTS:
+        value = os.environ.get(name, "")
+        if name == "TPU_WORKER_HOSTNAMES" and "," not in value:
+            continue  # a single-host TPU VM
+        if name in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE") and not (
+            value.isdigit() and int(value) > 1
+        ):
+            continue
+        if value:
+            return True
+    return False
+
+
+def init_distributed(args: argparse.Namespace) -> None:
+    """Join a multi-process run: from --coordinator/--num_processes/--process_id, else from
+    a cluster launcher's environment; a single process otherwise. Imports jax."""
+    given = [
+        args.coordinator is not None,
+        args.num_processes is not None,
+        args.process_id is not None,
+    ]
+    if any(given) and not all(given):
+        fail("--coordinator, --num_processes and --process_id go together; give all three")
+    if all(given):
+        host, _, port = args.coordinator.rpartition(":")
+        if not host or not port.isdigit():
+            fail(f"--coordinator {args.coordinator!r} is not HOST:PORT")
+        if args.num_processes < 1 or not 0 <= args.process_id < args.num_processes:
+            fail(
+                f"--process_id {args.process_id} must be in [0, --num_processes "
+                f"{args.num_processes})"
+            )
+    elif not _cluster_env():
+        return
+    import jax
+
+    # CPU collectives across processes need gloo; other backends ignore this.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if all(given):
+        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    else:
+        jax.distributed.initialize()
 
 
 def run_or_exit(fn: Callable[[], T]) -> T:

@@ -1,0 +1,123 @@
+"""Checkpoints: exact resume, every/keep, a different mesh, incomplete and foreign checkpoints."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+from test_train import PIPELINED, REPO, subprocess_env, tiny_args, tiny_config
+
+from seqpipe import checkpoint, optim, sharding, train
+from seqpipe.config import ConfigError
+
+
+def _steps(workdir) -> list[int]:
+    return sorted(int(p.name) for p in checkpoint.directory(workdir).iterdir() if p.name.isdigit())
+
+
+def test_resume_is_exact(tmp_path):
+    """8 steps straight == 4 steps, a restart, then 4 more: bit for bit on CPU."""
+    straight = train.run(tiny_config(), str(tmp_path / "a"))
+    first = train.run(tiny_config(**{"train.stop_at": "4"}), str(tmp_path / "b"))
+    assert [r["step"] for r in first] == [1, 2, 3, 4]
+    assert _steps(tmp_path / "b") == [4]
+    second = train.run(tiny_config(), str(tmp_path / "b"))
+    assert [r["step"] for r in second] == [5, 6, 7, 8]
+    expect = {r["step"]: r["loss"] for r in straight}
+    assert [r["loss"] for r in second] == [expect[s] for s in (5, 6, 7, 8)]
+    assert [r["loss"] for r in first] == [expect[s] for s in (1, 2, 3, 4)]
+    # The data iterator resumed too: without it step 5 would see batch 1 again.
+    assert second[0]["grad_norm"] == next(r for r in straight if r["step"] == 5)["grad_norm"]
+    # A finished run has nothing left to do.
+    assert train.run(tiny_config(), str(tmp_path / "b")) == []
+
+
+def test_every_keep_and_final(tmp_path):
+    train.run(
+        tiny_config(**{"train.steps": "7", "checkpoint.every": "2", "checkpoint.keep": "2"}),
+        str(tmp_path),
+    )
+    assert _steps(tmp_path) == [6, 7]  # 2, 4 dropped; 7 is the end, not a multiple of 2
+    manager = checkpoint.make_manager(tmp_path, tiny_config())
+    assert manager.latest_step() == 7
+    manager.close()
+
+
+def test_incomplete_checkpoint_is_skipped(tmp_path):
+    """A save cut short (still under orbax's temporary name) is never restored."""
+    train.run(tiny_config(**{"train.stop_at": "3"}), str(tmp_path))
+    ckpt = checkpoint.directory(tmp_path)
+    (ckpt / "5.orbax-checkpoint-tmp-1234" / "state").mkdir(parents=True)
+    records = train.run(tiny_config(**{"train.stop_at": "4"}), str(tmp_path))
+    assert [r["step"] for r in records] == [4]
+
+
+def test_different_model_is_refused(tmp_path):
+    train.run(tiny_config(**{"train.stop_at": "1"}), str(tmp_path))
+    with pytest.raises(ConfigError, match="different model.*model.d_model"):
+        train.run(tiny_config(**{"model.d_model": "64"}), str(tmp_path))
+    # From the command line: one line on stderr, exit 2, the checkpoint untouched.
+    before = sorted(p.name for p in checkpoint.directory(tmp_path).iterdir())
+    proc = subprocess.run(
+        [sys.executable, "train.py", "--workdir", str(tmp_path)]
+        + tiny_args(**{"model.d_model": "64"}),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "different model" in proc.stderr
+    assert sorted(p.name for p in checkpoint.directory(tmp_path).iterdir()) == before
+
+
+def _restore(workdir, config, data, stage):
+    mesh = sharding.make_mesh(data, stage)
+    tx = optim.make_optimizer(config.train)
+    manager = checkpoint.make_manager(workdir, config)
+    step, state, data_state = checkpoint.restore_latest(
+        manager, train.abstract_state(config, mesh, tx), config
+    )
+    manager.close()
+    return step, state, data_state, mesh
+
+
+def test_restore_into_another_mesh(tmp_path):
+    """Written on 8 x 1 (data parallel), restored on 2 x 4 with layers split over stages,
+    and on 1 x 8; the values are the same and training goes on to the same losses."""
+    dp = tiny_config(**{"train.stop_at": "3"})
+    straight = train.run(tiny_config(**{"train.stop_at": "4"}), str(tmp_path / "straight"))
+    train.run(dp, str(tmp_path / "run"))
+    step, s8, data8, _ = _restore(tmp_path / "run", dp, 8, 1)
+    pp = tiny_config(**PIPELINED)
+    step24, s24, data24, mesh24 = _restore(tmp_path / "run", pp, 2, 4)
+    assert step == step24 == 3 and data8 == data24
+    for a, b in zip(jax.tree.leaves(s8), jax.tree.leaves(s24), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    wq = s24["params"]["layers"]
+    leaf = jax.tree.leaves(wq)[0]
+    assert leaf.sharding.spec == P(sharding.STAGE) and leaf.sharding.mesh.shape == {
+        "data": 2,
+        "stage": 4,
+    }
+    assert leaf.addressable_shards[0].data.shape[0] == leaf.shape[0] // 4
+    moments = [
+        x
+        for path, x in jax.tree_util.tree_leaves_with_path(s24["opt_state"])
+        if "layers" in jax.tree_util.keystr(path)
+    ]
+    assert moments and all(x.sharding.spec == P(sharding.STAGE) for x in moments)
+    # Step 4 on the pipelined 2 x 4 mesh from the 8 x 1 checkpoint: same loss as straight on.
+    resumed = train.run(tiny_config(**{**PIPELINED, "train.stop_at": "4"}), str(tmp_path / "run"))
+    assert [r["step"] for r in resumed] == [4]
+    np.testing.assert_allclose(resumed[0]["loss"], straight[-1]["loss"], rtol=1e-5)
+
+
+def test_checkpoint_dir_layout(tmp_path):
+    train.run(tiny_config(**{"train.stop_at": "2"}), str(tmp_path))
+    step_dir = Path(checkpoint.directory(tmp_path)) / "2"
+    assert {"state", "data", "meta"} <= {p.name for p in step_dir.iterdir()}

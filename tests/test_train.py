@@ -1,0 +1,303 @@
+"""The trainer: metrics.jsonl and TensorBoard fields, eval, SIGTERM in a real subprocess,
+console output off a terminal, --compile_only, bad multi-host flags."""
+
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import pytest
+
+from seqpipe import checkpoint, metrics, train
+from seqpipe import config as config_lib
+
+REPO = Path(__file__).resolve().parent.parent
+# Many tests here compile the same tiny step; a persistent compilation cache (shared with
+# the subprocesses) turns every compile after the first into a lookup. Set while modules are
+# collected, before anything compiles.
+COMPILE_CACHE = Path(tempfile.gettempdir()) / f"seqpipe-test-jax-cache-{os.getuid()}"
+jax.config.update("jax_compilation_cache_dir", str(COMPILE_CACHE))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+# A model small enough that a step is milliseconds: the tests are about the machinery.
+TINY = {
+    "data.tokenizer": "byte",
+    "model.vocab_size": "256",
+    "model.num_layers": "4",
+    "model.d_model": "32",
+    "model.num_heads": "2",
+    "model.d_ff": "64",
+    "train.seq_len": "16",
+    "train.global_batch_size": "8",
+    "train.steps": "8",
+    "train.warmup_steps": "2",
+    "train.log_every": "1",
+    "train.eval_every": "0",
+    "checkpoint.every": "4",
+    "mesh.data": "8",
+    "mesh.stage": "1",
+    "pipeline.schedule": "none",
+    "pipeline.microbatches": "1",
+    "pipeline.segments": "1",
+}
+# The same model pipelined: 1F1B-style Seq1F1B on 2 x 4, two micro-batches of two segments.
+PIPELINED = {
+    "mesh.data": "2",
+    "mesh.stage": "4",
+    "pipeline.schedule": "seq1f1b",
+    "pipeline.microbatches": "2",
+    "pipeline.segments": "2",
+}
+
+
+def tiny_config(**overrides):
+    return config_lib.load("tiny", {**TINY, **overrides})
+
+
+def tiny_args(**overrides) -> list[str]:
+    return ["--config", "tiny"] + [f"--config.{k}={v}" for k, v in {**TINY, **overrides}.items()]
+
+
+def subprocess_env(devices: int = 8) -> dict:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["JAX_COMPILATION_CACHE_DIR"] = str(COMPILE_CACHE)
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    return env
+
+
+FIELDS = {
+    "step",
+    "loss",
+    "learning_rate",
+    "grad_norm",
+    "tokens_per_s",
+    "step_time_s",
+    "flops_per_token",
+    "flops_per_s",
+    "bubble",
+}
+
+
+def read_events(path: Path) -> dict[str, list[tuple[int, float]]]:
+    """Scalars of a TensorBoard event file (TFRecord framing, Event protos)."""
+    from tensorboardX.proto import event_pb2
+
+    scalars: dict[str, list[tuple[int, float]]] = {}
+    data = path.read_bytes()
+    i = 0
+    while i < len(data):
+        (length,) = struct.unpack("<Q", data[i : i + 8])
+        event = event_pb2.Event.FromString(data[i + 12 : i + 12 + length])
+        i += 12 + length + 4
+        for v in event.summary.value:
+            scalars.setdefault(v.tag, []).append((event.step, v.simple_value))
+    return scalars
+
+
+def test_metrics_jsonl_tensorboard_and_eval(tmp_path):
+    config = tiny_config(**{"train.steps": "6", "train.eval_every": "3", "train.log_every": "2"})
+    records = train.run(config, str(tmp_path))
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lines == records
+    # Logged every 2 steps, and on the eval steps 3 and 6.
+    assert [r["step"] for r in records] == [2, 3, 4, 6]
+    for r in records:
+        assert FIELDS <= set(r), FIELDS - set(r)
+        assert r["flops_per_token"] > 0 and r["tokens_per_s"] > 0 and r["bubble"] == 0.0
+        assert "mfu" not in r  # CPU: no peak FLOP/s, so achieved FLOP/s only
+    assert {r["step"] for r in records if "eval_loss" in r} == {3, 6}
+    (events,) = list(tmp_path.glob("events.out.tfevents.*"))
+    scalars = read_events(events)
+    assert FIELDS - {"step"} <= set(scalars)
+    assert scalars["loss"] == [(r["step"], pytest.approx(r["loss"])) for r in records]
+    assert [s for s, _ in scalars["eval_loss"]] == [3, 6]
+
+
+def test_pipelined_metrics_report_the_bubble(tmp_path):
+    config = tiny_config(**{**PIPELINED, "train.steps": "2"})
+    records = train.run(config, str(tmp_path))
+    assert records[-1]["bubble"] == pytest.approx(train.bubble_fraction(config))
+    assert records[-1]["bubble"] > 0.1
+
+
+def test_peak_flops_table_and_formatting():
+    assert metrics.peak_flops("TPU v4") == 275e12
+    assert metrics.peak_flops("TPU v5 lite") == 197e12
+    assert metrics.peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert metrics.peak_flops("NVIDIA H100 PCIe") == 756e12  # longest prefix wins
+    assert metrics.peak_flops("cpu") is None
+    line = metrics.format_line(
+        {
+            "step": 3,
+            "loss": 2.5,
+            "tokens_per_s": 1000.0,
+            "flops_per_s": 2e12,
+            "mfu": 0.41,
+            "peak_memory_bytes": 3 * 2**30,
+        },
+        10,
+    )
+    assert "mfu 41.0%" in line and "FLOP/s" not in line and "mem 3.0 GiB" in line
+    assert "2e+12 FLOP/s" in metrics.format_line({"step": 1, "flops_per_s": 2e12}, 10)
+
+
+def test_progress_bar_text():
+    import io
+
+    out = io.StringIO()
+    bar = metrics.Progress(100, start=40, stream=out)
+    bar._t0 -= 10.0  # 10 s for 10 steps
+    bar.update(50)
+    assert "50/100" in out.getvalue() and "eta 0:00:5" in out.getvalue()
+    bar.clear()
+    assert out.getvalue().endswith("\r\x1b[K")
+
+
+def _wait_for(predicate, proc, timeout):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if proc.poll() is not None:
+            raise AssertionError(f"exited early: {proc.returncode}\n{proc.stderr.read()}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("timed out")
+        time.sleep(0.2)
+
+
+def _logged_steps(workdir: Path) -> list[int]:
+    path = workdir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(x)["step"] for x in path.read_text().splitlines() if x.endswith("}")]
+
+
+def test_sigterm_saves_and_the_next_start_resumes(tmp_path):
+    args = [sys.executable, "train.py", "--workdir", str(tmp_path)]
+    args += tiny_args(**{"train.steps": "100000", "checkpoint.every": "0"})
+    proc = subprocess.Popen(
+        args,
+        cwd=REPO,
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    _wait_for(lambda: len(_logged_steps(tmp_path)) >= 3, proc, timeout=120)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("stopped by SIGTERM at step "), out
+    stopped = int(last.split("at step ")[1].split(";")[0])
+    assert 3 <= stopped < 100000
+    assert "\r" not in out  # not a terminal: plain lines, no progress bar
+    manager = checkpoint.make_manager(tmp_path, tiny_config())
+    assert manager.latest_step() == stopped
+    manager.close()
+    assert _logged_steps(tmp_path)[-1] == stopped
+    # The next start continues from the checkpoint.
+    proc = subprocess.run(
+        args[:4] + tiny_args(**{"train.steps": str(stopped + 2)}),
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert f"resumed from {checkpoint.directory(tmp_path)}/{stopped}" in proc.stdout
+    assert _logged_steps(tmp_path)[-2:] == [stopped + 1, stopped + 2]
+
+
+def test_compile_only_prints_memory_and_flops(tmp_path):
+    workdir = tmp_path / "never"
+    proc = subprocess.run(
+        [sys.executable, "train.py", "--compile_only", "--workdir", str(workdir)]
+        + tiny_args(
+            **{
+                "mesh.data": "2",
+                "mesh.stage": "4",
+                "pipeline.schedule": "seq1f1b",
+                "pipeline.microbatches": "4",
+                "pipeline.segments": "2",
+            }
+        ),
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    mem = result["memory_per_device_bytes"]
+    assert {"arguments", "outputs", "temporaries"} <= set(mem)
+    assert mem["arguments"] > 0 and mem["temporaries"] > 0
+    config = tiny_config()
+    from seqpipe import model
+
+    cfg = model.GPTConfig.from_config(config.model)
+    assert result["flops_per_step"] == model.flops_per_token(cfg, 16) * 8 * 16
+    assert 0 < result["bubble"] < 1 and result["mesh"] == {"data": 2, "stage": 4}
+    assert not workdir.exists()  # nothing allocated, nothing written
+
+
+@pytest.mark.slow
+def test_compile_only_gpt_1b_on_eight_cpu_devices():
+    """The 1.3B config, pipelined over 8 stages, compiles on fake CPU devices (~1 min)."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "--config",
+            "gpt_1b.py",
+            "--compile_only",
+            "--config.mesh.stage=8",
+            "--config.pipeline.schedule=seq1f1b",
+            "--config.pipeline.microbatches=8",
+            "--config.pipeline.segments=4",
+        ],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert 1.3e9 < result["params"] < 1.5e9
+    assert result["memory_per_device_bytes"]["temporaries"] > 0
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--coordinator", "127.0.0.1:1234"], "go together"),
+        (["--coordinator", "nohost", "--num_processes", "2", "--process_id", "0"], "HOST:PORT"),
+        (["--coordinator", "h:1", "--num_processes", "2", "--process_id", "2"], "process_id"),
+        (["--num_processes", "3", "--coordinator", "h:1", "--process_id", "0"], "divide"),
+        ([], "checkpoint.keep=-1"),
+    ],
+)
+def test_bad_flags_one_line_exit_2_nothing_written(tmp_path, flags, message):
+    extra = ["--config.checkpoint.keep=-1"] if not flags else []
+    proc = subprocess.run(
+        [sys.executable, "train.py", "--workdir", str(tmp_path / "w")]
+        + tiny_args()
+        + flags
+        + extra,
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+    assert not (tmp_path / "w").exists()
