@@ -62,7 +62,37 @@ def carry_bytes(spec, rows: int) -> dict:
         "loss": 4,
     }
     out["carry"] = sum(out.values())
+    # What the algorithm needs: K/V of prefix positions only (no segment attends to the
+    # last segment's K/V, so 1F1B needs none), and a dK/dV accumulator only for the
+    # micro-batches whose backward has started but not finished.
+    prefix = spec.offsets[-1]
+    per_slot = _nbytes((n, rows, prefix, cfg.num_heads, cfg.head_dim), act)
+    out["kv_needed"] = 2 * prog.num_kv * per_slot
+    out["dkv_slots_needed"] = dkv_slots(spec.schedule)
+    out["dkv_needed"] = 2 * out["dkv_slots_needed"] * per_slot
     return out
+
+
+def dkv_slots(sched) -> int:
+    """Most (micro-batch, chunk) pairs a stage holds between the backward of their last
+    segment (the first to produce prefix cotangents) and that of segment 0: the dK/dV
+    slots the schedule needs, against `num_kv` (forward of segment 0 to backward of
+    segment 0) that the executor allocates."""
+    from seqpipe import schedule
+
+    K, most = sched.segments, 0
+    for r in range(sched.stages):
+        first, last = {}, {}
+        for t, row in enumerate(sched.ticks):
+            b = row[r][1]
+            if b is not None:
+                if b.seg == K - 1:
+                    first[b.mb, b.chunk] = t
+                if b.seg == 0:
+                    last[b.mb, b.chunk] = t
+        _, count = schedule._allocate([(first[k], last[k], k) for k in first])
+        most = max(most, count)
+    return most
 
 
 def _param_counts(cfg) -> tuple[int, int]:
@@ -77,12 +107,10 @@ def _param_counts(cfg) -> tuple[int, int]:
     return total - layers, layers
 
 
-def compile_step(config):
-    """(spec, compiled) for the pipelined loss-and-gradients step, from abstract inputs.
-
-    Parameters are sharded as in training: layers split over `stage`, the rest
-    replicated; the batch is split over `data`.
-    """
+def abstract_step(config):
+    """(spec, step, params, tokens): the jitted pipelined loss-and-gradients step and
+    abstract inputs, sharded as in training (layers split over `stage`, the rest
+    replicated, the batch split over `data`). Nothing is allocated."""
     import jax
     import numpy as np
     from jax.sharding import NamedSharding
@@ -106,7 +134,34 @@ def compile_step(config):
         sharding=sharding.batch_sharding(mesh),
     )
     step = jax.jit(lambda p, t: pipeline.loss_and_grads(p, t, spec, mesh))
+    return spec, step, params, tokens
+
+
+def compile_step(config):
+    """(spec, compiled) for the pipelined step, from abstract inputs."""
+    spec, step, params, tokens = abstract_step(config)
     return spec, step.lower(params, tokens).compile()
+
+
+def carry_avals(config) -> list:
+    """Per-device shapes of the tick loop's carry, read from the step's jaxpr: the
+    outermost `scan` (breadth first), whose carry is the executor's state."""
+    import jax
+
+    _, step, params, tokens = abstract_step(config)
+    todo = [jax.make_jaxpr(step)(params, tokens).jaxpr]
+    while todo:
+        jaxpr = todo.pop(0)
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "scan":
+                start = eqn.params["num_consts"]
+                return [v.aval for v in eqn.invars[start : start + eqn.params["num_carry"]]]
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        todo.append(inner)
+    raise ValueError("no scan in the pipelined step")
 
 
 def unit_temp_bytes(spec, rows: int, seg: int) -> int:
@@ -238,8 +293,8 @@ def table(rows: list[dict]) -> str:
     """Markdown: one row per (depth, schedule, K), bytes in MiB, ratios to 1f1b's row."""
     head = (
         "| schedule | K | depth | stage-0 bound, units (micro-batches) | bound / 1f1b | "
-        "XLA temp MiB | temp / 1f1b | stash MiB | KV+dKV MiB (% of temp) | grads MiB | "
-        "carry MiB | unit MiB | excess MiB |"
+        "XLA temp MiB | temp / 1f1b | stash MiB | KV MiB | dKV MiB | KV+dKV % of temp | "
+        "grads MiB | carry MiB | unit MiB | excess MiB |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     base = {r["depth"]: r for r in rows if r["schedule"] == "1f1b"}
@@ -249,12 +304,12 @@ def table(rows: list[dict]) -> str:
         return f"{r[key] / b[key]:.2f}" if b else "-"
 
     for r in rows:
-        kv = r["kv"] + r["dkv"]
         lines.append(
             f"| {r['schedule']} | {r['segments']} | {r['depth']} | {r['stash_units']} "
             f"({r['stash_microbatches']:g}) | {ratio(r, 'stash_microbatches')} | "
             f"{_mib(r['temp'])} | {ratio(r, 'temp')} | {_mib(r['stash'])} | "
-            f"{_mib(kv)} ({100 * kv / r['temp']:.0f}%) | {_mib(r['grads'])} | "
+            f"{_mib(r['kv'])} | {_mib(r['dkv'])} | "
+            f"{100 * (r['kv'] + r['dkv']) / r['temp']:.0f}% | {_mib(r['grads'])} | "
             f"{_mib(r['carry'])} | {_mib(r['unit']) if 'unit' in r else '-'} | "
             f"{_mib(r['excess']) if 'excess' in r else '-'} |"
         )

@@ -1,0 +1,122 @@
+"""The memory report: the analytic carry matches the executor, XLA's figures relate to it."""
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from seqpipe import config as config_lib
+from seqpipe import memory, pipeline
+
+TINY = dict(vocab_size=61, num_layers=2, d_model=16, num_heads=2, d_ff=24)
+
+
+def tiny_config(schedule="seq1f1b", segments=4, inflight="full", seq_len=32):
+    c = config_lib.base_config()
+    c.model.update(TINY)
+    c.mesh.update(data=1, stage=2)
+    c.pipeline.update(schedule=schedule, microbatches=4, segments=segments, inflight=inflight)
+    c.train.update(global_batch_size=8, seq_len=seq_len)
+    config_lib.validate(c)
+    return c
+
+
+def nbytes(aval) -> int:
+    return math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
+
+
+@pytest.mark.parametrize("schedule,segments", [("1f1b", 1), ("seq1f1b", 4)])
+def test_analytic_carry_is_the_executors_carry(schedule, segments):
+    """Every byte of the scan carry in the step's jaxpr is accounted for, buffer by buffer."""
+    config = tiny_config(schedule, segments)
+    spec = pipeline.make_spec(config)
+    prog, rows, cfg = spec.program, 2, spec.cfg
+    got = memory.carry_bytes(spec, rows)
+    avals = memory.carry_avals(config)
+    assert sum(nbytes(a) for a in avals) == got["carry"]
+    shapes = sorted(a.shape for a in avals)
+    msg = (rows, max(spec.lengths), cfg.d_model)
+    assert (max(prog.num_stash, 1),) + msg in shapes
+    kv = (prog.num_kv, 1, rows, config.train.seq_len, cfg.num_heads, cfg.head_dim)
+    assert shapes.count(kv) == 4  # kv_k, kv_v, dkv_k, dkv_v
+    assert got["stash"] == max(prog.num_stash, 1) * math.prod(msg) * 4
+    assert got["kv"] == got["dkv"] == 2 * math.prod(kv) * 4
+
+
+def test_seq1f1b_holds_less_stash_than_1f1b_and_needs_less_kv_than_it_holds():
+    for depth in ("full", "minimal"):
+        one = memory.carry_bytes(pipeline.make_spec(tiny_config("1f1b", 1, depth)), 2)
+        seq = memory.carry_bytes(pipeline.make_spec(tiny_config("seq1f1b", 4, depth)), 2)
+        assert seq["stash"] < one["stash"]
+        # No segment attends to the last segment's K/V: 1F1B needs no cache at all.
+        assert one["kv_needed"] == one["dkv_needed"] == 0 < one["kv"]
+        assert 0 < seq["kv_needed"] < seq["kv"]
+        assert seq["dkv_slots_needed"] == 1
+        assert seq["dkv_needed"] < seq["dkv"]
+
+
+def test_xla_temp_covers_the_carry_and_grows_with_the_stash():
+    full = memory.step_memory(tiny_config("seq1f1b", 2, "full"), unit=False)
+    small = memory.step_memory(tiny_config("seq1f1b", 2, "minimal"), unit=False)
+    assert full["num_stash"] > small["num_stash"]
+    for r in (full, small):
+        assert r["temp"] >= r["carry"]
+        assert r["argument"] > 0 and r["output"] > 0
+    assert full["temp"] - small["temp"] >= full["stash"] - small["stash"] > 0
+
+
+def test_unit_working_set_shrinks_with_segments():
+    """The backward of one segment recomputes a K-times shorter query block."""
+    spec1 = pipeline.make_spec(tiny_config("1f1b", 1, seq_len=64))
+    spec4 = pipeline.make_spec(tiny_config("seq1f1b", 4, seq_len=64))
+    assert memory.unit_temp_bytes(spec4, 2, 3) < memory.unit_temp_bytes(spec1, 2, 0)
+
+
+TINY_ARGS = [f"--config.model.{k}={v}" for k, v in TINY.items()] + [
+    "--config.mesh.data=1",
+    "--config.mesh.stage=2",
+    "--config.train.seq_len=32",
+    "--config.pipeline.microbatches=4",
+    "--config.train.global_batch_size=8",
+    "--config.pipeline.schedule=1f1b",
+]
+
+
+def run_cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "seqpipe.memory", "--config", "tiny", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_cli_prints_the_table_and_writes_json(tmp_path):
+    out = tmp_path / "rows.json"
+    r = run_cli(*TINY_ARGS, "--schedules", "1f1b,seq1f1b:2", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    lines = [x for x in r.stdout.splitlines() if x.startswith("| ")]
+    assert lines[0].startswith("| schedule | K | depth")
+    assert lines[1].startswith("| 1f1b | 1 | full |")
+    assert lines[2].startswith("| seq1f1b | 2 | full |")
+    rows = json.loads(out.read_text())
+    assert [(x["schedule"], x["segments"]) for x in rows] == [("1f1b", 1), ("seq1f1b", 2)]
+    assert all(x["temp"] > 0 and x["unit"] > 0 for x in rows)
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--schedules", "seq1f1b:x"], "K must be a positive integer"),
+        (["--schedules", "nope"], "pipeline.schedule='nope' is not valid"),
+        (["--config.train.seq_len=abc"], "expected a int"),
+    ],
+)
+def test_cli_bad_input_is_one_line_and_exit_2(args, needle):
+    r = run_cli(*TINY_ARGS, *args)
+    assert r.returncode == 2
+    assert r.stdout == ""
+    assert len(r.stderr.strip().splitlines()) == 1 and needle in r.stderr
