@@ -59,8 +59,8 @@ def test_seq1f1b_holds_less_stash_than_1f1b_and_needs_less_kv_than_it_holds():
 
 
 def test_xla_temp_covers_the_carry_and_grows_with_the_stash():
-    full = memory.step_memory(tiny_config("seq1f1b", 2, "full"), unit=False)
-    small = memory.step_memory(tiny_config("seq1f1b", 2, "minimal"), unit=False)
+    full = memory.step_memory(tiny_config("1f1b", 1, "full"), unit=False)
+    small = memory.step_memory(tiny_config("1f1b", 1, "minimal"), unit=False)
     assert full["num_stash"] > small["num_stash"]
     for r in (full, small):
         assert r["temp"] >= r["carry"]
@@ -96,14 +96,13 @@ def run_cli(*args):
 
 def test_cli_prints_the_table_and_writes_json(tmp_path):
     out = tmp_path / "rows.json"
-    r = run_cli(*TINY_ARGS, "--schedules", "1f1b,seq1f1b:2", "--json", str(out))
+    r = run_cli(*TINY_ARGS, "--schedules", "1f1b", "--json", str(out))
     assert r.returncode == 0, r.stderr
     lines = [x for x in r.stdout.splitlines() if x.startswith("| ")]
     assert lines[0].startswith("| schedule | K | depth")
-    assert lines[1].startswith("| 1f1b | 1 | full |")
-    assert lines[2].startswith("| seq1f1b | 2 | full |")
+    assert lines[1].startswith("| 1f1b | 1 | full | 3 (3) | 1.00 |")
     rows = json.loads(out.read_text())
-    assert [(x["schedule"], x["segments"]) for x in rows] == [("1f1b", 1), ("seq1f1b", 2)]
+    assert [(x["schedule"], x["segments"]) for x in rows] == [("1f1b", 1)]
     assert all(x["temp"] > 0 and x["unit"] > 0 for x in rows)
 
 
