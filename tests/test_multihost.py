@@ -3,11 +3,14 @@
 and only process 0 logs."""
 
 import json
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
+import pytest
 from test_train import PIPELINED, REPO, subprocess_env, tiny_args
 
 from seqpipe import checkpoint
@@ -84,3 +87,56 @@ def test_two_processes_match_one(tmp_path):
     # Both processes wrote their shards of the checkpoints, every 2 steps.
     steps = sorted(int(p.name) for p in checkpoint.directory(multi).iterdir() if p.name.isdigit())
     assert steps == [2, 4]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "sig, target", [(signal.SIGTERM, 1), (signal.SIGINT, 0)], ids=["SIGTERM-to-1", "SIGINT-to-0"]
+)
+def test_a_signal_to_one_process_stops_both_at_the_same_step(tmp_path, sig, target):
+    """JAX's preemption service agrees on the step; both save it and exit 0."""
+    overrides = {**PIPELINED, "train.steps": "100000", "checkpoint.every": "0"}
+    port = _free_port()
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "train.py",
+                *tiny_args(**overrides),
+                "--workdir",
+                str(tmp_path),
+                "--coordinator",
+                f"127.0.0.1:{port}",
+                "--num_processes",
+                "2",
+                "--process_id",
+                str(i),
+            ],
+            cwd=REPO,
+            env=subprocess_env(devices=4),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        deadline = time.monotonic() + 240
+        metrics = tmp_path / "metrics.jsonl"
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+            time.sleep(0.2)
+        procs[target].send_signal(sig)
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outs[target][1][-2000:]
+    last = outs[0][0].strip().splitlines()[-1]
+    assert last.startswith(f"stopped by {sig.name} at step ") or last.startswith(
+        "stopped by SIGTERM at step "
+    ), last
+    stopped = int(last.split("at step ")[1].split(";")[0])
+    steps = [int(p.name) for p in checkpoint.directory(tmp_path).iterdir() if p.name.isdigit()]
+    assert steps == [stopped]
+    assert _losses(tmp_path).keys() == set(range(1, stopped + 1))
