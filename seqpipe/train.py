@@ -82,7 +82,7 @@ def make_train_step(grad_fn: GradFn, tx: optax.GradientTransformation, lr_fn) ->
         }
         metrics = {
             "loss": loss,
-            "grad_norm": optax.global_norm(grads),
+            "grad_norm": optax.tree.norm(grads),
             "learning_rate": lr_fn(state["step"]),
         }
         return new_state, metrics
