@@ -123,6 +123,7 @@ def format_line(record: dict, total_steps: int) -> str:
         ("grad_norm", "grad_norm {:.3f}"),
         ("tokens_per_s", "tok/s {:,.0f}"),
         ("step_time_s", "step {:.3f}s"),
+        ("first_step_s", "first step (with compilation) {:.1f}s"),
         ("mfu", "mfu {:.1%}"),
         ("flops_per_s", "{:.3g} FLOP/s"),
         ("peak_memory_bytes", "mem {}"),
@@ -192,6 +193,10 @@ class Throughput:
     def __init__(self, start_step: int = 0):
         self._time = time.perf_counter()
         self._step = start_step
+
+    def reset(self, step: int) -> None:
+        """Start measuring afresh after `step` (e.g. once compilation is done)."""
+        self._time, self._step = time.perf_counter(), step
 
     def update(self, step: int, tokens_per_step: int) -> tuple[float, float]:
         now = time.perf_counter()

@@ -189,7 +189,8 @@ def run(config: ConfigDict, workdir: str) -> list[dict]:
     peak = peak_flops(devices[0].device_kind)
     constants = {"flops_per_token": flops_per_token, "bubble": bubble_fraction(config)}
     records, throughput = [], Throughput(start)
-    saved = -1
+    loop_start = time.perf_counter()
+    first_step_s = None  # compilation plus the first step, kept out of the throughput
 
     def report(step: int, metrics: dict, eval_losses: list | None, force: bool = False) -> None:
         # Called one step late so the host never waits on the step it just dispatched.
@@ -198,23 +199,34 @@ def run(config: ConfigDict, workdir: str) -> list[dict]:
         record = {"step": step, **{k: float(v) for k, v in jax.device_get(metrics).items()}}
         if not math.isfinite(record["loss"]):
             raise TrainingError(f"loss is {record['loss']} at step {step}; lower the learning rate")
-        record["tokens_per_s"], record["step_time_s"] = throughput.update(step, tokens_per_step)
         if eval_losses:
             record["eval_loss"] = float(np.mean(jax.device_get(eval_losses)))
         record.update(constants)
-        record["flops_per_s"] = flops_per_token * record["tokens_per_s"]
-        if peak:
-            record["mfu"] = record["flops_per_s"] / (peak * len(devices))
+        if step == start + 1:
+            record["first_step_s"] = first_step_s
+        else:
+            tokens_per_s, record["step_time_s"] = throughput.update(step, tokens_per_step)
+            record["tokens_per_s"] = tokens_per_s
+            record["flops_per_s"] = flops_per_token * tokens_per_s
+            if peak:
+                record["mfu"] = record["flops_per_s"] / (peak * len(devices))
         memory = device_memory_peak(jax.local_devices())
         if memory is not None:
             record["peak_memory_bytes"] = memory
         records.append(record)
         log.write(record)
 
+    def finished(step: int, metrics: dict) -> None:
+        # Wait for step t-1 while step t runs: the host stays one step ahead, no more.
+        nonlocal first_step_s
+        jax.block_until_ready(metrics)
+        log.step(step)
+        if step == start + 1:
+            first_step_s = time.perf_counter() - loop_start
+            throughput.reset(step)
+
     def save(step: int) -> None:
-        nonlocal saved
         checkpoint.save(manager, step, state, batches.get_state(), config)
-        saved = step
 
     pending, step = None, start
     try:
@@ -225,15 +237,16 @@ def run(config: ConfigDict, workdir: str) -> list[dict]:
                 evaluate = bool(eval_set) and (step % t.eval_every == 0 or step == end)
                 eval_losses = [eval_fn(state["params"], b) for b in eval_set] if evaluate else None
                 if pending:
+                    finished(pending[0], pending[1])
                     report(*pending)
                 pending = (step, metrics, eval_losses)
-                log.step(step)
                 stopping = stop.requested(step)
                 if (
                     step == end
                     or stopping
                     or (config.checkpoint.every and step % config.checkpoint.every == 0)
                 ):
+                    finished(step, metrics)
                     report(*pending, force=True)
                     pending = None
                     save(step)

@@ -3,6 +3,8 @@ console output off a terminal, --compile_only, bad multi-host flags."""
 
 import json
 import os
+import shlex
+import shutil
 import signal
 import struct
 import subprocess
@@ -120,8 +122,11 @@ def test_metrics_jsonl_tensorboard_and_eval(tmp_path):
 
 
 def test_pipelined_metrics_report_the_bubble(tmp_path):
-    config = tiny_config(**{**PIPELINED, "train.steps": "2"})
+    config = tiny_config(**{**PIPELINED, "train.steps": "3", "train.eval_every": "2"})
     records = train.run(config, str(tmp_path))
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert records[0]["first_step_s"] > 0 and "tokens_per_s" not in records[0]
+    assert {r["step"] for r in records if "eval_loss" in r} == {2, 3}
     assert records[-1]["bubble"] == pytest.approx(train.bubble_fraction(config))
     assert records[-1]["bubble"] > 0.1
 
@@ -301,3 +306,21 @@ def test_bad_flags_one_line_exit_2_nothing_written(tmp_path, flags, message):
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
     assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.skipif(shutil.which("script") is None, reason="needs util-linux `script` for a tty")
+def test_progress_bar_on_a_terminal(tmp_path):
+    """Under a pseudo-terminal the bar is redrawn in place; log lines still come through."""
+    cmd = [sys.executable, "train.py", "--workdir", str(tmp_path)]
+    cmd += tiny_args(**{"train.steps": "3", "train.log_every": "3"})
+    proc = subprocess.run(
+        ["script", "-qec", shlex.join(cmd), "/dev/null"],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        timeout=300,
+    )
+    out = proc.stdout.decode()  # bytes: text mode would turn the bar's \r into \n
+    assert proc.returncode == 0, out[-2000:]
+    assert "\r[" in out and "] 3/3" in out and "eta" in out and "\x1b[K" in out
+    assert "step 3/3  loss" in out
