@@ -15,16 +15,19 @@ lowered schedule (`schedule.Program`) and the shapes the executor uses:
   dkv        2 x num_kv x [n, b, L, H, E]                    dkv_k + dkv_v
   grads      the stage's layer gradients + the replicated shared ones (param dtype)
 
-b rows per micro-batch, Lseg the longest segment, n layers per stage (all chunks), D model
-width, H heads of width E. `temp - carry` is what XLA needs beyond the carry: mostly the
-working set of one unit's recomputed forward and its vjp (attention probabilities of every
-layer of the stage for one segment, logits on the last stage), plus any copies it makes.
+b rows per micro-batch, Lseg the longest segment, n layers per model chunk (num_kv counts
+(micro-batch, chunk) pairs), D model width, H heads of width E. `temp - carry` is what XLA
+needs beyond the carry: mostly the working set of one unit's recomputed forward and its vjp
+(attention probabilities of every layer of the chunk for one segment, logits on the last
+stage; `unit`), plus any copies of carry buffers it makes (`excess`, `loop_copies`).
+See docs/memory.md for the measured table and what holds the memory.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 
 # Nothing imports jax at module level, so `main` can still set the fake CPU device count.
@@ -47,7 +50,7 @@ def carry_bytes(spec, rows: int) -> dict:
 
     cfg, prog = spec.cfg, spec.program
     seq_len = sum(spec.lengths)
-    n = cfg.num_layers // spec.stages  # layers per stage, all chunks together
+    n = cfg.num_layers // (spec.stages * spec.virtual)  # layers per chunk
     act = jnp.dtype(cfg.dtype)
     msg = _nbytes((rows, max(spec.lengths), cfg.d_model), act)
     kv_one = _nbytes((prog.num_kv, n, rows, seq_len, cfg.num_heads, cfg.head_dim), act)
@@ -164,6 +167,42 @@ def carry_avals(config) -> list:
     raise ValueError("no scan in the pipelined step")
 
 
+def _computations(hlo: str) -> dict[str, str]:
+    """HLO module text split into {computation name: body}."""
+    parts = re.split(r"\n(?=(?:ENTRY )?%?[\w.\-]+ [^\n]*\{\n)", hlo)
+    out = {}
+    for part in parts:
+        m = re.match(r"(?:ENTRY )?%?([\w.\-]+) ", part)
+        if m:
+            out[m.group(1)] = part
+    return out
+
+
+def loop_copies(hlo: str, shapes) -> int:
+    """`copy` instructions inside the compiled while loop (its body and everything it
+    calls) whose result has one of `shapes`: XLA copying a whole carry buffer per tick."""
+    comps = _computations(hlo)
+    todo = [b for c in comps.values() for b in re.findall(r"body=%?([\w.\-]+)", c)]
+    inside = set()
+    while todo:
+        name = todo.pop()
+        if name in inside or name not in comps:
+            continue
+        inside.add(name)
+        for group in re.findall(
+            r"(?:body|condition|to_apply|calls|branch_computations|true_computation|"
+            r"false_computation)=\{?([^}\n]*?)\}?(?:,\s*\w+=|$|\n|\))",
+            comps[name],
+        ):
+            todo.extend(n.strip().lstrip("%") for n in group.split(","))
+    wanted = {tuple(s) for s in shapes}
+    count = 0
+    for name in inside:
+        for dims in re.findall(r"= \w+\[([\d,]*)\]\{[^}]*\} copy\(", comps[name]):
+            count += tuple(int(d) for d in dims.split(",") if d) in wanted
+    return count
+
+
 def unit_temp_bytes(spec, rows: int, seg: int) -> int:
     """XLA temp bytes of one backward unit alone: the recomputed forward and its vjp.
 
@@ -214,7 +253,8 @@ def step_memory(config, unit: bool = True) -> dict:
     seq_len; the schedule's stage-0 bound (`stash_units`: units held between forward and
     backward; `stash_microbatches`: the same in whole micro-batches of activations); the
     Program's slot counts; XLA's `temp`, `argument`, `output`, `alias`, `code` bytes; the
-    carry's `stash`, `messages`, `kv`, `dkv`, `grads`, `carry` bytes. With `unit`, also
+    carry's `stash`, `messages`, `kv`, `dkv`, `grads`, `carry` bytes; `loop_copies`, the
+    copies XLA makes of the stash and K/V buffers inside the tick loop. With `unit`, also
     `unit`, the temp bytes of the largest backward unit compiled alone
     (`unit_temp_bytes`), and `excess = temp - carry - unit`, what XLA holds beyond both
     (copies of carry buffers, overlapping lifetimes).
@@ -247,6 +287,13 @@ def step_memory(config, unit: bool = True) -> dict:
         "code": int(ma.generated_code_size_in_bytes),
         **carry_bytes(spec, rows),
     }
+    cfg, prog = spec.cfg, spec.program
+    n = cfg.num_layers // (spec.stages * spec.virtual)
+    big = [
+        (max(prog.num_stash, 1), rows, max(spec.lengths), cfg.d_model),
+        (prog.num_kv, n, rows, out["seq_len"], cfg.num_heads, cfg.head_dim),
+    ]
+    out["loop_copies"] = loop_copies(compiled.as_text(), big)
     if unit:
         # The largest working set: the longest segment, or the one with the longest prefix.
         segs = {spec.lengths.index(max(spec.lengths)), len(spec.lengths) - 1}
