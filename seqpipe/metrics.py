@@ -66,12 +66,17 @@ class MetricsLog:
         self.enabled = enabled
         self.total_steps = total_steps
         self.path = Path(workdir) / "metrics.jsonl"
-        self._file = open(self.path, "a") if enabled else None
-        self._tb = None
+        self._file, self._tb = None, None
         if enabled:
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(str(workdir), flush_secs=10)
+            # A run resumed from step s drops what an earlier attempt logged after s
+            # (a crash between checkpoints), here and in TensorBoard (purge_step).
+            _drop_after(self.path, start_step)
+            self._file = open(self.path, "a")
+            self._tb = SummaryWriter(
+                str(workdir), flush_secs=10, purge_step=start_step + 1 if start_step else None
+            )
         self.progress = Progress(total_steps, start_step) if enabled and _isatty() else None
 
     def write(self, record: dict) -> None:
@@ -105,6 +110,24 @@ class MetricsLog:
             self._tb.close()
         if self._file:
             self._file.close()
+
+
+def _drop_after(path: Path, step: int) -> None:
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines()
+    keep = [x for x in lines if _step_of(x) is not None and _step_of(x) <= step]
+    if len(keep) != len(lines):
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(x + "\n" for x in keep))
+        tmp.replace(path)
+
+
+def _step_of(line: str) -> int | None:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None  # a line cut short by a crash
 
 
 def _isatty() -> bool:

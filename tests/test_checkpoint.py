@@ -1,5 +1,6 @@
 """Checkpoints: exact resume, every/keep, a different mesh, incomplete and foreign checkpoints."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -8,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-from test_train import PIPELINED, REPO, subprocess_env, tiny_args, tiny_config
+from test_train import PIPELINED, REPO, read_event_protos, subprocess_env, tiny_args, tiny_config
 
 from seqpipe import checkpoint, optim, sharding, train
 from seqpipe.config import ConfigError
@@ -24,6 +25,9 @@ def test_resume_is_exact(tmp_path):
     first = train.run(tiny_config(**{"train.stop_at": "4"}), str(tmp_path / "b"))
     assert [r["step"] for r in first] == [1, 2, 3, 4]
     assert _steps(tmp_path / "b") == [4]
+    # As if an earlier attempt had crashed after logging step 5 and half of step 6.
+    with open(tmp_path / "b" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "loss": 0.0}\n{"step": 6, "lo')
     second = train.run(tiny_config(), str(tmp_path / "b"))
     assert [r["step"] for r in second] == [5, 6, 7, 8]
     expect = {r["step"]: r["loss"] for r in straight}
@@ -31,6 +35,11 @@ def test_resume_is_exact(tmp_path):
     assert [r["loss"] for r in first] == [expect[s] for s in (1, 2, 3, 4)]
     # The data iterator resumed too: without it step 5 would see batch 1 again.
     assert second[0]["grad_norm"] == next(r for r in straight if r["step"] == 5)["grad_norm"]
+    logged = [json.loads(x)["step"] for x in (tmp_path / "b" / "metrics.jsonl").open()]
+    assert logged == list(range(1, 9))  # what followed the checkpoint was dropped
+    # TensorBoard is told to drop events from step 5 on, too (a SessionLog START at 5).
+    latest = sorted((tmp_path / "b").glob("events.out.tfevents.*"))[-1]
+    assert any(e.session_log.status == 1 and e.step == 5 for e in read_event_protos(latest))
     # A finished run has nothing left to do.
     assert train.run(tiny_config(), str(tmp_path / "b")) == []
 

@@ -86,17 +86,22 @@ FIELDS = {
 }
 
 
-def read_events(path: Path) -> dict[str, list[tuple[int, float]]]:
-    """Scalars of a TensorBoard event file (TFRecord framing, Event protos)."""
+def read_event_protos(path: Path) -> list:
+    """The Event protos of a TensorBoard event file (TFRecord framing)."""
     from tensorboardX.proto import event_pb2
 
-    scalars: dict[str, list[tuple[int, float]]] = {}
-    data = path.read_bytes()
-    i = 0
+    events, data, i = [], path.read_bytes(), 0
     while i < len(data):
         (length,) = struct.unpack("<Q", data[i : i + 8])
-        event = event_pb2.Event.FromString(data[i + 12 : i + 12 + length])
+        events.append(event_pb2.Event.FromString(data[i + 12 : i + 12 + length]))
         i += 12 + length + 4
+    return events
+
+
+def read_events(path: Path) -> dict[str, list[tuple[int, float]]]:
+    """Scalars of a TensorBoard event file: tag -> [(step, value)]."""
+    scalars: dict[str, list[tuple[int, float]]] = {}
+    for event in read_event_protos(path):
         for v in event.summary.value:
             scalars.setdefault(v.tag, []).append((event.step, v.simple_value))
     return scalars
