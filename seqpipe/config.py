@@ -207,14 +207,14 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         inflight in ("minimal", "full") or (isinstance(inflight, int) and inflight >= 1),
         f"pipeline.inflight={inflight!r} is not valid; use 'minimal', 'full' or a positive integer",
     )
-    if p.schedule != "none":
-        _validate_pipeline(config)
     _require(t.steps >= 1, f"train.steps={t.steps} must be at least 1")
     _require(t.seq_len >= 1, f"train.seq_len={t.seq_len} must be at least 1")
     _require(
         p.segments <= t.seq_len,
         f"pipeline.segments={p.segments} exceeds train.seq_len={t.seq_len}; use fewer segments",
     )
+    if p.schedule != "none":
+        _validate_pipeline(config)
     per_replica = mesh.data * p.microbatches
     _require(
         t.global_batch_size >= 1 and t.global_batch_size % per_replica == 0,
