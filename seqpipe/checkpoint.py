@@ -7,11 +7,12 @@ directory appears only once complete, so `latest_step()` is always a restorable 
 
 - `state`: step, parameters and optimizer state, as sharded arrays (every process writes
   its own shards). Restored straight into the shardings of the *current* mesh, so a
-  checkpoint written on 1 x 8 devices restores on 2 x 4 (layers split over stages).
+  checkpoint written data-parallel on 8 x 1 restores on 2 x 4 (layers split over stages).
 - `data`: the grain iterator's state. Every process reads the same global batch index
   (only its rows differ), so one JSON state serves any process count.
-- `meta`: the model config and seed, checked on restore so a checkpoint is never loaded
-  into a different model. Training has no random state beyond the seed (no dropout).
+- `meta`: the model config, and the batch size, sequence length and seed that fix the
+  batch order; checked on restore so a checkpoint never loads into a different model.
+  Training has no random state beyond the seed (no dropout), so there is no RNG to save.
 """
 
 from pathlib import Path
@@ -41,8 +42,11 @@ def make_manager(workdir: str | Path, config: ConfigDict) -> ocp.CheckpointManag
 
 
 def metadata(config: ConfigDict) -> dict:
-    """What must match between a checkpoint and the run that restores it."""
-    return {"model": config.model.to_dict(), "seed": config.train.seed}
+    """What must match between a checkpoint and the run that restores it: the model, and
+    what fixes the order of the batches (the saved iterator position counts batches)."""
+    t = config.train
+    data = {"global_batch_size": t.global_batch_size, "seq_len": t.seq_len, "seed": t.seed}
+    return {"model": config.model.to_dict(), "data": data}
 
 
 def save(
@@ -72,15 +76,15 @@ def restore_latest(
         return None
     meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     expected = metadata(config)
-    if meta["model"] != expected["model"]:
-        diff = sorted(
-            k
-            for k in set(meta["model"]) | set(expected["model"])
-            if meta["model"].get(k) != expected["model"].get(k)
-        )
+    where = f"the checkpoint at {manager.directory}/{step}"
+    if diff := _differences(meta.get("model", {}), expected["model"], "model"):
         raise ConfigError(
-            f"the checkpoint at {directory_of(manager)}/{step} is of a different model "
-            f"(model.{', model.'.join(diff)} differ); use a fresh --workdir or the same model"
+            f"{where} is of a different model ({diff}); use a fresh --workdir or the same model"
+        )
+    if diff := _differences(meta.get("data", {}), expected["data"], "train"):
+        raise ConfigError(
+            f"{where} was trained with another batch order ({diff}), so its data "
+            "position does not carry over; use the same values or a fresh --workdir"
         )
     restored = manager.restore(
         step,
@@ -91,8 +95,9 @@ def restore_latest(
     return step, restored["state"], restored["data"]
 
 
-def directory_of(manager: ocp.CheckpointManager) -> str:
-    return str(manager.directory)
+def _differences(saved: dict, expected: dict, section: str) -> str:
+    keys = sorted(k for k in set(saved) | set(expected) if saved.get(k) != expected.get(k))
+    return ", ".join(f"{section}.{k}={saved.get(k)!r} saved, {expected.get(k)!r} now" for k in keys)
 
 
 def abstract(tree: Any, shardings: Any) -> Any:

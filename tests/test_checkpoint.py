@@ -66,8 +66,10 @@ def test_incomplete_checkpoint_is_skipped(tmp_path):
 
 def test_different_model_is_refused(tmp_path):
     train.run(tiny_config(**{"train.stop_at": "1"}), str(tmp_path))
-    with pytest.raises(ConfigError, match="different model.*model.d_model"):
+    with pytest.raises(ConfigError, match="different model.*model.d_model=32 saved, 64 now"):
         train.run(tiny_config(**{"model.d_model": "64"}), str(tmp_path))
+    with pytest.raises(ConfigError, match="batch order.*train.global_batch_size=8 saved, 16"):
+        train.run(tiny_config(**{"train.global_batch_size": "16"}), str(tmp_path))
     # From the command line: one line on stderr, exit 2, the checkpoint untouched.
     before = sorted(p.name for p in checkpoint.directory(tmp_path).iterdir())
     proc = subprocess.run(
