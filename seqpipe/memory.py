@@ -1,7 +1,8 @@
 """Per-device memory of the compiled pipelined step: XLA's figures against the carry.
 
     python -m seqpipe.memory --config CONFIG [--config.key=value ...]
-        [--schedules 1f1b,seq1f1b:2,seq1f1b:4,seq1f1b:8] [--depths full,minimal] [--json FILE]
+        [--schedules 1f1b,seq1f1b:2,seq1f1b:4,seq1f1b:8] [--depths full,minimal]
+        [--json FILE] [--no-unit]
 
 `step_memory(config)` compiles `pipeline.loss_and_grads` for the configured mesh from
 abstract shapes (nothing is allocated) and returns XLA's `memory_analysis()` (temporary,
@@ -341,7 +342,7 @@ def table(rows: list[dict]) -> str:
     head = (
         "| schedule | K | depth | stage-0 bound, units (micro-batches) | bound / 1f1b | "
         "XLA temp MiB | temp / 1f1b | stash MiB | KV MiB | dKV MiB | KV+dKV % of temp | "
-        "grads MiB | carry MiB | unit MiB | excess MiB |"
+        "grads MiB | carry MiB | unit MiB | excess MiB | loop copies |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     base = {r["depth"]: r for r in rows if r["schedule"] == "1f1b"}
@@ -358,7 +359,7 @@ def table(rows: list[dict]) -> str:
             f"{_mib(r['kv'])} | {_mib(r['dkv'])} | "
             f"{100 * (r['kv'] + r['dkv']) / r['temp']:.0f}% | {_mib(r['grads'])} | "
             f"{_mib(r['carry'])} | {_mib(r['unit']) if 'unit' in r else '-'} | "
-            f"{_mib(r['excess']) if 'excess' in r else '-'} |"
+            f"{_mib(r['excess']) if 'excess' in r else '-'} | {r['loop_copies']} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -370,6 +371,9 @@ def main(argv: list[str]) -> int:
         parser.add_argument("--schedules", default=DEFAULT_SCHEDULES)
         parser.add_argument("--depths", default=None, help="e.g. full,minimal (default: config)")
         parser.add_argument("--json", default=None, help="also write the rows as JSON here")
+        parser.add_argument(
+            "--no-unit", action="store_true", help="skip compiling the single-unit working set"
+        )
 
     config, args = cli.load_or_exit(argv, "python -m seqpipe.memory", flags)
     from seqpipe import config as config_lib
@@ -390,7 +394,7 @@ def main(argv: list[str]) -> int:
         cli.fail(str(e))
     rows = []
     for c in configs:
-        rows.append(step_memory(c))
+        rows.append(step_memory(c, unit=not args.no_unit))
         print(
             f"# compiled {c.pipeline.schedule} K={c.pipeline.segments} "
             f"depth={c.pipeline.inflight}: temp {_mib(rows[-1]['temp'])} MiB",
