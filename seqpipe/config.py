@@ -38,7 +38,9 @@ def base_config() -> ml_collections.ConfigDict:
         init_std=0.02,
     )
     c.mesh = dict(data=1, stage=1)
-    c.pipeline = dict(
+    # Not type-safe: `inflight` is a name or an integer (validate checks every key's type).
+    c.pipeline = ml_collections.ConfigDict(type_safe=False)
+    c.pipeline.update(
         schedule="none",
         microbatches=1,
         segments=1,
@@ -201,10 +203,14 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         f"(one of {list(SCHEDULES[1:])}) or mesh.stage=1",
     )
     for key in ("microbatches", "segments", "virtual_stages", "partition_multiple"):
-        _require(p[key] >= 1, f"pipeline.{key}={p[key]} must be at least 1")
+        _require(
+            isinstance(p[key], int) and p[key] >= 1,
+            f"pipeline.{key}={p[key]!r} must be an integer of at least 1",
+        )
     inflight = p.inflight
     _require(
-        inflight in ("minimal", "full") or (isinstance(inflight, int) and inflight >= 1),
+        inflight in ("minimal", "full")
+        or (isinstance(inflight, int) and not isinstance(inflight, bool) and inflight >= 1),
         f"pipeline.inflight={inflight!r} is not valid; use 'minimal', 'full' or a positive integer",
     )
     _require(t.steps >= 1, f"train.steps={t.steps} must be at least 1")
@@ -274,7 +280,12 @@ def _validate_pipeline(config: ml_collections.ConfigDict) -> None:
             p.schedule, mesh.stage, p.microbatches, p.segments, p.virtual_stages, p.inflight
         )
     except ValueError as e:
-        raise ConfigError(f"pipeline: {e}") from None
+        setting = (
+            f"pipeline.schedule={p.schedule}, mesh.stage={mesh.stage}, pipeline.microbatches="
+            f"{p.microbatches}, pipeline.segments={p.segments}, pipeline.virtual_stages="
+            f"{p.virtual_stages}, pipeline.partition={p.partition}"
+        )
+        raise ConfigError(f"{setting}: {e}") from None
 
 
 def parse_overrides(args: list[str]) -> dict[str, str]:
