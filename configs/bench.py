@@ -1,0 +1,16 @@
+"""`make bench`: one model and global batch for every schedule, on 4 fake CPU devices.
+
+Long enough sequences that activations and KV caches dominate a stage's memory, small
+enough that compiling and running every schedule fits in minutes on two CPU cores.
+"""
+
+from seqpipe.config import base_config
+
+
+def get_config():
+    c = base_config()
+    c.model.update(vocab_size=2048, num_layers=8, d_model=128, num_heads=4, d_ff=512)
+    c.mesh.update(data=1, stage=4)
+    c.pipeline.update(schedule="seq1f1b", microbatches=8, segments=4, inflight="full")
+    c.train.update(global_batch_size=8, seq_len=512)
+    return c

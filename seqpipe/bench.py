@@ -1,0 +1,546 @@
+"""Every schedule on one model and global batch, side by side, in one process.
+
+    python -m seqpipe.bench [--config CONFIG] [--quick] [--json FILE] [--png FILE]
+        [--config.key=value ...]
+
+For gpipe, 1f1b, seq1f1b (K = 2, 4, 8; uniform and flops partitions) and the interleaved
+variants, on the config's mesh: XLA's per-device peak temporary memory of the compiled
+step (via `seqpipe.memory`), executed over analytic FLOPs (`seqpipe.flops`), the bubble
+and step time the schedule table predicts under per-unit costs measured on this machine,
+and the measured step time; then the un-pipelined reference step, the pipelined step on
+a one-stage mesh against it (the machinery's overhead), and the predicted throughput of
+Seq1F1B over 1F1B for S = 4 and 8 stages from the same unit timings.
+
+Fake CPU devices share this machine's cores, so a measured pipelined step time is the
+total work over the cores: it cannot show a bubble. The predicted times can: each unit
+is timed alone, and a tick lasts as long as its slowest stage.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import statistics
+import sys
+import time
+
+# Nothing imports jax at module level, so `main` can still set the fake CPU device count.
+
+DEFAULT_CONFIG = "bench"
+# (schedule, K, partition, V)
+RUNS = (
+    ("gpipe", 1, "uniform", 1),
+    ("1f1b", 1, "uniform", 1),
+    *(("seq1f1b", k, p, 1) for k in (2, 4, 8) for p in ("uniform", "flops")),
+    ("interleaved_1f1b", 1, "uniform", 2),
+    ("seq1f1b_interleaved", 2, "uniform", 2),
+    ("seq1f1b_interleaved", 4, "uniform", 2),
+    ("seq1f1b_interleaved", 4, "flops", 2),
+)
+QUICK_RUNS = (("1f1b", 1, "uniform", 1), ("seq1f1b", 2, "uniform", 1))
+QUICK = (
+    "--config.model.vocab_size=256",
+    "--config.model.num_layers=2",
+    "--config.model.d_model=32",
+    "--config.model.num_heads=2",
+    "--config.model.d_ff=64",
+    "--config.mesh.stage=2",
+    "--config.pipeline.microbatches=2",
+    "--config.pipeline.segments=2",
+    "--config.train.global_batch_size=2",
+    "--config.train.seq_len=32",
+)
+PREDICT_STAGES, PREDICT_MICROBATCHES = (4, 8), 8
+NOTE = (
+    "Fake CPU devices share this machine's cores: a measured pipelined step time is the "
+    "total work over the cores and cannot show a bubble. Predicted times can: every unit is "
+    "timed alone and a synchronous tick lasts as long as its slowest stage."
+)
+
+
+def variant(config, name: str, segments: int, part: str, virtual: int, stage: int | None = None):
+    """A copy of `config` with another schedule (and optionally stage count)."""
+    from seqpipe import config as config_lib
+
+    c = config.copy_and_resolve_references()
+    with c.unlocked():
+        c.pipeline.schedule = name
+        c.pipeline.segments = segments
+        c.pipeline.partition = part
+        c.pipeline.virtual_stages = virtual
+        if stage is not None:
+            c.mesh.stage = stage
+    config_lib.validate(c)
+    return c
+
+
+def label(name: str, segments: int, part: str, virtual: int) -> str:
+    out = name
+    if name.startswith("seq1f1b"):
+        out += f" K{segments} {part}"
+    return out + (f" V{virtual}" if virtual > 1 else "")
+
+
+def median_seconds(fn, args, repeats: int) -> float:
+    """Median wall time of `fn(*args)` over `repeats` calls after one warm-up call."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def concrete(args, vocab: int, seed: int = 0):
+    """Random arrays for abstract unit arguments (tokens in range, small activations)."""
+    import jax
+    import jax.numpy as jnp
+
+    leaves, tree = jax.tree.flatten(args)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    out = []
+    for key, x in zip(keys, leaves, strict=True):
+        if jnp.issubdtype(x.dtype, jnp.integer):
+            out.append(jax.random.randint(key, x.shape, 0, vocab, x.dtype))
+        else:
+            out.append((0.1 * jax.random.normal(key, x.shape)).astype(x.dtype))
+    return jax.tree.unflatten(tree, out)
+
+
+class UnitTimer:
+    """Measured seconds of one-layer units, and of an n-layer chunk's unit from them."""
+
+    def __init__(self, rows: int, repeats: int):
+        self.rows, self.repeats, self.seconds = rows, repeats, {}
+
+    def one_layer(self, spec, seg, first, last, backward, keep) -> float:
+        from seqpipe import flops
+
+        key = flops.unit_key(spec, self.rows, seg, first, last, backward, keep)
+        if key not in self.seconds:
+            compiled, args = flops.compiled_unit(spec, self.rows, seg, first, last, backward, keep)
+            real = concrete(args, spec.cfg.vocab_size)
+            self.seconds[key] = median_seconds(compiled, real, self.repeats)
+        return self.seconds[key]
+
+    def unit(self, spec, seg, first, last, backward, keep_all: bool = False) -> float:
+        from seqpipe import flops
+
+        return sum(
+            count * self.one_layer(spec, seg, f, la, backward, keep or keep_all)
+            for count, f, la, keep in flops.chunk_terms(spec, seg, first, last, backward)
+        )
+
+
+def predicted(spec, cost) -> dict:
+    """Synchronous time and bubble of the table: each tick lasts as long as its busiest
+    stage, a stage's tick costing cost(seg, first, last, backward) of what it runs."""
+    import numpy as np
+
+    sched = spec.schedule
+    S, last = sched.stages, sched.stages * sched.virtual - 1
+    total, busy = 0.0, np.zeros(S)
+    for row in sched.ticks:
+        tick = np.zeros(S)
+        for r, cell in enumerate(row):
+            for backward, u in enumerate(cell):
+                if u is not None:
+                    g = u.chunk * S + r
+                    tick[r] += cost(spec, u.seg, g == 0, g == last, bool(backward))
+        total += tick.max()
+        busy += tick
+    return {"time": float(total), "bubble": float(np.mean(1 - busy / total))}
+
+
+def place_params(params, abstract):
+    import jax
+
+    return jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), params, abstract)
+
+
+def remat_policy(config) -> str:
+    """The executor's rematerialisation policy: `full` unless the config names another
+    (a boolean `pipeline.remat` predates the policies; the executor then recomputes all)."""
+    value = config.pipeline.get("remat", "full")
+    return value if isinstance(value, str) else "full"
+
+
+def compile_step(config) -> dict:
+    """The pipelined step compiled for `config`, from abstract inputs (`seqpipe.memory`)."""
+    from seqpipe import memory
+
+    spec, step, p_abs, t_abs = memory.abstract_step(config)
+    start = time.perf_counter()
+    compiled = step.lower(p_abs, t_abs).compile()
+    return {
+        "spec": spec,
+        "compiled": compiled,
+        "params": p_abs,
+        "tokens": t_abs,
+        "compile_s": time.perf_counter() - start,
+    }
+
+
+def run_one(config, step, params, tokens, timer, repeats: int, count_flops: bool = True) -> dict:
+    """One schedule's memory, FLOPs, predicted (given a `timer`) and measured step time;
+    `step` from `compile_step`."""
+    import jax
+
+    from seqpipe import flops, memory, schedule
+
+    spec, compiled, p_abs, t_abs = step["spec"], step["compiled"], step["params"], step["tokens"]
+    compile_s = step["compile_s"]
+    rows = config.train.global_batch_size // (config.mesh.data * config.pipeline.microbatches)
+    ma = compiled.memory_analysis()
+    carry = memory.carry_bytes(spec, rows)
+    st = schedule.stats(spec.schedule, lengths=spec.lengths)
+    nan = float("nan")
+    fl = (
+        flops.step_ratio(spec, rows, config.mesh.data)
+        if count_flops
+        else {"analytic": nan, "executed": nan, "ratio": nan, "padded_ratio": nan}
+    )
+    out = {
+        "schedule": spec.schedule.name,
+        "segments": spec.schedule.segments,
+        "partition": config.pipeline.partition,
+        "virtual": spec.virtual,
+        "label": label(
+            spec.schedule.name, spec.schedule.segments, config.pipeline.partition, spec.virtual
+        ),
+        "lengths": list(spec.lengths),
+        "depth": str(spec.schedule.inflight),
+        "ticks": st["ticks"],
+        "bubble_units": st["bubble"],
+        "stash_units": st["inflight_peak"][0],
+        "stash_microbatches": st["activation_fraction"][0],
+        "temp_bytes": int(ma.temp_size_in_bytes),
+        "carry_bytes": int(carry["carry"]),
+        "kv_bytes": int(carry["kv"] + carry["dkv"]),
+        "analytic_flops": fl["analytic"],
+        "executed_flops": fl["executed"],
+        "flop_ratio": fl["ratio"],
+        "padded_flop_ratio": fl["padded_ratio"],
+        "compile_s": compile_s,
+    }
+    if timer is not None:
+        pred = predicted(spec, timer.unit)
+        out["predicted_s"], out["bubble_measured_costs"] = pred["time"], pred["bubble"]
+    placed = place_params(params, p_abs)
+    toks = jax.device_put(tokens, t_abs.sharding)
+    out["measured_s"] = median_seconds(compiled, (placed, toks), repeats)
+    return out
+
+
+def reference_seconds(cfg, params, tokens, remat: bool, repeats: int) -> float:
+    import jax
+
+    from seqpipe import reference
+
+    dev = jax.devices()[0]
+    p, t = jax.device_put(params, dev), jax.device_put(tokens, dev)
+    step = jax.jit(lambda p, t: reference.loss_and_grads(p, t, cfg, remat))
+    return median_seconds(step, (p, t), repeats)
+
+
+def prediction_specs(config, stages, variants) -> list[dict]:
+    """1F1B and Seq1F1B ((K, partition) in `variants`) tables for each S in `stages`, M = 8,
+    at both depths; nothing is compiled for them (they are predicted only)."""
+    from seqpipe import pipeline
+
+    out = []
+    for S in stages:
+        if config.model.num_layers % S:
+            continue
+        for depth in ("full", "minimal"):
+            for name, k, part in [("1f1b", 1, "uniform")] + [
+                ("seq1f1b", k, p) for k, p in variants
+            ]:
+                c = variant(config, name, k, part, 1, stage=S)
+                with c.unlocked():
+                    c.pipeline.microbatches = PREDICT_MICROBATCHES
+                    c.pipeline.inflight = depth
+                out.append(
+                    {
+                        "spec": pipeline.make_spec(c),
+                        "depth": depth,
+                        "label": label(name, k, part, 1),
+                    }
+                )
+    return out
+
+
+def _chunk_layers(spec) -> int:
+    return spec.cfg.num_layers // (spec.stages * spec.virtual)
+
+
+def prediction(specs, timer, layers: int) -> list[dict]:
+    """Seq1F1B over 1F1B, predicted from the measured unit timings. Where a table's chunks
+    have another layer count than the benchmark's (`layers`), the units' backwards keep
+    their outputs (as in the layer loop): with one layer per chunk XLA would drop a middle
+    backward's last matmul, so those times are slight overestimates."""
+    out, base = [], None
+    for p in specs:
+        spec = p["spec"]
+        keep_all = _chunk_layers(spec) != layers
+        pred = predicted(spec, lambda sp, *a, k=keep_all: timer.unit(sp, *a, keep_all=k))
+        if spec.schedule.name == "1f1b":
+            base = pred["time"]
+        out.append(
+            {
+                "stages": spec.stages,
+                "microbatches": spec.schedule.microbatches,
+                "depth": p["depth"],
+                "label": p["label"],
+                "predicted_s": pred["time"],
+                "bubble": pred["bubble"],
+                "speedup_over_1f1b": base / pred["time"],
+            }
+        )
+    return out
+
+
+def _mib(x: float) -> str:
+    return f"{x / 2**20:.1f}"
+
+
+def table(rows: list[dict]) -> str:
+    head = (
+        "| schedule | segment lengths | bubble (unit model) | bubble (measured costs) | "
+        "predicted ms | measured ms | stage-0 stash, units (micro-batches) | XLA temp MiB | "
+        "temp / 1f1b | executed / analytic FLOPs | same with padded keys |"
+    )
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    base = next((r for r in rows if r["schedule"] == "1f1b"), None)
+    for r in rows:
+        ratio = f"{r['temp_bytes'] / base['temp_bytes']:.2f}" if base else "-"
+        lines.append(
+            f"| {r['label']} | {' '.join(map(str, r['lengths']))} | {r['bubble_units']:.3f} | "
+            f"{r.get('bubble_measured_costs', float('nan')):.3f} | "
+            f"{1e3 * r.get('predicted_s', float('nan')):.0f} | "
+            f"{1e3 * r.get('measured_s', float('nan')):.0f} | "
+            f"{r['stash_units']} ({r['stash_microbatches']:g}) | {_mib(r['temp_bytes'])} | "
+            f"{ratio} | {r['flop_ratio']:.4f} | {r['padded_flop_ratio']:.4f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def prediction_table(rows: list[dict]) -> str:
+    lines = [
+        "| S | M | depth | schedule | predicted ms | bubble | throughput / 1f1b |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['stages']} | {r['microbatches']} | {r['depth']} | {r['label']} | "
+            f"{1e3 * r['predicted_s']:.0f} | {r['bubble']:.3f} | {r['speedup_over_1f1b']:.3f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def chart(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    names = [r["label"] for r in rows]
+    y = range(len(rows))
+    fig, axes = plt.subplots(1, 4, figsize=(18, 0.45 * len(rows) + 2), sharey=True)
+    axes[0].barh(y, [r["temp_bytes"] / 2**20 for r in rows], color="tab:blue")
+    axes[0].set_title("XLA peak temp per device, MiB")
+    axes[1].barh(
+        [i - 0.2 for i in y], [1e3 * r["predicted_s"] for r in rows], 0.4, label="predicted"
+    )
+    axes[1].barh(
+        [i + 0.2 for i in y],
+        [1e3 * r["measured_s"] for r in rows],
+        0.4,
+        label="measured (shared cores)",
+    )
+    axes[1].axvline(
+        1e3 * result["reference"]["remat_s"], color="k", ls="--", label="reference (remat)"
+    )
+    axes[1].set_title("step time, ms")
+    axes[1].legend(fontsize=7)
+    axes[2].barh(y, [r["bubble_measured_costs"] for r in rows], color="tab:orange")
+    axes[2].set_title("bubble (measured unit costs)")
+    axes[3].barh(y, [r["flop_ratio"] for r in rows], color="tab:green", label="executed")
+    axes[3].barh(
+        y,
+        [r["padded_flop_ratio"] - r["flop_ratio"] for r in rows],
+        left=[r["flop_ratio"] for r in rows],
+        color="tab:red",
+        alpha=0.4,
+        label="if keys were padded",
+    )
+    axes[3].axvline(4 / 3, color="k", ls="--", label="4/3 (full remat)")
+    axes[3].set_xlim(1.0, None)
+    axes[3].set_title("executed / analytic FLOPs")
+    axes[3].legend(fontsize=7)
+    axes[0].set_yticks(list(y), names)
+    axes[0].invert_yaxis()
+    m = result["model"]
+    fig.suptitle(
+        f"{m['num_layers']} layers, d_model {m['d_model']}, seq {result['seq_len']}, "
+        f"batch {result['global_batch_size']}, mesh {result['mesh']}, "
+        f"M={result['microbatches']}, {result['remat']} remat"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def bench(config, runs, repeats: int, log=print, quick: bool = False) -> dict:
+    import jax
+    import numpy as np
+
+    from seqpipe import flops, model, pipeline
+
+    cfg = pipeline.make_spec(config).cfg
+    params = model.init_params(cfg, jax.random.key(0))
+    batch, seq = config.train.global_batch_size, config.train.seq_len
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, seq + 1), np.int32)
+    rows_per_mb = batch // (config.mesh.data * config.pipeline.microbatches)
+    timer = UnitTimer(rows_per_mb, repeats=5)
+    result = {
+        "command": "python -m seqpipe.bench " + " ".join(sys.argv[1:]),
+        "model": dict(config.model),
+        "mesh": f"{config.mesh.data}x{config.mesh.stage}",
+        "microbatches": config.pipeline.microbatches,
+        "global_batch_size": batch,
+        "seq_len": seq,
+        "remat": remat_policy(config),
+        "cpu_cores": os.cpu_count(),
+        "note": NOTE,
+        "rows": [],
+    }
+    # The one-stage mesh, for the machinery's overhead: one micro-batch and one segment.
+    one = variant(config, "1f1b", 1, "uniform", 1, stage=1)
+    with one.unlocked():
+        one.mesh.data = 1
+        one.pipeline.microbatches = 1
+    configs = [variant(config, *run) for run in runs]
+    variants = [(k, p) for name, k, p, v in runs if name == "seq1f1b" and v == 1]
+    stages = (config.mesh.stage,) if quick else PREDICT_STAGES
+    predict = prediction_specs(config, stages, variants)
+    # Compile everything first, on every core: XLA compiles release the GIL.
+    start = time.perf_counter()
+    workers = max(1, os.cpu_count() or 1)
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        steps = list(pool.map(compile_step, configs + [one]))
+    units = [
+        u
+        for c, st in zip(configs, steps, strict=False)
+        for u in flops.needed_units(st["spec"], rows_per_mb)
+    ]
+    layers = _chunk_layers(steps[0]["spec"])
+    units += [
+        u
+        for p in predict
+        for u in flops.needed_units(p["spec"], rows_per_mb, _chunk_layers(p["spec"]) != layers)
+    ]
+    flops.precompile(units, workers)
+    log(f"# compiled {len(configs) + 1} steps and the units in {time.perf_counter() - start:.0f} s")
+    for c, step in zip(configs, steps, strict=False):
+        start = time.perf_counter()
+        result["rows"].append(run_one(c, step, params, tokens, timer, repeats))
+        r = result["rows"][-1]
+        log(
+            f"# {r['label']}: temp {_mib(r['temp_bytes'])} MiB, FLOPs x{r['flop_ratio']:.3f}, "
+            f"predicted {1e3 * r['predicted_s']:.0f} ms, measured {1e3 * r['measured_s']:.0f} "
+            f"ms ({time.perf_counter() - start:.0f} s)"
+        )
+    result["reference"] = {
+        "remat_s": reference_seconds(cfg, params, tokens, True, repeats),
+        "no_remat_s": reference_seconds(cfg, params, tokens, False, repeats),
+    }
+    # The machinery alone, against the reference with per-layer remat (the same FLOPs as
+    # the executor's full remat).
+    solo = run_one(one, steps[-1], params, tokens, None, repeats, count_flops=False)
+    solo_s = solo["measured_s"]
+    result["overhead"] = {
+        "pipelined_one_stage_s": solo_s,
+        "reference_remat_s": result["reference"]["remat_s"],
+        "ratio": solo_s / result["reference"]["remat_s"],
+        "ratio_vs_no_remat": solo_s / result["reference"]["no_remat_s"],
+        "target": 1.15,
+    }
+    log(f"# overhead: one-stage pipeline / reference = {result['overhead']['ratio']:.3f}")
+    result["prediction"] = prediction(predict, timer, layers)
+    spec = pipeline.make_spec(variant(config, *runs[-1]))
+    result["flop_breakdown"] = {
+        "schedule": label(*runs[-1]),
+        "fractions_of_analytic": flops.breakdown(spec, rows_per_mb, config.mesh.data),
+    }
+    if not quick:
+        result["flop_breakdown"]["layer_scan_check"] = flops.check_layer_scan(spec, rows_per_mb)
+    return result
+
+
+def report(result: dict) -> str:
+    ref, ov = result["reference"], result["overhead"]
+    fb = result["flop_breakdown"]
+    out = [
+        f"model {result['model']['num_layers']} layers x d_model {result['model']['d_model']}, "
+        f"vocab {result['model']['vocab_size']}; global batch {result['global_batch_size']} x "
+        f"seq {result['seq_len']}; mesh {result['mesh']}; M={result['microbatches']}; "
+        f"{result['remat']} remat; {result['cpu_cores']} CPU cores\n",
+        table(result["rows"]),
+        f"reference step (one device): {1e3 * ref['remat_s']:.0f} ms with per-layer remat, "
+        f"{1e3 * ref['no_remat_s']:.0f} ms without",
+        "machinery overhead: pipelined step on a one-stage mesh "
+        f"{1e3 * ov['pipelined_one_stage_s']:.0f} ms = {ov['ratio']:.3f}x the reference "
+        f"with remat (target <= {ov['target']}), "
+        f"{ov['ratio_vs_no_remat']:.3f}x without\n",
+        "Predicted from measured unit times (M=8):\n",
+        prediction_table(result["prediction"]),
+        f"FLOPs by source for {fb['schedule']}, as fractions of the analytic total (jaxpr):",
+        ", ".join(f"{k} {v:.4f}" for k, v in fb["fractions_of_analytic"].items()),
+        "",
+        NOTE,
+    ]
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    from seqpipe import cli
+
+    def flags(parser):
+        parser.add_argument("--quick", action="store_true", help="a tiny model, three schedules")
+        parser.add_argument("--json", default=None, help="write the results here")
+        parser.add_argument("--png", default=None, help="draw the chart here")
+        parser.add_argument("--repeats", type=int, default=3, help="timed steps per schedule")
+
+    quick = "--quick" in argv
+    argv = list(argv)
+    if not any(a == "--config" or a.startswith("--config=") for a in argv):
+        argv = ["--config", DEFAULT_CONFIG] + argv
+    if quick:  # the user's own overrides come later, so they win
+        argv = list(QUICK) + argv
+    config, args = cli.load_or_exit(argv, "python -m seqpipe.bench", flags)
+    runs = QUICK_RUNS if args.quick else RUNS
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    result = bench(config, runs, args.repeats if not args.quick else 1, log, args.quick)
+    sys.stdout.write(report(result))
+    for path in (args.json, args.png):
+        if path and os.path.dirname(path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=1)
+    if args.png:
+        chart(result, args.png)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

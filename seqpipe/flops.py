@@ -1,0 +1,386 @@
+"""FLOPs of a pipelined step: what the algorithm needs against what XLA executes.
+
+    analytic   per layer and segment (s tokens after an offset o, b rows):
+                 dense 2*b*s*(4*D*D + 2*D*F); attention QK and PV each 2*b*s*(o+s)*D
+                 (the queries times their own causal key range, prefix plus itself);
+                 the head 2*b*s*D*V on the last chunk. Backward = 2 x forward.
+    executed   XLA `cost_analysis()["flops"]` of each forward unit and each backward unit
+               (`pipeline._unit` and its vjp, as the executor runs them), compiled on its
+               own per (segment, first chunk?, last chunk?), times the number of such
+               units in the schedule table.
+
+Two XLA counting rules shape the method. A while loop's body is counted once whatever
+its trip count, so neither the scanned step nor a unit's scan over its n layers can be
+read directly: each unit is compiled for a one-layer chunk (no loop), and the other n-1
+layers are added as n-1 copies of a middle-chunk one-layer unit (no embedding, no head).
+`check_layer_scan` shows the rule and checks the correction against an unrolled chunk.
+A `lax.cond` counts its costliest branch; the unit's first/last-chunk switches are
+compiled as constants, so XLA folds them to the branch that runs on that chunk.
+
+With full rematerialisation the backward re-runs the forward, so executed / analytic is
+4/3 plus what XLA counts beyond the matmuls (softmax, norms, RoPE, GELU, residual adds,
+the loss, the embedding's scatter-add). `breakdown` splits the executed count from the
+jaxpr: matmul FLOPs exactly (2 per multiply-add), the rest per source function.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import math
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+
+from seqpipe import model, pipeline
+from seqpipe.model import GPTConfig
+
+# --------------------------------------------------------------------------- analytic
+
+
+def analytic_forward(cfg: GPTConfig, lengths, rows: int) -> dict:
+    """Forward FLOPs of one micro-batch of `rows` sequences cut into `lengths` segments."""
+    d, f, v, n = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.num_layers
+    dense = attention = 0
+    offset = 0
+    for s in lengths:
+        dense += 2 * rows * s * (4 * d * d + 2 * d * f) * n
+        attention += 2 * (2 * rows * s * (offset + s) * d) * n
+        offset += s
+    head = 2 * rows * sum(lengths) * d * v
+    return {
+        "dense": dense,
+        "attention": attention,
+        "head": head,
+        "forward": dense + attention + head,
+    }
+
+
+def analytic_step(spec, rows: int, replicas: int = 1) -> int:
+    """Forward plus backward (2x) FLOPs of a whole step: M micro-batches per replica."""
+    per_mb = analytic_forward(spec.cfg, spec.lengths, rows)["forward"]
+    return 3 * per_mb * spec.schedule.microbatches * replicas
+
+
+def padded_attention_excess(cfg: GPTConfig, lengths, rows: int) -> int:
+    """Forward attention FLOPs a padded implementation would add per micro-batch: every
+    segment's queries against all L keys (masked) instead of their prefix plus themselves."""
+    seq, offset, extra = sum(lengths), 0, 0
+    for s in lengths:
+        extra += 2 * (2 * rows * s * (seq - offset - s) * cfg.d_model) * cfg.num_layers
+        offset += s
+    return extra
+
+
+# --------------------------------------------------------------------------- executed
+
+
+def _abstract_args(spec, rows: int, seg: int, n: int):
+    """Abstract (chunk params, shared params, x_in, K prefix, V prefix, tokens, targets)
+    of segment `seg` through an n-layer chunk, shaped as in the executor."""
+    cfg = spec.cfg
+    sds = jax.ShapeDtypeStruct
+    act = jnp.dtype(cfg.dtype)
+    shapes = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
+    chunk = jax.tree.map(lambda x: sds((n,) + x.shape[1:], x.dtype), shapes["layers"])
+    shared = {k: x for k, x in shapes.items() if k != "layers"}
+    off, length = spec.offsets[seg], spec.lengths[seg]
+    x_in = sds((rows, max(spec.lengths), cfg.d_model), act)
+    prefix = sds((n, rows, off, cfg.num_heads, cfg.head_dim), act)
+    tok = sds((rows, length), jnp.int32)
+    return chunk, shared, x_in, prefix, prefix, tok, tok
+
+
+def unit_functions(spec, seg: int, first: bool, last: bool):
+    """(forward, backward) of one unit as the executor runs it, the chunk flags fixed.
+
+    forward(p, shared, x, k, v, tokens, targets) calls `pipeline._unit`; backward takes
+    the same plus the cotangents (dy, dk_seg, dv_seg) and returns the vjp's gradients
+    (full rematerialisation: the forward is recomputed inside the backward).
+    """
+    unit = pipeline._unit(spec, seg, 1.0)
+
+    def forward(p, sh, x, k, v, tokens, targets):
+        return unit(p, sh, x, k, v, tokens, targets, first, last)
+
+    def backward(p, sh, x, k, v, tokens, targets, dy, dk, dv, keep_outputs=False):
+        f = functools.partial(forward, tokens=tokens, targets=targets)
+        outputs, vjp = jax.vjp(f, p, sh, x, k, v)
+        grads = vjp((dy, jnp.ones((), jnp.float32), dk, dv))
+        return (outputs, grads) if keep_outputs else grads
+
+    return forward, backward
+
+
+def _backward_extra(spec, rows: int, seg: int, n: int):
+    sds = jax.ShapeDtypeStruct
+    cfg, act = spec.cfg, jnp.dtype(spec.cfg.dtype)
+    own = sds((n, rows, spec.lengths[seg], cfg.num_heads, cfg.head_dim), act)
+    return sds((rows, max(spec.lengths), cfg.d_model), act), own, own
+
+
+def unit_args(spec, rows: int, seg: int, n: int, backward: bool) -> tuple:
+    args = _abstract_args(spec, rows, seg, n)
+    return args + _backward_extra(spec, rows, seg, n) if backward else args
+
+
+def xla_flops(fn, args) -> float:
+    """XLA's FLOP count of `fn` compiled for abstract `args` (while bodies counted once)."""
+    return float(jax.jit(fn).lower(*args).compile().cost_analysis()["flops"])
+
+
+_COMPILED: dict = {}
+
+
+def unit_key(spec, rows: int, seg: int, first: bool, last: bool, backward: bool, keep: bool):
+    """What a one-layer unit's program depends on; schedules sharing a segment shape share
+    its compilation."""
+    off, length = spec.offsets[seg], spec.lengths[seg]
+    seg_max = max(spec.lengths)
+    return (spec.cfg, off, length, seg_max, rows, first, last, backward, keep and backward)
+
+
+def compiled_unit(
+    spec, rows: int, seg: int, first: bool, last: bool, backward: bool, keep: bool = False
+):
+    """(compiled, abstract args) of the unit through a one-layer chunk. With `keep` the
+    backward also returns the recomputed forward's outputs, so XLA cannot drop the layer's
+    last matmul (whose output only the primal result uses): inside the layer scan it runs."""
+    key = unit_key(spec, rows, seg, first, last, backward, keep)
+    if key not in _COMPILED:
+        fn = unit_functions(spec, seg, first, last)[backward]
+        if key[-1]:
+            fn = functools.partial(fn, keep_outputs=True)
+        args = unit_args(spec, rows, seg, 1, backward)
+        _COMPILED[key] = (jax.jit(fn).lower(*args).compile(), args)
+    return _COMPILED[key]
+
+
+def needed_units(spec, rows: int, keep_all: bool = False) -> list[tuple]:
+    """compiled_unit arguments (spec, rows, seg, first, last, backward, keep) of every
+    one-layer unit that `unit_flops` reads for the table's units."""
+    out = []
+    for seg, first, last, backward in unit_counts(spec.schedule):
+        for _, f, la, keep in chunk_terms(spec, seg, first, last, backward):
+            out.append((spec, rows, seg, f, la, backward, keep or keep_all))
+    return out
+
+
+def precompile(units: list[tuple], workers: int) -> None:
+    """Compile `needed_units` entries on `workers` threads (XLA releases the GIL)."""
+    import concurrent.futures
+
+    todo = {}
+    for args in units:
+        key = unit_key(*args)
+        if key not in _COMPILED:
+            todo.setdefault(key, args)
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        list(pool.map(lambda a: compiled_unit(*a), todo.values()))
+
+
+def _one_layer_flops(spec, rows, seg, first, last, backward, keep=False) -> float:
+    compiled, _ = compiled_unit(spec, rows, seg, first, last, backward, keep)
+    return float(compiled.cost_analysis()["flops"])
+
+
+def chunk_terms(spec, seg: int, first: bool, last: bool, backward: bool) -> list:
+    """[(count, first, last, keep)] one-layer units that add up to the unit of an n-layer
+    chunk (n = layers per chunk); see `unit_flops`."""
+    n = spec.cfg.num_layers // (spec.stages * spec.virtual)
+    if n == 1:
+        return [(1, first, last, False)]
+    return [(1, first, last, True), (n - 1, False, False, True)]
+
+
+def unit_flops(spec, rows: int, seg: int, first: bool, last: bool, backward: bool) -> float:
+    """XLA FLOPs of one unit through an n-layer chunk, n = layers per chunk: the one-layer
+    unit (with its embedding/head) plus n-1 middle one-layer units.
+
+    With one layer there is no loop and XLA drops, in a backward, the recomputed
+    forward's work that only feeds the discarded primal output (the last matmul of a
+    middle chunk). With n > 1 the layers run as a while loop whose body cannot drop it,
+    so every layer is counted with its outputs kept."""
+    return sum(
+        count * _one_layer_flops(spec, rows, seg, f, la, backward, keep)
+        for count, f, la, keep in chunk_terms(spec, seg, first, last, backward)
+    )
+
+
+def unit_counts(sched) -> collections.Counter:
+    """How many units of each kind (seg, first chunk?, last chunk?, backward?) the table runs."""
+    S, last = sched.stages, sched.stages * sched.virtual - 1
+    counts = collections.Counter()
+    for row in sched.ticks:
+        for r, cell in enumerate(row):
+            for backward, u in enumerate(cell):
+                if u is not None:
+                    g = u.chunk * S + r
+                    counts[u.seg, g == 0, g == last, bool(backward)] += 1
+    return counts
+
+
+def executed_step(spec, rows: int, replicas: int = 1) -> dict:
+    """Executed FLOPs of a step, per unit kind and in total (all replicas)."""
+    kinds = {}
+    total = 0.0
+    for (seg, first, last, backward), count in sorted(unit_counts(spec.schedule).items()):
+        each = unit_flops(spec, rows, seg, first, last, backward)
+        kinds[f"{'bwd' if backward else 'fwd'} seg{seg}{' first' * first}{' last' * last}"] = {
+            "count": count * replicas,
+            "flops": each,
+        }
+        total += each * count * replicas
+    return {"units": kinds, "executed": total}
+
+
+def step_ratio(spec, rows: int, replicas: int = 1) -> dict:
+    """Executed over analytic FLOPs of a step, and what padding the keys would give."""
+    ex = executed_step(spec, rows, replicas)
+    analytic = analytic_step(spec, rows, replicas)
+    # Padded keys: the extra attention, forward + recomputed forward + backward (2x).
+    pad = padded_attention_excess(spec.cfg, spec.lengths, rows)
+    pad *= 4 * spec.schedule.microbatches * replicas
+    return {
+        "analytic": analytic,
+        "executed": ex["executed"],
+        "ratio": ex["executed"] / analytic,
+        "padded_ratio": (ex["executed"] + pad) / analytic,
+        "units": ex["units"],
+    }
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def check_layer_scan(spec, rows: int, seg: int = 0) -> dict:
+    """XLA's count of a middle forward unit with an n-layer scan, with a Python-unrolled
+    n-layer chunk, and the correction `unit_flops` applies (which should match unrolled)."""
+    cfg, n = spec.cfg, max(2, spec.cfg.num_layers // (spec.stages * spec.virtual))
+    off = spec.offsets[seg]
+    fwd, _ = unit_functions(spec, seg, False, False)
+    args = _abstract_args(spec, rows, seg, n)
+
+    def unrolled(p, sh, x, k, v, tokens, targets):
+        x = x[:, : spec.lengths[seg]]
+        for i in range(n):
+            x, _, _ = model.layer(jax.tree.map(lambda w, i=i: w[i], p), x, k[i], v[i], off, cfg)
+        return x
+
+    one = _one_layer_flops(spec, rows, seg, False, False, False)
+    return {
+        "scanned": xla_flops(fwd, args),
+        "unrolled": xla_flops(unrolled, args),
+        "corrected": n * one,
+        "layers": n,
+    }
+
+
+# --------------------------------------------------------------------------- breakdown
+
+_ELEMENTWISE_FREE = {
+    "broadcast_in_dim",
+    "reshape",
+    "convert_element_type",
+    "concatenate",
+    "slice",
+    "dynamic_slice",
+    "dynamic_update_slice",
+    "squeeze",
+    "expand_dims",
+    "transpose",
+    "gather",
+    "iota",
+    "pad",
+    "copy",
+    "copy_p",
+    "select_n",
+    "stop_gradient",
+    "pjit",
+    "closed_call",
+    "custom_jvp_call",
+    "custom_vjp_call",
+    "remat",
+    "checkpoint",
+    "scan",
+    "cond",
+    "split",
+    "rev",
+}
+
+
+def _where(eqn) -> str:
+    """The seqpipe function an equation came from (its innermost seqpipe frame)."""
+    tb = eqn.source_info.traceback
+    for frame in tb.frames if tb is not None else ():
+        if "/seqpipe/" in frame.file_name and "flops.py" not in frame.file_name:
+            return frame.function_name
+    return "other"
+
+
+def _count(jaxpr, mult: float, out: collections.Counter) -> None:
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "dot_general":
+            (lc, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval.shape
+            contract = math.prod(lhs[i] for i in lc)
+            out["matmul"] += mult * 2 * math.prod(eqn.outvars[0].aval.shape) * contract
+            continue
+        if name == "scan":
+            _count(eqn.params["jaxpr"].jaxpr, mult * eqn.params["length"], out)
+            continue
+        if name == "cond":
+            index = eqn.invars[0]
+            branches = eqn.params["branches"]
+            if isinstance(index, jax.extend.core.Literal):
+                _count(branches[int(index.val)].jaxpr, mult, out)
+            else:  # the costliest branch, as XLA counts it
+                counts = []
+                for b in branches:
+                    c = collections.Counter()
+                    _count(b.jaxpr, mult, c)
+                    counts.append(c)
+                out.update(max(counts, key=lambda c: sum(c.values())))
+            continue
+        subs = [
+            getattr(v, "jaxpr", v)
+            for v in eqn.params.values()
+            if hasattr(getattr(v, "jaxpr", v), "eqns")
+        ]
+        if subs:
+            for sub in subs:
+                _count(sub, mult, out)
+            continue
+        if name in _ELEMENTWISE_FREE:
+            continue
+        if name.startswith("reduce") or name in ("argmax", "argmin", "cumsum"):
+            size = math.prod(eqn.invars[0].aval.shape)
+        elif name in ("scatter-add", "scatter_add", "scatter"):
+            size = math.prod(eqn.invars[2].aval.shape)
+        else:
+            size = max((math.prod(v.aval.shape) for v in eqn.outvars), default=0)
+        out[_where(eqn)] += mult * size
+
+
+def jaxpr_flops(fn, args) -> collections.Counter:
+    """FLOPs from the jaxpr, scans multiplied by their length: `matmul` (2 per multiply-add)
+    and one per element of every other arithmetic op, keyed by its seqpipe source function."""
+    out = collections.Counter()
+    _count(jax.make_jaxpr(fn)(*args).jaxpr, 1.0, out)
+    return out
+
+
+def breakdown(spec, rows: int, replicas: int = 1) -> dict:
+    """The step's FLOPs by source, from each unit's jaxpr times the table's unit counts,
+    as fractions of the analytic total (`matmul` alone is 4/3 with full remat and no waste)."""
+    n = spec.cfg.num_layers // (spec.stages * spec.virtual)
+    total = collections.Counter()
+    for (seg, first, last, backward), count in unit_counts(spec.schedule).items():
+        fns = unit_functions(spec, seg, first, last)
+        c = jaxpr_flops(fns[backward], unit_args(spec, rows, seg, n, backward))
+        for k, v in c.items():
+            total[k] += v * count * replicas
+    analytic = analytic_step(spec, rows, replicas)
+    return {k: v / analytic for k, v in sorted(total.items(), key=lambda kv: -kv[1])}
