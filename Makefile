@@ -27,5 +27,8 @@ lint: $(STAMP)
 	$(PY) -m ruff check seqpipe tests configs train.py
 	$(PY) -m ruff format --check seqpipe tests configs train.py
 
+bench: $(STAMP)
+	$(PY) -m seqpipe.bench --json runs/bench.json --png docs/bench.png
+
 clean:
 	rm -rf runs .pytest_cache

@@ -383,4 +383,20 @@ def breakdown(spec, rows: int, replicas: int = 1) -> dict:
         for k, v in c.items():
             total[k] += v * count * replicas
     analytic = analytic_step(spec, rows, replicas)
-    return {k: v / analytic for k, v in sorted(total.items(), key=lambda kv: -kv[1])}
+    named = collections.Counter()
+    for k, v in total.items():
+        named[_SOURCES.get(k.split(".")[0], k)] += v / analytic
+    return dict(sorted(named.items(), key=lambda kv: -kv[1]))
+
+
+# What each source function's non-matmul work is, for the breakdown's keys.
+_SOURCES = {
+    "segment_attention": "attention mask, scale, softmax",
+    "layer": "GELU, residual adds",
+    "rms_norm": "RMS norms",
+    "rope": "RoPE",
+    "token_loss_sum": "loss (logsumexp)",
+    "embed": "embedding scatter-add",
+    "_unit": "unit glue (padding, loss scale)",
+    "other": "other",
+}

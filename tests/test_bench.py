@@ -1,0 +1,34 @@
+"""The benchmark: its synchronous-time model, and an end-to-end --quick run."""
+
+import json
+import math
+
+from seqpipe import bench, pipeline, schedule
+from seqpipe import config as config_lib
+
+
+def test_predicted_matches_schedule_stats_with_unit_costs():
+    c = config_lib.base_config()
+    c.model.update(num_layers=4)
+    c.mesh.update(stage=4)
+    c.pipeline.update(schedule="seq1f1b", microbatches=4, segments=2)
+    spec = pipeline.make_spec(c)
+    got = bench.predicted(spec, lambda sp, seg, first, last, backward: 2.0 if backward else 1.0)
+    want = schedule.stats(spec.schedule)
+    assert math.isclose(got["time"], want["time"])
+    assert math.isclose(got["bubble"], want["bubble"], abs_tol=1e-6)
+
+
+def test_quick_end_to_end(tmp_path, capsys):
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    assert bench.main(["--quick", "--json", str(out), "--png", str(png)]) == 0
+    result = json.loads(out.read_text())
+    assert [r["label"] for r in result["rows"]] == ["1f1b", "seq1f1b K2 uniform"]
+    for r in result["rows"]:
+        for key in ("temp_bytes", "flop_ratio", "predicted_s", "measured_s", "bubble_units"):
+            assert math.isfinite(r[key]) and r[key] >= 0, (key, r[key])
+        assert 1.2 < r["flop_ratio"] < 1.6
+    assert result["overhead"]["ratio"] > 0 and result["reference"]["remat_s"] > 0
+    assert {p["label"] for p in result["prediction"]} == {"1f1b", "seq1f1b K2 uniform"}
+    assert png.stat().st_size > 1000
+    assert "| seq1f1b K2 uniform |" in capsys.readouterr().out
