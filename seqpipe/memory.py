@@ -12,13 +12,15 @@ lowered schedule (`schedule.Program`) and the shapes the executor uses:
 
   stash      max(num_stash, 1) x [b, Lseg, D]              inputs kept for the backward
   messages   (max(num_recv_fwd, 1) + max(num_recv_bwd, 1)) x [b, Lseg, D]
-  kv         2 x num_kv x [n, b, L, H, E]                    kv_k + kv_v
-  dkv        2 x num_kv x [n, b, L, H, E]                    dkv_k + dkv_v
+  kv         2 x max(num_kv, 1) x [n, b, Lkv, H, E]          kv_k + kv_v
+  dkv        2 x max(num_dkv, 1) x [n, b, Lkv, H, E]         dkv_k + dkv_v
   grads      the stage's layer gradients + the replicated shared ones (param dtype)
 
-b rows per micro-batch, Lseg the longest segment, n layers per model chunk (num_kv counts
-(micro-batch, chunk) pairs), D model width, H heads of width E. `temp - carry` is what XLA
-needs beyond the carry: mostly the working set of one unit's recomputed forward and its vjp
+b rows per micro-batch, Lseg the longest segment, Lkv the cached prefix (`spec.kv_len`: no
+segment reads the last one's K/V, so 0 for K = 1), n layers per model chunk (num_kv and
+num_dkv count (micro-batch, chunk) pairs), D model width, H heads of width E.
+`temp - carry` is what XLA needs beyond the carry: mostly the working set of one unit's
+recomputed forward and its vjp
 (attention probabilities of every layer of the chunk for one segment, logits on the last
 stage; `unit`), plus any copies of carry buffers it makes (`excess`, `loop_copies`).
 See docs/memory.md for the measured table and what holds the memory.
@@ -50,18 +52,17 @@ def carry_bytes(spec, rows: int) -> dict:
     import jax.numpy as jnp
 
     cfg, prog = spec.cfg, spec.program
-    seq_len = sum(spec.lengths)
     n = cfg.num_layers // (spec.stages * spec.virtual)  # layers per chunk
     act = jnp.dtype(cfg.dtype)
     msg = _nbytes((rows, max(spec.lengths), cfg.d_model), act)
-    kv_one = _nbytes((prog.num_kv, n, rows, seq_len, cfg.num_heads, cfg.head_dim), act)
+    slot = _nbytes((n, rows, spec.kv_len, cfg.num_heads, cfg.head_dim), act)
     p_item = jnp.dtype(cfg.param_dtype).itemsize
     shared, layers = _param_counts(cfg)
     out = {
         "stash": max(prog.num_stash, 1) * msg,
         "messages": (max(prog.num_recv_fwd, 1) + max(prog.num_recv_bwd, 1)) * msg,
-        "kv": 2 * kv_one,
-        "dkv": 2 * kv_one,
+        "kv": 2 * max(prog.num_kv, 1) * slot,
+        "dkv": 2 * max(prog.num_dkv, 1) * slot,
         "grads": (shared + layers // spec.stages) * p_item,
         "loss": 4,
     }
@@ -72,31 +73,8 @@ def carry_bytes(spec, rows: int) -> dict:
     prefix = spec.offsets[-1]
     per_slot = _nbytes((n, rows, prefix, cfg.num_heads, cfg.head_dim), act)
     out["kv_needed"] = 2 * prog.num_kv * per_slot
-    out["dkv_slots_needed"] = dkv_slots(spec.schedule)
-    out["dkv_needed"] = 2 * out["dkv_slots_needed"] * per_slot
+    out["dkv_needed"] = 2 * prog.num_dkv * per_slot
     return out
-
-
-def dkv_slots(sched) -> int:
-    """Most (micro-batch, chunk) pairs a stage holds between the backward of their last
-    segment (the first to produce prefix cotangents) and that of segment 0: the dK/dV
-    slots the schedule needs, against `num_kv` (forward of segment 0 to backward of
-    segment 0) that the executor allocates."""
-    from seqpipe import schedule
-
-    K, most = sched.segments, 0
-    for r in range(sched.stages):
-        first, last = {}, {}
-        for t, row in enumerate(sched.ticks):
-            b = row[r][1]
-            if b is not None:
-                if b.seg == K - 1:
-                    first[b.mb, b.chunk] = t
-                if b.seg == 0:
-                    last[b.mb, b.chunk] = t
-        _, count = schedule._allocate([(first[k], last[k], k) for k in first])
-        most = max(most, count)
-    return most
 
 
 def _param_counts(cfg) -> tuple[int, int]:
@@ -279,6 +257,7 @@ def step_memory(config, unit: bool = True) -> dict:
         "stash_microbatches": st["activation_fraction"][0],
         "num_stash": prog.num_stash,
         "num_kv": prog.num_kv,
+        "num_dkv": prog.num_dkv,
         "num_recv_fwd": prog.num_recv_fwd,
         "num_recv_bwd": prog.num_recv_bwd,
         "temp": int(ma.temp_size_in_bytes),
@@ -292,7 +271,7 @@ def step_memory(config, unit: bool = True) -> dict:
     n = cfg.num_layers // (spec.stages * spec.virtual)
     big = [
         (max(prog.num_stash, 1), rows, max(spec.lengths), cfg.d_model),
-        (prog.num_kv, n, rows, out["seq_len"], cfg.num_heads, cfg.head_dim),
+        (max(prog.num_kv, 1), n, rows, spec.kv_len, cfg.num_heads, cfg.head_dim),
     ]
     out["loop_copies"] = loop_copies(compiled.as_text(), big)
     if unit:

@@ -8,7 +8,7 @@ Gradients accumulate in the scan carry and are averaged over `data` once, after 
 
 Per device (stage r) the carry holds, all with static shapes:
   stash   [slots, b, Lseg, D]   inputs of forwards whose backward has not run (full remat)
-  kv, dkv [slots, n, b, L, H, E] K/V of each micro-batch in flight, and their cotangents
+  kv, dkv [slots, n, b, Lkv, H, E] K/V of each micro-batch in flight, and their cotangents
           accumulated from later segments (dK/dV of a prefix is complete only after every
           later segment's backward, hence backwards in descending segment order)
   recv    [slots, b, Lseg, D]   messages received but not consumed yet
@@ -49,6 +49,13 @@ class PipelineSpec:
     @property
     def offsets(self) -> tuple[int, ...]:
         return tuple(int(x) for x in np.cumsum((0,) + self.lengths[:-1]))
+
+    @property
+    def kv_len(self) -> int:
+        """Positions the KV cache keeps: only segments before the last are read back as a
+        prefix, and each is written as a window of the longest segment's length."""
+        seg_max = max(self.lengths)
+        return max((o + seg_max for o in self.offsets[:-1]), default=0)
 
 
 def make_spec(config, seq_len: int | None = None) -> PipelineSpec:
@@ -137,8 +144,20 @@ def _zeros_like_tree(tree):
     return jax.tree.map(jnp.zeros_like, tree)
 
 
+def _masked_write(buf: jax.Array, start: tuple, new: jax.Array, active: jax.Array) -> jax.Array:
+    """buf[start : start + new.shape] = new where active; touches only that window."""
+    old = jax.lax.dynamic_slice(buf, start, new.shape)
+    return jax.lax.dynamic_update_slice(buf, jnp.where(active, new, old), start)
+
+
 def _stage_body(spec: PipelineSpec, layers_VxN: Params, shared: Params, tokens_BxL1: jax.Array):
-    """Runs on one (data, stage) device; returns local loss and gradients."""
+    """Runs on one (data, stage) device; returns local loss and gradients.
+
+    The conditionals around a unit return only that unit's results; the big buffers
+    (stash, KV, dK/dV, gradients) are updated once per tick outside them, masked by
+    the tick's op. Updating them inside the branches made XLA copy whole buffers in
+    every branch, every tick.
+    """
     cfg, prog, S, V = spec.cfg, spec.program, spec.stages, spec.virtual
     K, M = len(spec.lengths), spec.schedule.microbatches
     stage = jax.lax.axis_index(STAGE)
@@ -147,11 +166,14 @@ def _stage_body(spec: PipelineSpec, layers_VxN: Params, shared: Params, tokens_B
     seq_len = tokens_BxL1.shape[1] - 1
     tokens_MxbxL1 = tokens_BxL1.reshape(M, rows, seq_len + 1)
     scale = 1.0 / (tokens_BxL1.shape[0] * seq_len)
-    seg_max = max(spec.lengths)
+    seg_max, kv_len = max(spec.lengths), spec.kv_len
     n_layers = jax.tree.leaves(layers_VxN)[0].shape[1]
     act_dtype = jnp.dtype(cfg.dtype)
     act = jnp.zeros((rows, seg_max, cfg.d_model), act_dtype)
-    kv_shape = (prog.num_kv, n_layers, rows, seq_len, cfg.num_heads, cfg.head_dim)
+    heads = (cfg.num_heads, cfg.head_dim)
+    kv_seg_zero = jnp.zeros((n_layers, rows, seg_max, *heads), act_dtype)
+    kv_all_zero = jnp.zeros((n_layers, rows, kv_len, *heads), act_dtype)
+    offsets = jnp.asarray(spec.offsets, jnp.int32)
     units = [_unit(spec, k, scale) for k in range(K)]
 
     def segment_tokens(mb, seg):
@@ -164,16 +186,18 @@ def _stage_body(spec: PipelineSpec, layers_VxN: Params, shared: Params, tokens_B
             lambda w: jax.lax.dynamic_index_in_dim(w, chunk, keepdims=False), layers_VxN
         )
 
-    def forward(carry, mb, seg, chunk, src, stash_slot, kv_slot):
-        g = chunk * S + stage
+    def pad_to(x, length):
+        return jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[2]), (0, 0), (0, 0)))
 
-        def run(seg_k, carry):
-            off, length = spec.offsets[seg_k], spec.lengths[seg_k]
-            tokens, targets = segment_tokens(mb, seg_k)
-            x_in = carry["recv_fwd"][jnp.maximum(src, 0)]
-            k_cache, v_cache = carry["kv_k"][kv_slot], carry["kv_v"][kv_slot]
-            y, loss, k_seg, v_seg = units[seg_k](
-                chunk_params(chunk),
+    def forward(op, x_in, k_cache, v_cache):
+        """One forward unit: (y, loss, K/V of the segment padded to the longest segment)."""
+        g = op["fwd_chunk"] * S + stage
+
+        def run(seg):
+            off = spec.offsets[seg]
+            tokens, targets = segment_tokens(op["fwd_mb"], seg)
+            y, loss, k_seg, v_seg = units[seg](
+                chunk_params(op["fwd_chunk"]),
                 shared,
                 x_in,
                 k_cache[:, :, :off],
@@ -183,105 +207,122 @@ def _stage_body(spec: PipelineSpec, layers_VxN: Params, shared: Params, tokens_B
                 g == 0,
                 g == last_chunk,
             )
-            carry = dict(carry)
-            carry["stash"] = carry["stash"].at[stash_slot].set(x_in)
-            carry["kv_k"] = carry["kv_k"].at[kv_slot, :, :, off : off + length].set(k_seg)
-            carry["kv_v"] = carry["kv_v"].at[kv_slot, :, :, off : off + length].set(v_seg)
-            carry["loss"] = carry["loss"] + loss
-            return carry, y
+            return y, loss, pad_to(k_seg, seg_max), pad_to(v_seg, seg_max)
 
-        branches = [functools.partial(run, k) for k in range(K)]
-        return jax.lax.switch(seg, branches, carry)
+        return jax.lax.switch(op["fwd_seg"], [functools.partial(run, k) for k in range(K)])
 
-    def backward(carry, mb, seg, chunk, src, stash_slot, kv_slot):
-        g = chunk * S + stage
+    def backward(op, x_in, dy, k_cache, v_cache, dk_cache, dv_cache):
+        """One backward unit: (dx, parameter cotangents, prefix K/V cotangents padded)."""
+        g = op["bwd_chunk"] * S + stage
 
-        def run(seg_k, carry):
-            off, length = spec.offsets[seg_k], spec.lengths[seg_k]
-            tokens, targets = segment_tokens(mb, seg_k)
-            x_in = carry["stash"][stash_slot]
-            k_cache, v_cache = carry["kv_k"][kv_slot], carry["kv_v"][kv_slot]
-            dk_cache, dv_cache = carry["dkv_k"][kv_slot], carry["dkv_v"][kv_slot]
+        def run(seg):
+            off, length = spec.offsets[seg], spec.lengths[seg]
+            tokens, targets = segment_tokens(op["bwd_mb"], seg)
             unit = functools.partial(
-                units[seg_k], tokens=tokens, targets=targets, first=g == 0, last=g == last_chunk
+                units[seg], tokens=tokens, targets=targets, first=g == 0, last=g == last_chunk
             )
             _, vjp = jax.vjp(
-                unit, chunk_params(chunk), shared, x_in, k_cache[:, :, :off], v_cache[:, :, :off]
+                unit,
+                chunk_params(op["bwd_chunk"]),
+                shared,
+                x_in,
+                k_cache[:, :, :off],
+                v_cache[:, :, :off],
             )
-            dy = jnp.where(src >= 0, carry["recv_bwd"][jnp.maximum(src, 0)], 0)
-            cotangent = (
-                dy,
-                jnp.ones((), jnp.float32),
-                dk_cache[:, :, off : off + length],
-                dv_cache[:, :, off : off + length],
+            if seg < K - 1:  # K/V cotangents that later segments left for this one
+                dk_own, dv_own = (
+                    dk_cache[:, :, off : off + length],
+                    dv_cache[:, :, off : off + length],
+                )
+            else:  # no segment attends to the last one
+                dk_own = dv_own = jnp.zeros((n_layers, rows, length, *heads), act_dtype)
+            d_chunk, d_shared, dx, dk_prefix, dv_prefix = vjp(
+                (dy, jnp.ones((), jnp.float32), dk_own, dv_own)
             )
-            d_chunk, d_shared, dx, dk_prefix, dv_prefix = vjp(cotangent)
-            carry = dict(carry)
-            carry["grads_layers"] = jax.tree.map(
-                lambda acc, d: acc.at[chunk].add(d.astype(acc.dtype)),
-                carry["grads_layers"],
+            return (
+                dx.astype(act_dtype),
                 d_chunk,
+                d_shared,
+                pad_to(dk_prefix.astype(act_dtype), kv_len),
+                pad_to(dv_prefix.astype(act_dtype), kv_len),
             )
-            carry["grads_shared"] = jax.tree.map(jnp.add, carry["grads_shared"], d_shared)
-            # Prefix cotangents wait for the earlier segments; this segment's own are spent.
-            for name, d_prefix in (("dkv_k", dk_prefix), ("dkv_v", dv_prefix)):
-                buf = carry[name].at[kv_slot, :, :, :off].add(d_prefix.astype(act_dtype))
-                carry[name] = buf.at[kv_slot, :, :, off : off + length].set(0)
-            return carry, dx.astype(act_dtype)
 
-        branches = [functools.partial(run, k) for k in range(K)]
-        return jax.lax.switch(seg, branches, carry)
+        return jax.lax.switch(op["bwd_seg"], [functools.partial(run, k) for k in range(K)])
 
     def tick(carry, ops):
-        op = {name: row[stage] for name, row in ops.items()}
-        carry, y = jax.lax.cond(
-            op["fwd_mb"] >= 0,
-            lambda c: forward(
-                c,
-                op["fwd_mb"],
-                op["fwd_seg"],
-                op["fwd_chunk"],
-                op["fwd_in"],
-                op["fwd_stash"],
-                op["fwd_kv"],
-            ),
-            lambda c: (c, act),
-            carry,
+        op = {name: jnp.maximum(row[stage], 0) for name, row in ops.items()}
+        raw = {name: row[stage] for name, row in ops.items()}
+        carry = dict(carry)
+
+        # Forward: input from the receive buffer (chunk 0 embeds its tokens instead).
+        f_on = raw["fwd_mb"] >= 0
+        x_in = carry["recv_fwd"][op["fwd_in"]]
+        k_cache, v_cache = carry["kv_k"][op["fwd_kv"]], carry["kv_v"][op["fwd_kv"]]
+        y, loss, k_seg, v_seg = jax.lax.cond(
+            f_on,
+            lambda: forward(op, x_in, k_cache, v_cache),
+            lambda: (act, jnp.zeros((), jnp.float32), kv_seg_zero, kv_seg_zero),
         )
-        carry, dx = jax.lax.cond(
-            op["bwd_mb"] >= 0,
-            lambda c: backward(
-                c,
-                op["bwd_mb"],
-                op["bwd_seg"],
-                op["bwd_chunk"],
-                op["bwd_in"],
-                op["bwd_stash"],
-                op["bwd_kv"],
+        carry["loss"] = carry["loss"] + loss
+        carry["stash"] = _masked_write(carry["stash"], (op["fwd_stash"], 0, 0, 0), x_in[None], f_on)
+        if K > 1:  # only segments before the last are ever read back as a prefix
+            at = (op["fwd_kv"], 0, 0, offsets[op["fwd_seg"]], 0, 0)
+            keep = f_on & (raw["fwd_seg"] < K - 1)
+            carry["kv_k"] = _masked_write(carry["kv_k"], at, k_seg[None], keep)
+            carry["kv_v"] = _masked_write(carry["kv_v"], at, v_seg[None], keep)
+
+        # Backward: recompute the unit from its stashed input and pull cotangents through.
+        b_on = raw["bwd_mb"] >= 0
+        x_in = carry["stash"][op["bwd_stash"]]
+        dy = jnp.where(raw["bwd_in"] >= 0, carry["recv_bwd"][op["bwd_in"]], 0)
+        k_cache, v_cache = carry["kv_k"][op["bwd_kv"]], carry["kv_v"][op["bwd_kv"]]
+        dk_cache, dv_cache = carry["dkv_k"][op["bwd_dkv"]], carry["dkv_v"][op["bwd_dkv"]]
+        dx, d_chunk, d_shared, dk_prefix, dv_prefix = jax.lax.cond(
+            b_on,
+            lambda: backward(op, x_in, dy, k_cache, v_cache, dk_cache, dv_cache),
+            lambda: (
+                act,
+                _zeros_like_tree(chunk_params(0)),
+                _zeros_like_tree(shared),
+                kv_all_zero,
+                kv_all_zero,
             ),
-            lambda c: (c, act),
-            carry,
         )
+        carry["grads_layers"] = jax.tree.map(
+            lambda acc, d: acc.at[op["bwd_chunk"]].add(d.astype(acc.dtype)),
+            carry["grads_layers"],
+            d_chunk,
+        )
+        carry["grads_shared"] = jax.tree.map(jnp.add, carry["grads_shared"], d_shared)
+        if K > 1:
+            # Prefix cotangents wait for the earlier segments; this segment's own (and any
+            # later ones) are spent, so they are cleared for the slot's next micro-batch.
+            before = (jnp.arange(kv_len) < offsets[op["bwd_seg"]])[None, None, :, None, None]
+            for name, d_prefix in (("dkv_k", dk_prefix), ("dkv_v", dv_prefix)):
+                old = carry[name][op["bwd_dkv"]]
+                new = jnp.where(before, old + d_prefix, 0)
+                carry[name] = _masked_write(
+                    carry[name], (op["bwd_dkv"], 0, 0, 0, 0, 0), new[None], b_on
+                )
+
         # Ring transfers; the schedule says which slot (if any) keeps what arrives.
         y_in = jax.lax.ppermute(y, STAGE, [(i, (i + 1) % S) for i in range(S)])
         dx_in = jax.lax.ppermute(dx, STAGE, [(i, (i - 1) % S) for i in range(S)])
-        carry = dict(carry)
-        for name, msg, slot in (
-            ("recv_fwd", y_in, op["recv_fwd"]),
-            ("recv_bwd", dx_in, op["recv_bwd"]),
-        ):
-            keep = jnp.where(slot >= 0, msg, carry[name][jnp.maximum(slot, 0)])
-            carry[name] = carry[name].at[jnp.maximum(slot, 0)].set(keep)
+        for name, msg in (("recv_fwd", y_in), ("recv_bwd", dx_in)):
+            at = (op[name], 0, 0, 0)
+            carry[name] = _masked_write(carry[name], at, msg[None], raw[name] >= 0)
         return carry, None
 
+    kv_shape = (max(prog.num_kv, 1), n_layers, rows, kv_len, *heads)
+    dkv_shape = (max(prog.num_dkv, 1), n_layers, rows, kv_len, *heads)
     init = {
         "stash": jnp.zeros((max(prog.num_stash, 1),) + act.shape, act_dtype),
         "recv_fwd": jnp.zeros((max(prog.num_recv_fwd, 1),) + act.shape, act_dtype),
         "recv_bwd": jnp.zeros((max(prog.num_recv_bwd, 1),) + act.shape, act_dtype),
         "kv_k": jnp.zeros(kv_shape, act_dtype),
         "kv_v": jnp.zeros(kv_shape, act_dtype),
-        "dkv_k": jnp.zeros(kv_shape, act_dtype),
-        "dkv_v": jnp.zeros(kv_shape, act_dtype),
+        "dkv_k": jnp.zeros(dkv_shape, act_dtype),
+        "dkv_v": jnp.zeros(dkv_shape, act_dtype),
         "grads_layers": _zeros_like_tree(layers_VxN),
         "grads_shared": _zeros_like_tree(shared),
         "loss": jnp.zeros((), jnp.float32),

@@ -284,10 +284,12 @@ class Program:
     bwd_in: np.ndarray  # recv_bwd slot with the output cotangent; -1: from the loss
     bwd_stash: np.ndarray  # stash slot to read (free from the next tick)
     bwd_kv: np.ndarray
+    bwd_dkv: np.ndarray  # dK/dV accumulator slot of (mb, chunk): last segment's backward to seg 0's
     recv_fwd: np.ndarray  # slot storing what stage (s-1) % S sent during tick t
     recv_bwd: np.ndarray  # slot storing what stage (s+1) % S sent during tick t
     num_stash: int
     num_kv: int
+    num_dkv: int
     num_recv_fwd: int
     num_recv_bwd: int
 
@@ -340,7 +342,7 @@ def lower(s: Schedule) -> Program:
                 )
     counts = {}
     for r in range(S):
-        stash, kv, rf, rb = [], [], [], []
+        stash, kv, dkv, rf, rb = [], [], [], [], []
         for (rr, u), tf in f_at.items():
             if rr != r:
                 continue
@@ -348,6 +350,8 @@ def lower(s: Schedule) -> Program:
             stash.append((tf, tb, u))
             if u.seg == 0:
                 kv.append((tf, b_at[r, u], (u.mb, u.chunk)))
+                first_bwd = b_at[r, Unit(u.mb, s.segments - 1, u.chunk)]
+                dkv.append((first_bwd, b_at[r, u], (u.mb, u.chunk)))
             if g > 0:  # input arrives from the previous global chunk
                 sent = f_at[(r - 1) % S, Unit(u.mb, u.seg, u.chunk - (r == 0))]
                 rf.append((sent + 1, tf, u))
@@ -356,6 +360,7 @@ def lower(s: Schedule) -> Program:
                 rb.append((sent + 1, tb, u))
         stash_of, counts[r, "stash"] = _allocate(stash)
         kv_of, counts[r, "kv"] = _allocate(kv)
+        dkv_of, counts[r, "dkv"] = _allocate(dkv)
         rf_of, counts[r, "rf"] = _allocate(rf)
         rb_of, counts[r, "rb"] = _allocate(rb)
         for u, slot in stash_of.items():
@@ -364,17 +369,21 @@ def lower(s: Schedule) -> Program:
             for k in range(s.segments):
                 u = Unit(m, k, c)
                 arr["fwd_kv"][f_at[r, u], r] = arr["bwd_kv"][b_at[r, u], r] = slot
+        for (m, c), slot in dkv_of.items():
+            for k in range(s.segments):
+                arr["bwd_dkv"][b_at[r, Unit(m, k, c)], r] = slot
         for u, slot in rf_of.items():
             arr["fwd_in"][f_at[r, u], r] = slot
             arr["recv_fwd"][f_at[(r - 1) % S, Unit(u.mb, u.seg, u.chunk - (r == 0))], r] = slot
         for u, slot in rb_of.items():
             arr["bwd_in"][b_at[r, u], r] = slot
             arr["recv_bwd"][b_at[(r + 1) % S, Unit(u.mb, u.seg, u.chunk + (r == S - 1))], r] = slot
-    num = {k: max(counts[r, k] for r in range(S)) for k in ("stash", "kv", "rf", "rb")}
+    num = {k: max(counts[r, k] for r in range(S)) for k in ("stash", "kv", "dkv", "rf", "rb")}
     return Program(
         **arr,
         num_stash=num["stash"],
         num_kv=num["kv"],
+        num_dkv=num["dkv"],
         num_recv_fwd=num["rf"],
         num_recv_bwd=num["rb"],
     )
@@ -442,6 +451,7 @@ def stats(
         "activation_fraction": [round(float(x), 6) for x in frac.max(axis=0)],
         "stash_slots": prog.num_stash,
         "kv_slots": prog.num_kv,
+        "dkv_slots": prog.num_dkv,
         "recv_fwd_slots": prog.num_recv_fwd,
         "recv_bwd_slots": prog.num_recv_bwd,
     }

@@ -56,7 +56,8 @@ def test_segment_attention_rejects_inconsistent_key_range():
 
 
 @pytest.mark.parametrize(
-    "lengths", [(12, 12), (8, 8, 8), (6, 6, 6, 6), (11, 7, 4, 2), (1, 23), (20, 3, 1), (1,) * 8 + (16,)]
+    "lengths",
+    [(12, 12), (8, 8, 8), (6, 6, 6, 6), (11, 7, 4, 2), (1, 23), (20, 3, 1), (1,) * 8 + (16,)],
 )
 def test_segmented_logits_equal_whole(params, tokens, lengths):
     whole = forward(params, tokens[:, :-1], CFG)

@@ -92,6 +92,7 @@ def simulate(s: Schedule, p: sc.Program) -> None:
     last = V * S - 1
     stash = [[None] * p.num_stash for _ in range(S)]
     kv = [[None] * p.num_kv for _ in range(S)]
+    dkv = [[None] * p.num_dkv for _ in range(S)]
     rf = [[None] * p.num_recv_fwd for _ in range(S)]
     rb = [[None] * p.num_recv_bwd for _ in range(S)]
     for t, row in enumerate(s.ticks):
@@ -149,6 +150,14 @@ def simulate(s: Schedule, p: sc.Program) -> None:
             kv[r][slot][3] = b.seg
             if b.seg == 0:
                 kv[r][slot] = None
+            # The dK/dV accumulator lives from the last segment's backward to segment 0's.
+            slot = p.bwd_dkv[t, r]
+            if b.seg == K - 1:
+                assert dkv[r][slot] is None, f"dkv slot {slot} overwritten at {t, r}"
+                dkv[r][slot] = (b.mb, b.chunk)
+            assert dkv[r][slot] == (b.mb, b.chunk), (t, r, b, dkv[r][slot])
+            if b.seg == 0:
+                dkv[r][slot] = None
             if g > 0:
                 sent_b[(r - 1) % S] = ("grad", b.mb, b.seg, g)
         for r, slot in freed_stash:
