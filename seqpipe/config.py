@@ -48,7 +48,8 @@ def base_config() -> ml_collections.ConfigDict:
         partition_multiple=1,
         virtual_stages=1,
         inflight="full",
-        remat=False,
+        remat=False,  # checkpoint every layer (pipelined units always recompute from the
+        # stage input; with this set their backward holds one layer's activations at a time)
     )
     c.train = dict(
         steps=100,

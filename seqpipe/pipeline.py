@@ -36,6 +36,7 @@ class PipelineSpec:
     schedule: schedule.Schedule
     program: schedule.Program
     lengths: tuple[int, ...]  # segment lengths, summing to the sequence length
+    remat_layers: bool = False  # checkpoint each layer inside a unit's recomputation
 
     @property
     def stages(self) -> int:
@@ -90,7 +91,7 @@ def make_spec(config, seq_len: int | None = None) -> PipelineSpec:
         p.inflight,
         costs,
     )
-    return PipelineSpec(cfg, table, schedule.lower(table), tuple(lengths))
+    return PipelineSpec(cfg, table, schedule.lower(table), tuple(lengths), bool(p.remat))
 
 
 # Parameter layout. Canonical layers are [N, ...]; global chunk g = c * S + r holds layers
@@ -127,7 +128,9 @@ def _unit(spec: PipelineSpec, seg: int, scale: float):
             lambda: model.embed(shared, tokens, cfg),
             lambda: x_in[:, :length],
         )
-        y, k_seg, v_seg = model.layers(p_chunk, x, k_prefix, v_prefix, offset, cfg)
+        y, k_seg, v_seg = model.layers(
+            p_chunk, x, k_prefix, v_prefix, offset, cfg, spec.remat_layers
+        )
         loss = jax.lax.cond(
             last,
             lambda: model.token_loss_sum(model.logits(shared, y, cfg), targets) * scale,
