@@ -165,7 +165,11 @@ def run(config: ConfigDict, workdir: str) -> list[dict]:
     tx = optim.make_optimizer(t)
     main = jax.process_index() == 0
     manager = checkpoint.make_manager(workdir, config)
-    restored = checkpoint.restore_latest(manager, abstract_state(config, mesh, tx), config)
+    try:
+        restored = checkpoint.restore_latest(manager, abstract_state(config, mesh, tx), config)
+    except BaseException:
+        manager.close()
+        raise
     if restored:
         start, state, data_state = restored
         batches.set_state(data_state)
