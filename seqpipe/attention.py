@@ -2,47 +2,137 @@
 
 A segment of queries at absolute positions [offset, offset + Q) attends to keys at
 [0, offset + Q): the cached prefix [0, offset) plus its own. The causal mask is
-bottom-right aligned by construction: query i sees key j iff j <= offset + i. A
-top-left-aligned flag would be wrong here whenever Q < number of keys.
+bottom-right aligned by construction: query i sees key j iff j <= offset + i (every
+prefix key, and its own segment's keys up to the diagonal). A top-left-aligned flag
+would be wrong here whenever Q < number of keys.
 """
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def rope(x_BxQxHxE: jax.Array, offset: int, base: float) -> jax.Array:
-    """Rotary position embedding at absolute positions offset .. offset + Q - 1."""
+    """Rotary position embedding at absolute positions offset .. offset + Q - 1.
+
+    The angles depend only on static shapes, so they are NumPy constants: a backward
+    that keeps residuals never has to store them.
+    """
     _, q_len, _, head_dim = x_BxQxHxE.shape
     half = head_dim // 2
-    inv_freq = 1.0 / (base ** (jnp.arange(half, dtype=jnp.float32) / half))
-    pos = jnp.arange(q_len, dtype=jnp.float32) + offset
+    inv_freq = 1.0 / (base ** (np.arange(half, dtype=np.float64) / half))
+    pos = np.arange(q_len, dtype=np.float64) + offset
     angle_QxE2 = pos[:, None] * inv_freq[None, :]
-    sin = jnp.sin(angle_QxE2)[None, :, None, :]
-    cos = jnp.cos(angle_QxE2)[None, :, None, :]
+    sin = np.sin(angle_QxE2).astype(np.float32)[None, :, None, :]
+    cos = np.cos(angle_QxE2).astype(np.float32)[None, :, None, :]
     x1, x2 = jnp.split(x_BxQxHxE.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
     return out.astype(x_BxQxHxE.dtype)
 
 
-def segment_attention(
-    q_BxQxHxE: jax.Array, k_BxKxHxE: jax.Array, v_BxKxHxE: jax.Array, offset: int
-) -> jax.Array:
-    """Softmax attention where the queries start at absolute position `offset`.
+NAME_SCOPE = "segment_attention"
 
-    The keys cover positions [0, offset + Q); `offset` is static so each segment
-    shape compiles to exactly its causal key range, with no padded keys.
-    """
-    q_len, k_len = q_BxQxHxE.shape[1], k_BxKxHxE.shape[1]
-    if k_len != offset + q_len:
+
+def _check(q_BxQxHxE, k_prefix_BxPxHxE, v_prefix_BxPxHxE, k_seg_BxQxHxE):
+    q_len, prefix_len = q_BxQxHxE.shape[1], k_prefix_BxPxHxE.shape[1]
+    if k_seg_BxQxHxE.shape[1] != q_len or v_prefix_BxPxHxE.shape[1] != prefix_len:
         raise ValueError(
-            f"keys cover {k_len} positions; expected offset + queries = {offset + q_len}"
+            f"keys cover {prefix_len} prefix + {k_seg_BxQxHxE.shape[1]} segment positions; "
+            f"expected the segment's own {q_len}"
         )
-    scale = q_BxQxHxE.shape[-1] ** -0.5
-    logits_BxHxQxK = jnp.einsum(
-        "bqhe,bkhe->bhqk", q_BxQxHxE, k_BxKxHxE, preferred_element_type=jnp.float32
+
+
+def _probs(q, k_prefix, k_seg):
+    """Softmax probabilities of the segment's queries over (prefix, own) keys, as two blocks.
+
+    The diagonal block's mask is an additive NumPy constant (0 on and below, -inf above).
+    The row maximum over the own block is finite (the diagonal is never masked), so an
+    empty prefix needs no special case.
+    """
+    scale = q.shape[-1] ** -0.5
+
+    def scores(k):
+        s = jnp.einsum("bqhe,bkhe->bhqk", q, k, preferred_element_type=jnp.float32)
+        return s * scale
+
+    q_len = q.shape[1]
+    diagonal = np.where(np.tril(np.ones((q_len, q_len), bool)), 0.0, -np.inf).astype(np.float32)
+    s_prefix, s_seg = scores(k_prefix), scores(k_seg) + diagonal
+    row_max = jnp.maximum(
+        s_prefix.max(-1, keepdims=True, initial=-np.inf), s_seg.max(-1, keepdims=True)
     )
-    q_pos = offset + jnp.arange(q_len)[:, None]
-    k_pos = jnp.arange(k_len)[None, :]
-    logits_BxHxQxK = jnp.where(k_pos <= q_pos, logits_BxHxQxK * scale, -jnp.inf)
-    probs = jax.nn.softmax(logits_BxHxQxK, axis=-1).astype(v_BxKxHxE.dtype)
-    return jnp.einsum("bhqk,bkhe->bqhe", probs, v_BxKxHxE)
+    e_prefix, e_seg = jnp.exp(s_prefix - row_max), jnp.exp(s_seg - row_max)
+    total = e_prefix.sum(-1, keepdims=True) + e_seg.sum(-1, keepdims=True)
+    return (e_prefix / total).astype(q.dtype), (e_seg / total).astype(q.dtype)
+
+
+def _weighted_values(p_prefix, p_seg, v_prefix, v_seg):
+    return jnp.einsum("bhqk,bkhe->bqhe", p_prefix, v_prefix) + jnp.einsum(
+        "bhqk,bkhe->bqhe", p_seg, v_seg
+    )
+
+
+@jax.custom_vjp
+def segment_attention(
+    q_BxQxHxE: jax.Array,
+    k_prefix_BxPxHxE: jax.Array,
+    v_prefix_BxPxHxE: jax.Array,
+    k_seg_BxQxHxE: jax.Array,
+    v_seg_BxQxHxE: jax.Array,
+) -> jax.Array:
+    """Softmax attention of a segment's queries over the cached prefix and themselves.
+
+    The queries sit at absolute positions [P, P + Q), P = prefix length, and see every
+    prefix key plus their own segment's keys up to the diagonal. Shapes are static, so
+    each segment compiles to exactly its causal key range.
+
+    The prefix and the segment's K/V enter as separate blocks, and the backward is
+    written by hand, so that what a unit keeps for its backward is its inputs (the
+    prefix by reference: it already lives in the KV cache, never copied per unit) and
+    the probabilities once, in the compute dtype. Autodiff of a softmax followed by
+    sliced PV products would keep them twice: the softmax output and the slices.
+    """
+    return _attention_fwd(
+        q_BxQxHxE, k_prefix_BxPxHxE, v_prefix_BxPxHxE, k_seg_BxQxHxE, v_seg_BxQxHxE
+    )[0]
+
+
+# The name scope marks the attention's equations for `flops.breakdown`: once autodiff
+# inlines a custom_vjp's rules, their source frames are the caller's.
+@jax.named_scope(NAME_SCOPE)
+def _attention_fwd(q, k_prefix, v_prefix, k_seg, v_seg):
+    _check(q, k_prefix, v_prefix, k_seg)
+    p_prefix, p_seg = _probs(q, k_prefix, k_seg)
+    out = _weighted_values(p_prefix, p_seg, v_prefix, v_seg)
+    return out, (q, k_prefix, v_prefix, k_seg, v_seg, p_prefix, p_seg)
+
+
+@jax.named_scope(NAME_SCOPE)
+def _attention_bwd(residuals, d_out):
+    """The softmax backward per block: dS = P * (dP - rowsum(P * dP)) * scale."""
+    q, k_prefix, v_prefix, k_seg, v_seg, p_prefix, p_seg = residuals
+    f32, scale = jnp.float32, q.shape[-1] ** -0.5
+
+    def d_probs(v):
+        return jnp.einsum("bqhe,bkhe->bhqk", d_out, v, preferred_element_type=f32)
+
+    dp_prefix, dp_seg = d_probs(v_prefix), d_probs(v_seg)
+    row = (p_prefix * dp_prefix).sum(-1, keepdims=True, dtype=f32) + (p_seg * dp_seg).sum(
+        -1, keepdims=True, dtype=f32
+    )
+    ds_prefix = (p_prefix * (dp_prefix - row) * scale).astype(q.dtype)
+    ds_seg = (p_seg * (dp_seg - row) * scale).astype(q.dtype)
+    dq = jnp.einsum("bhqk,bkhe->bqhe", ds_prefix, k_prefix) + jnp.einsum(
+        "bhqk,bkhe->bqhe", ds_seg, k_seg
+    )
+
+    def d_keys(ds):
+        return jnp.einsum("bhqk,bqhe->bkhe", ds, q)
+
+    def d_values(p):
+        return jnp.einsum("bhqk,bqhe->bkhe", p, d_out)
+
+    return dq, d_keys(ds_prefix), d_values(p_prefix), d_keys(ds_seg), d_values(p_seg)
+
+
+segment_attention.defvjp(_attention_fwd, _attention_bwd)

@@ -39,6 +39,8 @@ RUNS = (
     ("seq1f1b_interleaved", 4, "flops", 2),
 )
 QUICK_RUNS = (("1f1b", 1, "uniform", 1), ("seq1f1b", 2, "uniform", 1))
+# Every pipeline.remat policy is compiled for these (memory and FLOPs).
+POLICY_RUNS = (("1f1b", 1, "uniform", 1), ("seq1f1b", 4, "uniform", 1))
 QUICK = (
     "--config.model.vocab_size=256",
     "--config.model.num_layers=2",
@@ -162,13 +164,6 @@ def place_params(params, abstract):
     return jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), params, abstract)
 
 
-def remat_policy(config) -> str:
-    """The executor's rematerialisation policy: `full` unless the config names another
-    (a boolean `pipeline.remat` predates the policies; the executor then recomputes all)."""
-    value = config.pipeline.get("remat", "full")
-    return value if isinstance(value, str) else "full"
-
-
 def compile_step(config) -> dict:
     """The pipelined step compiled for `config`, from abstract inputs (`seqpipe.memory`)."""
     from seqpipe import memory
@@ -236,15 +231,62 @@ def run_one(config, step, params, tokens, timer, repeats: int, count_flops: bool
     return out
 
 
-def reference_seconds(cfg, params, tokens, remat: bool, repeats: int) -> float:
+def reference_seconds(cfg, params, tokens, checkpoint: str | None, repeats: int) -> float:
+    """Median step time of the un-pipelined reference on one device, each layer
+    checkpointed with `checkpoint` (a `model.CHECKPOINT_POLICIES` key) or not at all."""
     import jax
 
     from seqpipe import reference
 
     dev = jax.devices()[0]
     p, t = jax.device_put(params, dev), jax.device_put(tokens, dev)
-    step = jax.jit(lambda p, t: reference.loss_and_grads(p, t, cfg, remat))
+    step = jax.jit(lambda p, t: reference.loss_and_grads(p, t, cfg, checkpoint))
     return median_seconds(step, (p, t), repeats)
+
+
+def policy_rows(config, runs, rows_per_mb: int) -> list[dict]:
+    """Every `pipeline.remat` policy for each of `runs`: XLA temp per device, what the
+    carry keeps between a forward and its backward, and executed / analytic FLOPs."""
+    from seqpipe import config as config_lib
+    from seqpipe import flops, memory
+
+    out = []
+    for run in runs:
+        for policy in config_lib.REMAT_POLICIES:
+            c = variant(config, *run)
+            with c.unlocked():
+                c.pipeline.remat = policy
+            step = compile_step(c)
+            spec = step["spec"]
+            carry = memory.carry_bytes(spec, rows_per_mb)
+            out.append(
+                {
+                    "label": label(*run),
+                    "remat": policy,
+                    "temp_bytes": int(step["compiled"].memory_analysis().temp_size_in_bytes),
+                    "stash_bytes": int(carry["stash"] + carry["res"]),
+                    "kv_bytes": int(carry["kv"] + carry["dkv"]),
+                    "flop_ratio": flops.step_ratio(spec, rows_per_mb, c.mesh.data)["ratio"],
+                }
+            )
+    return out
+
+
+def policy_table(rows: list[dict]) -> str:
+    lines = [
+        "| schedule | pipeline.remat | XLA temp MiB | temp / full | stash MiB (inputs or "
+        "residuals) | KV+dKV MiB | executed / analytic FLOPs |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    full = {r["label"]: r for r in rows if r["remat"] == "full"}
+    for r in rows:
+        base = full.get(r["label"])
+        ratio = f"{r['temp_bytes'] / base['temp_bytes']:.2f}" if base else "-"
+        lines.append(
+            f"| {r['label']} | {r['remat']} | {_mib(r['temp_bytes'])} | {ratio} | "
+            f"{_mib(r['stash_bytes'])} | {_mib(r['kv_bytes'])} | {r['flop_ratio']:.4f} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def prediction_specs(config, stages, variants) -> list[dict]:
@@ -364,7 +406,10 @@ def chart(result: dict, path: str) -> None:
         label="measured (shared cores)",
     )
     axes[1].axvline(
-        1e3 * result["reference"]["remat_s"], color="k", ls="--", label="reference (remat)"
+        1e3 * result["reference"]["seconds"],
+        color="k",
+        ls="--",
+        label=f"reference ({result['reference']['checkpoint']} checkpoint)",
     )
     axes[1].set_title("step time, ms")
     axes[1].legend(fontsize=7)
@@ -380,6 +425,7 @@ def chart(result: dict, path: str) -> None:
         label="if keys were padded",
     )
     axes[3].axvline(4 / 3, color="k", ls="--", label="4/3 (full remat)")
+    axes[3].axvline(1.05, color="k", ls=":", label="1.05 (no recompute)")
     axes[3].set_xlim(1.0, None)
     axes[3].set_title("executed / analytic FLOPs")
     axes[3].legend(fontsize=7)
@@ -415,7 +461,7 @@ def bench(config, runs, repeats: int, log=print, quick: bool = False) -> dict:
         "microbatches": config.pipeline.microbatches,
         "global_batch_size": batch,
         "seq_len": seq,
-        "remat": remat_policy(config),
+        "remat": config.pipeline.remat,
         "cpu_cores": os.cpu_count(),
         "note": NOTE,
         "rows": [],
@@ -456,23 +502,30 @@ def bench(config, runs, repeats: int, log=print, quick: bool = False) -> dict:
             f"predicted {1e3 * r['predicted_s']:.0f} ms, measured {1e3 * r['measured_s']:.0f} "
             f"ms ({time.perf_counter() - start:.0f} s)"
         )
+    # The machinery alone: the pipelined step on one stage against the reference that
+    # checkpoints its layers as the policy does (the same FLOPs), and against none.
+    from seqpipe import reference
+
+    matching = reference.CHECKPOINT[config.pipeline.remat]
     result["reference"] = {
-        "remat_s": reference_seconds(cfg, params, tokens, True, repeats),
-        "no_remat_s": reference_seconds(cfg, params, tokens, False, repeats),
+        "checkpoint": matching or "none",
+        "seconds": reference_seconds(cfg, params, tokens, matching, repeats),
+        "no_checkpoint_s": reference_seconds(cfg, params, tokens, None, repeats),
     }
-    # The machinery alone, against the reference with per-layer remat (the same FLOPs as
-    # the executor's full remat).
     solo = run_one(one, steps[-1], params, tokens, None, repeats, count_flops=False)
     solo_s = solo["measured_s"]
     result["overhead"] = {
         "pipelined_one_stage_s": solo_s,
-        "reference_remat_s": result["reference"]["remat_s"],
-        "ratio": solo_s / result["reference"]["remat_s"],
-        "ratio_vs_no_remat": solo_s / result["reference"]["no_remat_s"],
+        "reference_s": result["reference"]["seconds"],
+        "ratio": solo_s / result["reference"]["seconds"],
+        "ratio_vs_no_checkpoint": solo_s / result["reference"]["no_checkpoint_s"],
         "target": 1.15,
     }
     log(f"# overhead: one-stage pipeline / reference = {result['overhead']['ratio']:.3f}")
     result["prediction"] = prediction(predict, timer, layers)
+    policy_runs = runs[:2] if quick else POLICY_RUNS
+    result["policies"] = policy_rows(config, policy_runs, rows_per_mb)
+    log(f"# remat policies compiled for {len(policy_runs)} schedules")
     spec = pipeline.make_spec(variant(config, *runs[-1]))
     result["flop_breakdown"] = {
         "schedule": label(*runs[-1]),
@@ -492,14 +545,17 @@ def report(result: dict) -> str:
         f"seq {result['seq_len']}; mesh {result['mesh']}; M={result['microbatches']}; "
         f"{result['remat']} remat; {result['cpu_cores']} CPU cores\n",
         table(result["rows"]),
-        f"reference step (one device): {1e3 * ref['remat_s']:.0f} ms with per-layer remat, "
-        f"{1e3 * ref['no_remat_s']:.0f} ms without",
+        f"reference step (one device): {1e3 * ref['seconds']:.0f} ms with the policy's "
+        f"per-layer checkpoint ({ref['checkpoint']}), "
+        f"{1e3 * ref['no_checkpoint_s']:.0f} ms with no checkpoint",
         "machinery overhead: pipelined step on a one-stage mesh "
-        f"{1e3 * ov['pipelined_one_stage_s']:.0f} ms = {ov['ratio']:.3f}x the reference "
-        f"with remat (target <= {ov['target']}), "
-        f"{ov['ratio_vs_no_remat']:.3f}x without\n",
+        f"{1e3 * ov['pipelined_one_stage_s']:.0f} ms = {ov['ratio']:.3f}x the reference with "
+        f"the same checkpoints (target <= {ov['target']}), "
+        f"{ov['ratio_vs_no_checkpoint']:.3f}x the one with none\n",
         "Predicted from measured unit times (M=8):\n",
         prediction_table(result["prediction"]),
+        "Every pipeline.remat policy (full depth):\n",
+        policy_table(result["policies"]),
         f"FLOPs by source for {fb['schedule']}, as fractions of the analytic total (jaxpr):",
         ", ".join(f"{k} {v:.4f}" for k, v in fb["fractions_of_analytic"].items()),
         "",

@@ -17,6 +17,9 @@ PARTITIONS = ("uniform", "flops")
 DTYPES = ("float32", "bfloat16", "float16")
 SOURCES = ("stdlib", "text", "tokens")
 TOKENIZERS = ("bpe", "byte")
+# full: the stage input (recompute the stage); layer: each layer's input (recompute layer by
+# layer); dots: matmul outputs (recompute element-wise work); none: everything.
+REMAT_POLICIES = ("full", "layer", "dots", "none")
 
 
 class ConfigError(ValueError):
@@ -48,8 +51,7 @@ def base_config() -> ml_collections.ConfigDict:
         partition_multiple=1,
         virtual_stages=1,
         inflight="full",
-        remat=False,  # checkpoint every layer (pipelined units always recompute from the
-        # stage input; with this set their backward holds one layer's activations at a time)
+        remat="full",  # what a forward keeps for its backward: one of REMAT_POLICIES
     )
     c.train = dict(
         steps=100,
@@ -67,6 +69,10 @@ def base_config() -> ml_collections.ConfigDict:
         eval_every=0,
         eval_batches=4,
         stop_at=0,  # end this invocation at this step, with a checkpoint; 0: at train.steps
+        # A step whose loss or gradient norm is not finite is skipped (no update); this many
+        # in a row stop the run, without saving.
+        max_bad_steps=10,
+        inject_nan_at=(),  # for tests only: make the loss and gradients of these steps NaN
     )
     # Checkpoints under WORKDIR/checkpoints: every `every` steps (0: only at the end), the
     # newest `keep` kept (0: all), written by a background thread when async_save.
@@ -119,7 +125,8 @@ def _parse_value(key: str, text: str, default):
     if isinstance(default, str):
         return int(text) if key == "pipeline.inflight" and text.isdigit() else text
     try:
-        value = ast.literal_eval(text)
+        # float() also reads nan and inf, so validation can say what is wrong with them.
+        value = float(text) if isinstance(default, float) else ast.literal_eval(text)
     except (ValueError, SyntaxError):
         raise ConfigError(f"--config.{key}={text}: expected a {type(default).__name__}") from None
     if isinstance(default, float) and isinstance(value, int):
@@ -198,6 +205,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         )
     _choice(config, "pipeline.schedule", SCHEDULES)
     _choice(config, "pipeline.partition", PARTITIONS)
+    _choice(config, "pipeline.remat", REMAT_POLICIES)
     _require(
         p.schedule != "none" or mesh.stage == 1,
         f"mesh.stage={mesh.stage} needs a pipeline schedule; set pipeline.schedule "
@@ -233,10 +241,21 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         _require(
             math.isfinite(value) and value >= 0, f"train.{key}={value} must be finite and >= 0"
         )
+    for key in ("b1", "b2"):
+        _require(0 <= t[key] < 1, f"train.{key}={t[key]} must be in [0, 1) (an Adam decay rate)")
     for key in ("warmup_steps", "log_every", "eval_every", "eval_batches"):
         _require(t[key] >= 0, f"train.{key}={t[key]} must be >= 0")
     _require(t.log_every >= 1, f"train.log_every={t.log_every} must be at least 1")
     _require(t.stop_at >= 0, f"train.stop_at={t.stop_at} must be >= 0 (0: run to train.steps)")
+    _require(
+        t.max_bad_steps >= 1,
+        f"train.max_bad_steps={t.max_bad_steps} must be at least 1 (non-finite steps in a row "
+        "that stop the run)",
+    )
+    _require(
+        all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in t.inject_nan_at),
+        f"train.inject_nan_at={t.inject_nan_at!r} must be a tuple of steps >= 1, e.g. (3, 4)",
+    )
     ck = config.checkpoint
     for key in ("every", "keep"):
         _require(ck[key] >= 0, f"checkpoint.{key}={ck[key]} must be >= 0")
@@ -277,6 +296,14 @@ def _validate_pipeline(config: ml_collections.ConfigDict) -> None:
             num_layers=m.num_layers,
             multiple=p.partition_multiple,
         )
+    except ValueError as e:
+        setting = (
+            f"train.seq_len={config.train.seq_len}, pipeline.segments={p.segments}, "
+            f"pipeline.partition={p.partition}, pipeline.partition_multiple="
+            f"{p.partition_multiple}"
+        )
+        raise ConfigError(f"{setting}: {e}; change one of these keys") from None
+    try:
         schedule.build(
             p.schedule, mesh.stage, p.microbatches, p.segments, p.virtual_stages, p.inflight
         )
@@ -284,7 +311,7 @@ def _validate_pipeline(config: ml_collections.ConfigDict) -> None:
         setting = (
             f"pipeline.schedule={p.schedule}, mesh.stage={mesh.stage}, pipeline.microbatches="
             f"{p.microbatches}, pipeline.segments={p.segments}, pipeline.virtual_stages="
-            f"{p.virtual_stages}, pipeline.partition={p.partition}"
+            f"{p.virtual_stages}"
         )
         raise ConfigError(f"{setting}: {e}") from None
 

@@ -17,10 +17,14 @@ layers are added as n-1 copies of a middle-chunk one-layer unit (no embedding, n
 A `lax.cond` counts its costliest branch; the unit's first/last-chunk switches are
 compiled as constants, so XLA folds them to the branch that runs on that chunk.
 
-With full rematerialisation the backward re-runs the forward, so executed / analytic is
-4/3 plus what XLA counts beyond the matmuls (softmax, norms, RoPE, GELU, residual adds,
-the loss, the embedding's scatter-add). `breakdown` splits the executed count from the
-jaxpr: matmul FLOPs exactly (2 per multiply-add), the rest per source function.
+With full rematerialisation (`pipeline.remat=full`) the backward re-runs the forward, so
+executed / analytic is 4/3 plus what XLA counts beyond the matmuls (softmax, norms, RoPE,
+GELU, residual adds, the loss, the embedding's scatter-add); `layer` recomputes the
+layers but not the head. Under `none` and `dots` the forward stashes its vjp's residuals
+(`dots`: the matmul outputs, the element-wise work recomputed) and the backward unit
+rebuilds the vjp from them, so the ratio is 1 plus that element-wise work. `breakdown`
+splits the executed count from the jaxpr: matmul FLOPs exactly (2 per multiply-add), the
+rest per source function.
 """
 
 from __future__ import annotations
@@ -33,10 +37,14 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 
-from seqpipe import model, pipeline
+from seqpipe import attention, model, pipeline
 from seqpipe.model import GPTConfig
 
 # --------------------------------------------------------------------------- analytic
+
+# Each pipeline.remat policy runs a layer's matmuls this many forward-equivalents per step:
+# forward, backward (2x), and a recomputed forward unless the matmul outputs are kept.
+MATMUL_PASSES = {"full": 4, "layer": 4, "dots": 3, "none": 3}
 
 
 def analytic_forward(cfg: GPTConfig, lengths, rows: int) -> dict:
@@ -79,34 +87,46 @@ def padded_attention_excess(cfg: GPTConfig, lengths, rows: int) -> int:
 def _abstract_args(spec, rows: int, seg: int, n: int):
     """Abstract (chunk params, shared params, x_in, K prefix, V prefix, tokens, targets)
     of segment `seg` through an n-layer chunk, shaped as in the executor."""
-    cfg = spec.cfg
-    sds = jax.ShapeDtypeStruct
-    act = jnp.dtype(cfg.dtype)
-    shapes = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
-    chunk = jax.tree.map(lambda x: sds((n,) + x.shape[1:], x.dtype), shapes["layers"])
-    shared = {k: x for k, x in shapes.items() if k != "layers"}
-    off, length = spec.offsets[seg], spec.lengths[seg]
-    x_in = sds((rows, max(spec.lengths), cfg.d_model), act)
-    prefix = sds((n, rows, off, cfg.num_heads, cfg.head_dim), act)
-    tok = sds((rows, length), jnp.int32)
-    return chunk, shared, x_in, prefix, prefix, tok, tok
+    return pipeline.unit_avals(spec, rows, seg, n)
 
 
-def unit_functions(spec, seg: int, first: bool, last: bool):
+def keeps_residuals(spec) -> bool:
+    """Whether the forward stashes its vjp's residuals (every policy but `full`)."""
+    return spec.remat != "full"
+
+
+def unit_functions(spec, seg: int, first: bool, last: bool, rows: int = 1, n: int = 1):
     """(forward, backward) of one unit as the executor runs it, the chunk flags fixed.
 
-    forward(p, shared, x, k, v, tokens, targets) calls `pipeline._unit`; backward takes
-    the same plus the cotangents (dy, dk_seg, dv_seg) and returns the vjp's gradients
-    (full rematerialisation: the forward is recomputed inside the backward).
+    Under `full` remat forward(p, shared, x, k, v, tokens, targets) calls `pipeline._unit`
+    and backward takes the same plus the cotangents (dy, dk_seg, dv_seg), recomputing the
+    forward inside. Under the other policies forward also returns the residuals it stashes
+    and backward(p, shared, residuals, k, v, dy, dk_seg, dv_seg) rebuilds the vjp from them
+    (`rows` and `n`, the chunk's layers, shape that layout).
     """
     unit = pipeline._unit(spec, seg, 1.0)
 
+    def bound(tokens, targets):
+        return functools.partial(unit, tokens=tokens, targets=targets, first=first, last=last)
+
+    if keeps_residuals(spec):
+        layout = pipeline.residual_layout(spec, rows, seg, flags=(first, last), layers=n)
+
+        def forward_keep(p, sh, x, k, v, tokens, targets):
+            outputs, _, stored = pipeline.residual_forward(bound(tokens, targets), (p, sh), x, k, v)
+            return outputs, tuple(stored)
+
+        def backward_keep(p, sh, stored, k, v, dy, dk, dv):
+            vjp = layout.rebuild(stored, (p, sh, k, v))
+            return vjp((dy, jnp.ones((), jnp.float32), dk, dv))
+
+        return forward_keep, backward_keep
+
     def forward(p, sh, x, k, v, tokens, targets):
-        return unit(p, sh, x, k, v, tokens, targets, first, last)
+        return bound(tokens, targets)(p, sh, x, k, v)
 
     def backward(p, sh, x, k, v, tokens, targets, dy, dk, dv, keep_outputs=False):
-        f = functools.partial(forward, tokens=tokens, targets=targets)
-        outputs, vjp = jax.vjp(f, p, sh, x, k, v)
+        outputs, vjp = jax.vjp(bound(tokens, targets), p, sh, x, k, v)
         grads = vjp((dy, jnp.ones((), jnp.float32), dk, dv))
         return (outputs, grads) if keep_outputs else grads
 
@@ -120,9 +140,16 @@ def _backward_extra(spec, rows: int, seg: int, n: int):
     return sds((rows, max(spec.lengths), cfg.d_model), act), own, own
 
 
-def unit_args(spec, rows: int, seg: int, n: int, backward: bool) -> tuple:
+def unit_args(spec, rows: int, seg: int, n: int, backward: bool, flags=(False, False)) -> tuple:
+    """Abstract arguments of `unit_functions(spec, seg, *flags, rows, n)[backward]`."""
     args = _abstract_args(spec, rows, seg, n)
-    return args + _backward_extra(spec, rows, seg, n) if backward else args
+    if not backward:
+        return args
+    if keeps_residuals(spec):
+        p, sh, _, k, v, _, _ = args
+        layout = pipeline.residual_layout(spec, rows, seg, flags=flags, layers=n)
+        return (p, sh, layout.stored, k, v) + _backward_extra(spec, rows, seg, n)
+    return args + _backward_extra(spec, rows, seg, n)
 
 
 def xla_flops(fn, args) -> float:
@@ -138,7 +165,8 @@ def unit_key(spec, rows: int, seg: int, first: bool, last: bool, backward: bool,
     its compilation."""
     off, length = spec.offsets[seg], spec.lengths[seg]
     seg_max = max(spec.lengths)
-    return (spec.cfg, off, length, seg_max, rows, first, last, backward, keep and backward)
+    keep = keep and backward and not keeps_residuals(spec)
+    return (spec.cfg, spec.remat, off, length, seg_max, rows, first, last, backward, keep)
 
 
 def compiled_unit(
@@ -149,10 +177,10 @@ def compiled_unit(
     last matmul (whose output only the primal result uses): inside the layer scan it runs."""
     key = unit_key(spec, rows, seg, first, last, backward, keep)
     if key not in _COMPILED:
-        fn = unit_functions(spec, seg, first, last)[backward]
+        fn = unit_functions(spec, seg, first, last, rows)[backward]
         if key[-1]:
             fn = functools.partial(fn, keep_outputs=True)
-        args = unit_args(spec, rows, seg, 1, backward)
+        args = unit_args(spec, rows, seg, 1, backward, (first, last))
         _COMPILED[key] = (jax.jit(fn).lower(*args).compile(), args)
     return _COMPILED[key]
 
@@ -191,7 +219,9 @@ def chunk_terms(spec, seg: int, first: bool, last: bool, backward: bool) -> list
     n = spec.cfg.num_layers // (spec.stages * spec.virtual)
     if n == 1:
         return [(1, first, last, False)]
-    return [(1, first, last, True), (n - 1, False, False, True)]
+    # Only a recomputed chunk forward carries each layer's output to the next (`keep`).
+    keep = not keeps_residuals(spec)
+    return [(1, first, last, keep), (n - 1, False, False, keep)]
 
 
 def unit_flops(spec, rows: int, seg: int, first: bool, last: bool, backward: bool) -> float:
@@ -239,9 +269,10 @@ def step_ratio(spec, rows: int, replicas: int = 1) -> dict:
     """Executed over analytic FLOPs of a step, and what padding the keys would give."""
     ex = executed_step(spec, rows, replicas)
     analytic = analytic_step(spec, rows, replicas)
-    # Padded keys: the extra attention, forward + recomputed forward + backward (2x).
+    # Padded keys: the extra attention, forward + backward (2x) + a recomputed forward
+    # where the policy recomputes attention's matmuls.
     pad = padded_attention_excess(spec.cfg, spec.lengths, rows)
-    pad *= 4 * spec.schedule.microbatches * replicas
+    pad *= MATMUL_PASSES[spec.remat] * spec.schedule.microbatches * replicas
     return {
         "analytic": analytic,
         "executed": ex["executed"],
@@ -311,7 +342,13 @@ _ELEMENTWISE_FREE = {
 
 
 def _where(eqn) -> str:
-    """The seqpipe function an equation came from (its innermost seqpipe frame)."""
+    """The seqpipe function an equation came from (its innermost seqpipe frame; the
+    attention's and GELU's rules by their name scopes: autodiff gives them the caller's
+    frames)."""
+    scopes = str(eqn.source_info.name_stack)
+    for scope in (attention.NAME_SCOPE, model.GELU_SCOPE):
+        if scope in scopes:
+            return scope
     tb = eqn.source_info.traceback
     for frame in tb.frames if tb is not None else ():
         if "/seqpipe/" in frame.file_name and "flops.py" not in frame.file_name:
@@ -378,8 +415,8 @@ def breakdown(spec, rows: int, replicas: int = 1) -> dict:
     n = spec.cfg.num_layers // (spec.stages * spec.virtual)
     total = collections.Counter()
     for (seg, first, last, backward), count in unit_counts(spec.schedule).items():
-        fns = unit_functions(spec, seg, first, last)
-        c = jaxpr_flops(fns[backward], unit_args(spec, rows, seg, n, backward))
+        fns = unit_functions(spec, seg, first, last, rows, n)
+        c = jaxpr_flops(fns[backward], unit_args(spec, rows, seg, n, backward, (first, last)))
         for k, v in c.items():
             total[k] += v * count * replicas
     analytic = analytic_step(spec, rows, replicas)
@@ -392,11 +429,14 @@ def breakdown(spec, rows: int, replicas: int = 1) -> dict:
 # What each source function's non-matmul work is, for the breakdown's keys.
 _SOURCES = {
     "segment_attention": "attention mask, scale, softmax",
-    "layer": "GELU, residual adds",
+    "layer": "residual adds",
+    "gelu": "GELU",
     "rms_norm": "RMS norms",
     "rope": "RoPE",
     "token_loss_sum": "loss (logsumexp)",
     "embed": "embedding scatter-add",
     "_unit": "unit glue (padding, loss scale)",
+    "_body": "unit glue (padding, loss scale)",
+    "_head": "unit glue (padding, loss scale)",
     "other": "other",
 }

@@ -11,6 +11,9 @@ the per-device program) next to an analytic breakdown of the scan carry computed
 lowered schedule (`schedule.Program`) and the shapes the executor uses:
 
   stash      max(num_stash, 1) x [b, Lseg, D]              inputs kept for the backward
+                                                              (remat `full`)
+  res        per segment k, max(num_res[k], 1) x its unit's residuals (other policies),
+             plus max(num_head[k], 1) x the head's residuals (last chunk's units only)
   messages   (max(num_recv_fwd, 1) + max(num_recv_bwd, 1)) x [b, Lseg, D]
   kv         2 x max(num_kv, 1) x [n, b, Lkv, H, E]          kv_k + kv_v
   dkv        2 x max(num_dkv, 1) x [n, b, Lkv, H, E]         dkv_k + dkv_v
@@ -59,7 +62,8 @@ def carry_bytes(spec, rows: int) -> dict:
     p_item = jnp.dtype(cfg.param_dtype).itemsize
     shared, layers = _param_counts(cfg)
     out = {
-        "stash": max(prog.num_stash, 1) * msg,
+        "stash": 0 if spec.remat != "full" else max(prog.num_stash, 1) * msg,
+        "res": residual_bytes(spec, rows),
         "messages": (max(prog.num_recv_fwd, 1) + max(prog.num_recv_bwd, 1)) * msg,
         "kv": 2 * max(prog.num_kv, 1) * slot,
         "dkv": 2 * max(prog.num_dkv, 1) * slot,
@@ -75,6 +79,20 @@ def carry_bytes(spec, rows: int) -> dict:
     out["kv_needed"] = 2 * prog.num_kv * per_slot
     out["dkv_needed"] = 2 * prog.num_dkv * per_slot
     return out
+
+
+def residual_bytes(spec, rows: int) -> int:
+    """Bytes of the per-segment residual stashes, the units' and the head's (remat other
+    than `full`; else 0)."""
+    if spec.remat == "full":
+        return 0
+    from seqpipe import pipeline
+
+    return sum(
+        max(n, 1) * sum(_nbytes(a.shape, a.dtype) for a in layout.stored)
+        for per_segment in pipeline.residual_stashes(spec, rows).values()
+        for n, layout in per_segment
+    )
 
 
 def _param_counts(cfg) -> tuple[int, int]:
@@ -183,39 +201,44 @@ def loop_copies(hlo: str, shapes) -> int:
 
 
 def unit_temp_bytes(spec, rows: int, seg: int) -> int:
-    """XLA temp bytes of one backward unit alone: the recomputed forward and its vjp.
+    """XLA temp bytes of one backward unit alone: under `full` remat the recomputed forward
+    and its vjp, else the vjp rebuilt from stashed residuals.
 
     The stage function of segment `seg` (n layers, plus the embedding and the head behind
     run-time flags, as in the executor) on one device, from abstract inputs: the stashed
-    input, the K/V prefix and the cotangents are arguments here, so this is the working
-    set the step needs on top of its carry while a unit's backward runs.
+    input (or residuals), the K/V prefix and the cotangents are arguments here, so this is
+    the working set the step needs on top of its carry while a unit's backward runs.
     """
     import jax
     import jax.numpy as jnp
 
-    from seqpipe import model, pipeline
+    from seqpipe import pipeline
 
     cfg = spec.cfg
     n = cfg.num_layers // spec.stages // spec.virtual
-    off, length, seg_max = spec.offsets[seg], spec.lengths[seg], max(spec.lengths)
     act = jnp.dtype(cfg.dtype)
-    shapes = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
-    chunk = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct((n,) + x.shape[1:], x.dtype), shapes["layers"]
-    )
-    shared = {k: v for k, v in shapes.items() if k != "layers"}
     sds = jax.ShapeDtypeStruct
-    x_in = sds((rows, seg_max, cfg.d_model), act)
-    prefix = sds((n, rows, off, cfg.num_heads, cfg.head_dim), act)
-    own = sds((n, rows, length, cfg.num_heads, cfg.head_dim), act)
-    tok = sds((rows, length), jnp.int32)
+    chunk, shared, x_in, prefix, _, tok, _ = pipeline.unit_avals(spec, rows, seg)
+    own = sds((n, rows, spec.lengths[seg], cfg.num_heads, cfg.head_dim), act)
     flag = sds((), jnp.bool_)
     unit = pipeline._unit(spec, seg, 1.0)
+    one = jnp.ones((), jnp.float32)
+
+    if spec.remat != "full":
+        layout = pipeline.residual_layout(spec, rows, seg)
+        head = pipeline.head_layout(spec, rows, seg)
+
+        def rebuilt(p, sh, stored, head_stored, k, v, dy, dk, dv):  # the last stage's
+            d_head, dy_head = head.rebuild(head_stored, sh)(one)
+            return d_head, layout.rebuild(stored, (p, sh, k, v))((dy + dy_head, dk, dv))
+
+        args = (chunk, shared, layout.stored, head.stored, prefix, prefix, x_in, own, own)
+        return int(jax.jit(rebuilt).lower(*args).compile().memory_analysis().temp_size_in_bytes)
 
     def backward(p, sh, x, k, v, tokens, targets, first, last, dy, dk, dv):
         f = lambda p, sh, x, k, v: unit(p, sh, x, k, v, tokens, targets, first, last)  # noqa: E731
         _, vjp = jax.vjp(f, p, sh, x, k, v)
-        return vjp((dy, jnp.ones((), jnp.float32), dk, dv))
+        return vjp((dy, one, dk, dv))
 
     compiled = (
         jax.jit(backward)
@@ -247,6 +270,7 @@ def step_memory(config, unit: bool = True) -> dict:
     ma = compiled.memory_analysis()
     out = {
         "schedule": spec.schedule.name,
+        "remat": spec.remat,
         "segments": spec.schedule.segments,
         "depth": str(spec.schedule.inflight),
         "stages": spec.stages,
@@ -320,7 +344,8 @@ def table(rows: list[dict]) -> str:
     """Markdown: one row per (depth, schedule, K), bytes in MiB, ratios to 1f1b's row."""
     head = (
         "| schedule | K | depth | stage-0 bound, units (micro-batches) | bound / 1f1b | "
-        "XLA temp MiB | temp / 1f1b | stash MiB | KV MiB | dKV MiB | KV+dKV % of temp | "
+        "XLA temp MiB | temp / 1f1b | stash MiB (inputs or residuals) | KV MiB | dKV MiB | "
+        "KV+dKV % of temp | "
         "grads MiB | carry MiB | unit MiB | excess MiB | loop copies |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -334,7 +359,7 @@ def table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['schedule']} | {r['segments']} | {r['depth']} | {r['stash_units']} "
             f"({r['stash_microbatches']:g}) | {ratio(r, 'stash_microbatches')} | "
-            f"{_mib(r['temp'])} | {ratio(r, 'temp')} | {_mib(r['stash'])} | "
+            f"{_mib(r['temp'])} | {ratio(r, 'temp')} | {_mib(r['stash'] + r['res'])} | "
             f"{_mib(r['kv'])} | {_mib(r['dkv'])} | "
             f"{100 * (r['kv'] + r['dkv']) / r['temp']:.0f}% | {_mib(r['grads'])} | "
             f"{_mib(r['carry'])} | {_mib(r['unit']) if 'unit' in r else '-'} | "

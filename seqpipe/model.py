@@ -86,6 +86,27 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float = 1e-6) -> jax.Array:
     return (y * weight.astype(jnp.float32)).astype(x.dtype)
 
 
+GELU_SCOPE = "gelu"  # marks its equations for `flops.breakdown` (see attention.NAME_SCOPE)
+
+
+@jax.custom_jvp
+def gelu(x: jax.Array) -> jax.Array:
+    """GELU (tanh form), with a hand-written derivative so that a backward keeping
+    residuals stores one array (the slope at x) instead of each intermediate of the tanh."""
+    return jax.nn.gelu(x, approximate=True)
+
+
+@gelu.defjvp
+@jax.named_scope(GELU_SCOPE)
+def _gelu_jvp(primals, tangents):
+    (x,), (t,) = primals, tangents
+    c = math.sqrt(2 / math.pi)
+    inner = c * (x + 0.044715 * x**3)
+    th = jnp.tanh(inner)
+    slope = 0.5 * (1 + th) + 0.5 * x * (1 - th * th) * c * (1 + 3 * 0.044715 * x * x)
+    return 0.5 * x * (1 + th), slope * t
+
+
 def embed(params: Params, tokens_BxQ: jax.Array, cfg: GPTConfig) -> jax.Array:
     return params["embed"].astype(cfg.dtype)[tokens_BxQ]
 
@@ -104,14 +125,22 @@ def layer(
     q = rope(jnp.einsum("bqd,dhe->bqhe", h_BxQxD, p["wq"]), offset, cfg.rope_base)
     k_seg = rope(jnp.einsum("bqd,dhe->bqhe", h_BxQxD, p["wk"]), offset, cfg.rope_base)
     v_seg = jnp.einsum("bqd,dhe->bqhe", h_BxQxD, p["wv"])
-    k_all = jnp.concatenate([k_prefix_BxPxHxE.astype(k_seg.dtype), k_seg], axis=1)
-    v_all = jnp.concatenate([v_prefix_BxPxHxE.astype(v_seg.dtype), v_seg], axis=1)
-    attn_BxQxHxE = segment_attention(q, k_all, v_all, offset)
+    attn_BxQxHxE = segment_attention(
+        q, k_prefix_BxPxHxE.astype(k_seg.dtype), v_prefix_BxPxHxE.astype(v_seg.dtype), k_seg, v_seg
+    )
     x_BxQxD = x_BxQxD + jnp.einsum("bqhe,hed->bqd", attn_BxQxHxE, p["wo"])
     h_BxQxD = rms_norm(x_BxQxD, p["mlp_norm"])
-    ff_BxQxF = jax.nn.gelu(jnp.einsum("bqd,df->bqf", h_BxQxD, p["w_in"]))
+    ff_BxQxF = gelu(jnp.einsum("bqd,df->bqf", h_BxQxD, p["w_in"]))
     x_BxQxD = x_BxQxD + jnp.einsum("bqf,fd->bqd", ff_BxQxF, p["w_out"])
     return x_BxQxD, k_seg, v_seg
+
+
+# What a checkpointed layer keeps for its backward: `layer` only its input (the layer is
+# recomputed), `dots` its matmul outputs (the element-wise work is recomputed).
+CHECKPOINT_POLICIES = {
+    "layer": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_saveable,
+}
 
 
 def layers(
@@ -121,17 +150,20 @@ def layers(
     v_prefix_NxBxPxHxE: jax.Array,
     offset: int,
     cfg: GPTConfig,
-    remat: bool = False,
+    checkpoint: str | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """A stack of layers (leading axis N) on one segment; returns y and the segment's K/V."""
+    """A stack of layers (leading axis N) on one segment; returns y and the segment's K/V.
+
+    `checkpoint` (a key of CHECKPOINT_POLICIES, or None) wraps each layer in jax.checkpoint.
+    """
 
     def body(x, per_layer):
         p, k_prefix, v_prefix = per_layer
         y, k_seg, v_seg = layer(p, x, k_prefix, v_prefix, offset, cfg)
         return y, (k_seg, v_seg)
 
-    if remat:
-        body = jax.checkpoint(body)
+    if checkpoint is not None:
+        body = jax.checkpoint(body, policy=CHECKPOINT_POLICIES[checkpoint])
     y, (k_NxBxQxHxE, v_NxBxQxHxE) = jax.lax.scan(
         body, x_BxQxD, (p_layers, k_prefix_NxBxPxHxE, v_prefix_NxBxPxHxE)
     )
@@ -162,7 +194,7 @@ def forward(
     tokens_BxL: jax.Array,
     cfg: GPTConfig,
     segment_lengths: tuple[int, ...] | None = None,
-    remat: bool = False,
+    checkpoint: str | None = None,
 ) -> jax.Array:
     """Logits of the whole model; with `segment_lengths`, computed segment by segment."""
     batch, seq_len = tokens_BxL.shape
@@ -173,7 +205,7 @@ def forward(
     outputs, offset = [], 0
     for length in segment_lengths:
         x = embed(params, tokens_BxL[:, offset : offset + length], cfg)
-        y, k_seg, v_seg = layers(params["layers"], x, k_cache, v_cache, offset, cfg, remat)
+        y, k_seg, v_seg = layers(params["layers"], x, k_cache, v_cache, offset, cfg, checkpoint)
         k_cache = jnp.concatenate([k_cache, k_seg], axis=2)
         v_cache = jnp.concatenate([v_cache, v_seg], axis=2)
         outputs.append(logits(params, y, cfg))
@@ -186,11 +218,11 @@ def loss(
     tokens_BxL1: jax.Array,
     cfg: GPTConfig,
     segment_lengths: tuple[int, ...] | None = None,
-    remat: bool = False,
+    checkpoint: str | None = None,
 ) -> jax.Array:
     """Mean next-token cross-entropy of a [B, L+1] token window."""
     inputs, targets = tokens_BxL1[:, :-1], tokens_BxL1[:, 1:]
-    out = forward(params, inputs, cfg, segment_lengths, remat)
+    out = forward(params, inputs, cfg, segment_lengths, checkpoint)
     return token_loss_sum(out, targets) / targets.size
 
 

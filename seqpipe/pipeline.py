@@ -7,7 +7,10 @@ the previous one. Idle halves are skipped with `lax.cond`, so bubbles compute no
 Gradients accumulate in the scan carry and are averaged over `data` once, after the loop.
 
 Per device (stage r) the carry holds, all with static shapes:
-  stash   [slots, b, Lseg, D]   inputs of forwards whose backward has not run (full remat)
+  stash   [slots, b, Lseg, D]   inputs of forwards whose backward has not run (remat `full`)
+  res     per segment k, per residual: [slots_k, ...] what each forward's vjp keeps for its
+          backward (remat `none`, `dots`, `layer`), less what the backward can re-read
+          instead: the parameters and the K/V prefix, which lives in the KV cache
   kv, dkv [slots, n, b, Lkv, H, E] K/V of each micro-batch in flight, and their cotangents
           accumulated from later segments (dK/dV of a prefix is complete only after every
           later segment's backward, hence backwards in descending segment order)
@@ -17,6 +20,7 @@ Letters: b micro-batch rows, n layers per chunk, Lseg the longest segment.
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +31,13 @@ from seqpipe import model, partition, schedule
 from seqpipe.model import GPTConfig, Params
 from seqpipe.sharding import DATA, STAGE
 
+# pipeline.remat -> what a unit keeps for its backward, as a per-layer checkpoint policy:
+#   full   the stage input only; the backward re-runs the unit's forward (least memory)
+#   layer  each layer's input; the backward recomputes one layer at a time
+#   dots   each layer's matmul outputs; the backward recomputes the element-wise work
+#   none   every residual of the forward (no recomputation: the paper's setting)
+REMAT = {"full": None, "layer": "layer", "dots": "dots", "none": None}
+
 
 @dataclasses.dataclass(frozen=True)
 class PipelineSpec:
@@ -36,7 +47,12 @@ class PipelineSpec:
     schedule: schedule.Schedule
     program: schedule.Program
     lengths: tuple[int, ...]  # segment lengths, summing to the sequence length
-    remat_layers: bool = False  # checkpoint each layer inside a unit's recomputation
+    remat: str = "full"  # one of REMAT: what a forward keeps for its backward
+
+    @property
+    def checkpoint(self) -> str | None:
+        """The per-layer checkpoint policy (`model.layers`) of a unit under `remat`."""
+        return REMAT[self.remat]
 
     @property
     def stages(self) -> int:
@@ -91,7 +107,7 @@ def make_spec(config, seq_len: int | None = None) -> PipelineSpec:
         p.inflight,
         costs,
     )
-    return PipelineSpec(cfg, table, schedule.lower(table), tuple(lengths), bool(p.remat))
+    return PipelineSpec(cfg, table, schedule.lower(table), tuple(lengths), p.remat)
 
 
 # Parameter layout. Canonical layers are [N, ...]; global chunk g = c * S + r holds layers
@@ -116,34 +132,198 @@ def from_stage_layout(layers: Params) -> Params:
     return jax.tree.map(f, layers)
 
 
-def _unit(spec: PipelineSpec, seg: int, scale: float):
-    """The function of one unit of segment `seg`, for vjp: embedding on global chunk 0,
-    head and scaled summed loss on the last one (chosen with lax.cond at run time)."""
+def _body(spec: PipelineSpec, seg: int):
+    """Segment `seg` through a chunk's layers, embedding it first on global chunk 0
+    (`first`: a run-time flag, or a bool): (y padded to the longest segment, K, V)."""
     cfg, offset, length = spec.cfg, spec.offsets[seg], spec.lengths[seg]
     seg_max = max(spec.lengths)
 
+    def f(p_chunk, shared, x_in, k_prefix, v_prefix, tokens, first):
+        x = _choose(first, lambda: model.embed(shared, tokens, cfg), lambda: x_in[:, :length])
+        y, k_seg, v_seg = model.layers(p_chunk, x, k_prefix, v_prefix, offset, cfg, spec.checkpoint)
+        return jnp.pad(y, ((0, 0), (0, seg_max - length), (0, 0))), k_seg, v_seg
+
+    return f
+
+
+def _head(spec: PipelineSpec, seg: int, scale: float):
+    """The last chunk's head on segment `seg`: its summed loss, scaled."""
+    cfg, length = spec.cfg, spec.lengths[seg]
+
+    def f(shared, y, targets):
+        return model.token_loss_sum(model.logits(shared, y[:, :length], cfg), targets) * scale
+
+    return f
+
+
+def _unit(spec: PipelineSpec, seg: int, scale: float):
+    """The function of one unit of segment `seg`, for vjp: embedding on global chunk 0,
+    head and scaled summed loss on the last one (`first`, `last`: run-time flags, or bools)."""
+    body, head = _body(spec, seg), _head(spec, seg, scale)
+
     def f(p_chunk, shared, x_in, k_prefix, v_prefix, tokens, targets, first, last):
-        x = jax.lax.cond(
-            first,
-            lambda: model.embed(shared, tokens, cfg),
-            lambda: x_in[:, :length],
-        )
-        y, k_seg, v_seg = model.layers(
-            p_chunk, x, k_prefix, v_prefix, offset, cfg, spec.remat_layers
-        )
-        loss = jax.lax.cond(
-            last,
-            lambda: model.token_loss_sum(model.logits(shared, y, cfg), targets) * scale,
-            lambda: jnp.zeros((), jnp.float32),
-        )
-        y = jnp.pad(y, ((0, 0), (0, seg_max - length), (0, 0)))
+        y, k_seg, v_seg = body(p_chunk, shared, x_in, k_prefix, v_prefix, tokens, first)
+        loss = _choose(last, lambda: head(shared, y, targets), lambda: jnp.zeros((), jnp.float32))
         return y, loss, k_seg, v_seg
 
     return f
 
 
+def _choose(flag, if_true, if_false):
+    """lax.cond on a run-time flag; a Python bool (flops, memory: one chunk's unit alone)
+    picks its branch at trace time, so neither the other branch nor its residuals exist."""
+    if isinstance(flag, bool):
+        return if_true() if flag else if_false()
+    return jax.lax.cond(flag, if_true, if_false)
+
+
+@dataclasses.dataclass(frozen=True)
+class ResidualLayout:
+    """How a unit's vjp is rebuilt in its backward: its pytree structure, and for each
+    leaf whether it comes from the residual stash (an index into `stored`), from the
+    backward's own inputs (`("input", j)`: parameters and the K/V prefix, re-read rather
+    than stashed) or is a constant of the trace (`("const", value)`)."""
+
+    treedef: Any
+    sources: tuple
+    stored: tuple  # ShapeDtypeStruct of each stashed leaf
+
+    @classmethod
+    def of(cls, vjp, inputs) -> "ResidualLayout":
+        return cls.split(vjp, inputs)[0]
+
+    @classmethod
+    def split(cls, vjp, inputs) -> tuple["ResidualLayout", list]:
+        """(layout, the leaves to stash) of a vjp whose primal inputs are `inputs`."""
+        leaves, treedef = jax.tree.flatten(vjp)
+        input_at = {id(x): j for j, x in enumerate(jax.tree.leaves(inputs))}
+        stored_at, stored, sources = {}, [], []
+        for leaf in leaves:
+            if id(leaf) in input_at:
+                sources.append(("input", input_at[id(leaf)]))
+            elif not isinstance(leaf, jax.core.Tracer):
+                sources.append(("const", leaf))
+            else:  # a leaf may appear more than once: stash it once
+                if id(leaf) not in stored_at:
+                    stored_at[id(leaf)] = len(stored)
+                    stored.append(leaf)
+                sources.append(stored_at[id(leaf)])
+        avals = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in stored)
+        return cls(treedef, tuple(sources), avals), stored
+
+    def rebuild(self, stored, inputs):
+        """The vjp function from its stashed leaves and the backward's inputs."""
+        inputs = jax.tree.leaves(inputs)
+        leaves = [
+            stored[src] if isinstance(src, int) else inputs[src[1]] if src[0] == "input" else src[1]
+            for src in self.sources
+        ]
+        return jax.tree.unflatten(self.treedef, leaves)
+
+
+def residual_forward(unit, params, x_in, k_prefix, v_prefix):
+    """Outputs of `unit(params..., x_in, k_prefix, v_prefix)` and what its backward needs."""
+    primals = (*params, x_in, k_prefix, v_prefix)
+    outputs, vjp = jax.vjp(unit, *primals)
+    layout, stored = ResidualLayout.split(vjp, _reread(primals))
+    return outputs, layout, stored
+
+
+def unit_avals(spec: PipelineSpec, rows: int, seg: int, layers: int | None = None) -> tuple:
+    """Abstract (chunk params, shared params, x_in, K prefix, V prefix, tokens, targets) of
+    segment `seg`'s unit through a chunk of `layers` layers (default: the schedule's), as
+    the executor passes them (parameters in the compute dtype when residuals are kept)."""
+    cfg, sds = spec.cfg, jax.ShapeDtypeStruct
+    n = layers or cfg.num_layers // (spec.stages * spec.virtual)
+    act = jnp.dtype(cfg.dtype)
+    shapes = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
+    if spec.remat != "full":
+        shapes = jax.tree.map(lambda x: sds(x.shape, act), shapes)
+    chunk = jax.tree.map(lambda x: sds((n,) + x.shape[1:], x.dtype), shapes["layers"])
+    shared = {k: x for k, x in shapes.items() if k != "layers"}
+    x_in = sds((rows, max(spec.lengths), cfg.d_model), act)
+    prefix = sds((n, rows, spec.offsets[seg], cfg.num_heads, cfg.head_dim), act)
+    tokens = sds((rows, spec.lengths[seg]), jnp.int32)
+    return chunk, shared, x_in, prefix, prefix, tokens, tokens
+
+
+def residual_layout(
+    spec: PipelineSpec,
+    rows: int,
+    seg: int,
+    scale: float = 1.0,
+    flags: tuple[bool, bool] | None = None,
+    layers: int | None = None,
+) -> ResidualLayout:
+    """The residual layout of segment `seg`'s unit, from an abstract trace. With `flags`
+    (first chunk?, last chunk?) fixed: the whole unit's, head included. Without: what the
+    executor stashes per unit, the body's with `first` decided at run time (the head's
+    residuals have slots of their own, `head_layout`)."""
+    found = []
+
+    def probe(p, sh, x_in, k_prefix, v_prefix, tokens, targets, *traced):
+        if flags is None:
+            unit = functools.partial(_body(spec, seg), tokens=tokens, first=traced[0])
+        else:
+            first, last = flags
+            unit = functools.partial(
+                _unit(spec, seg, scale), tokens=tokens, targets=targets, first=first, last=last
+            )
+        _, layout, stored = residual_forward(unit, (p, sh), x_in, k_prefix, v_prefix)
+        found.append(layout)
+        return stored
+
+    traced = () if flags is not None else (jax.ShapeDtypeStruct((), jnp.bool_),)
+    jax.eval_shape(probe, *unit_avals(spec, rows, seg, layers), *traced)
+    return found[0]
+
+
+def head_forward(head, shared, y, targets):
+    """(loss, layout, leaves to stash) of the head on y; the shared weights are re-read."""
+    loss, vjp = jax.vjp(lambda sh, y: head(sh, y, targets), shared, y)
+    layout, stored = ResidualLayout.split(vjp, shared)
+    return loss, layout, stored
+
+
+def head_layout(spec: PipelineSpec, rows: int, seg: int, scale: float = 1.0) -> ResidualLayout:
+    """The residual layout of the head on segment `seg` (the last chunk's units only)."""
+    found = []
+
+    def probe(sh, y, targets):
+        _, layout, stored = head_forward(_head(spec, seg, scale), sh, y, targets)
+        found.append(layout)
+        return stored
+
+    _, shared, x_in, _, _, _, targets = unit_avals(spec, rows, seg)
+    jax.eval_shape(probe, shared, x_in, targets)
+    return found[0]
+
+
+def residual_stashes(spec: PipelineSpec, rows: int, scale: float = 1.0) -> dict:
+    """The executor's residual stashes (remat other than `full`): for the units' ("res")
+    and the head's ("head") residuals, per segment, (slot count, layout)."""
+    prog = spec.program
+    return {
+        "res": [(n, residual_layout(spec, rows, k, scale)) for k, n in enumerate(prog.num_res)],
+        "head": [(n, head_layout(spec, rows, k, scale)) for k, n in enumerate(prog.num_head)],
+    }
+
+
+def _reread(primals):
+    """The primal inputs a backward re-reads instead of stashing: all but x_in."""
+    return (*primals[:-3], primals[-2], primals[-1])
+
+
+def _replace(items: tuple, i: int, new) -> tuple:
+    return items[:i] + (new,) + items[i + 1 :]
+
+
 def _zeros_like_tree(tree):
     return jax.tree.map(jnp.zeros_like, tree)
+
+
+def _zeros_of(layout: ResidualLayout) -> tuple:
+    return tuple(jnp.zeros(a.shape, a.dtype) for a in layout.stored)
 
 
 def _masked_write(buf: jax.Array, start: tuple, new: jax.Array, active: jax.Array) -> jax.Array:
@@ -177,6 +357,14 @@ def _stage_body(spec: PipelineSpec, layers_VxN: Params, shared: Params, tokens_B
     kv_all_zero = jnp.zeros((n_layers, rows, kv_len, *heads), act_dtype)
     offsets = jnp.asarray(spec.offsets, jnp.int32)
     units = [_unit(spec, k, scale) for k in range(K)]
+    grads_init = {
+        "grads_layers": _zeros_like_tree(layers_VxN),
+        "grads_shared": _zeros_like_tree(shared),
+    }
+    if spec.remat != "full":
+        # Cast once: a vjp then keeps the compute-dtype weights by reference (re-read in
+        # the backward) rather than a cast copy of them per stashed unit.
+        layers_VxN, shared = jax.tree.map(lambda w: w.astype(act_dtype), (layers_VxN, shared))
 
     def segment_tokens(mb, seg):
         off, length = spec.offsets[seg], spec.lengths[seg]
@@ -191,65 +379,133 @@ def _stage_body(spec: PipelineSpec, layers_VxN: Params, shared: Params, tokens_B
     def pad_to(x, length):
         return jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[2]), (0, 0), (0, 0)))
 
+    def unit_of(seg, mb, chunk):
+        """Segment `seg`'s unit with its tokens and chunk switches bound."""
+        tokens, targets = segment_tokens(mb, seg)
+        g = chunk * S + stage
+        return functools.partial(
+            units[seg], tokens=tokens, targets=targets, first=g == 0, last=g == last_chunk
+        )
+
+    def prefix(cache, seg):
+        return cache[:, :, : spec.offsets[seg]]
+
     def forward(op, x_in, k_cache, v_cache):
         """One forward unit: (y, loss, K/V of the segment padded to the longest segment)."""
-        g = op["fwd_chunk"] * S + stage
 
         def run(seg):
-            off = spec.offsets[seg]
-            tokens, targets = segment_tokens(op["fwd_mb"], seg)
-            y, loss, k_seg, v_seg = units[seg](
+            unit = unit_of(seg, op["fwd_mb"], op["fwd_chunk"])
+            y, loss, k_seg, v_seg = unit(
                 chunk_params(op["fwd_chunk"]),
                 shared,
                 x_in,
-                k_cache[:, :, :off],
-                v_cache[:, :, :off],
-                tokens,
-                targets,
-                g == 0,
-                g == last_chunk,
+                prefix(k_cache, seg),
+                prefix(v_cache, seg),
             )
             return y, loss, pad_to(k_seg, seg_max), pad_to(v_seg, seg_max)
 
         return jax.lax.switch(op["fwd_seg"], [functools.partial(run, k) for k in range(K)])
 
+    def pull(vjp, seg, dy, dk_cache, dv_cache, with_loss=True):
+        """Run a unit's vjp (a body's, without the loss output, when `with_loss` is
+        False): (dx, parameter cotangents, prefix K/V cotangents padded)."""
+        off, length = spec.offsets[seg], spec.lengths[seg]
+        if seg < K - 1:  # K/V cotangents that later segments left for this one
+            dk_own = dk_cache[:, :, off : off + length]
+            dv_own = dv_cache[:, :, off : off + length]
+        else:  # no segment attends to the last one
+            dk_own = dv_own = jnp.zeros((n_layers, rows, length, *heads), act_dtype)
+        loss_ct = (jnp.ones((), jnp.float32),) if with_loss else ()
+        d_chunk, d_shared, dx, dk_prefix, dv_prefix = vjp((dy, *loss_ct, dk_own, dv_own))
+        return (
+            dx.astype(act_dtype),
+            d_chunk,
+            d_shared,
+            pad_to(dk_prefix.astype(act_dtype), kv_len),
+            pad_to(dv_prefix.astype(act_dtype), kv_len),
+        )
+
     def backward(op, x_in, dy, k_cache, v_cache, dk_cache, dv_cache):
-        """One backward unit: (dx, parameter cotangents, prefix K/V cotangents padded)."""
-        g = op["bwd_chunk"] * S + stage
+        """One backward unit under full remat: recompute the forward from its input."""
 
         def run(seg):
-            off, length = spec.offsets[seg], spec.lengths[seg]
-            tokens, targets = segment_tokens(op["bwd_mb"], seg)
-            unit = functools.partial(
-                units[seg], tokens=tokens, targets=targets, first=g == 0, last=g == last_chunk
-            )
             _, vjp = jax.vjp(
-                unit,
+                unit_of(seg, op["bwd_mb"], op["bwd_chunk"]),
                 chunk_params(op["bwd_chunk"]),
                 shared,
                 x_in,
-                k_cache[:, :, :off],
-                v_cache[:, :, :off],
+                prefix(k_cache, seg),
+                prefix(v_cache, seg),
             )
-            if seg < K - 1:  # K/V cotangents that later segments left for this one
-                dk_own, dv_own = (
-                    dk_cache[:, :, off : off + length],
-                    dv_cache[:, :, off : off + length],
-                )
-            else:  # no segment attends to the last one
-                dk_own = dv_own = jnp.zeros((n_layers, rows, length, *heads), act_dtype)
-            d_chunk, d_shared, dx, dk_prefix, dv_prefix = vjp(
-                (dy, jnp.ones((), jnp.float32), dk_own, dv_own)
-            )
-            return (
-                dx.astype(act_dtype),
-                d_chunk,
-                d_shared,
-                pad_to(dk_prefix.astype(act_dtype), kv_len),
-                pad_to(dv_prefix.astype(act_dtype), kv_len),
-            )
+            return pull(vjp, seg, dy, dk_cache, dv_cache)
 
         return jax.lax.switch(op["bwd_seg"], [functools.partial(run, k) for k in range(K)])
+
+    # Units that keep residuals: the forward stashes what its vjp holds, the backward
+    # rebuilds the vjp from it. Residual shapes differ by segment, so each segment has its
+    # own stash (slots from `Program.fwd_res`) and its own conditional in the forward.
+    def forward_keep(op, seg, x_in, k_cache, v_cache):
+        """The body's outputs and residuals; on the last chunk also the head's loss and
+        residuals (slots of their own: only the last stage ever fills them)."""
+        tokens, targets = segment_tokens(op["fwd_mb"], seg)
+        g = op["fwd_chunk"] * S + stage
+        body = functools.partial(bodies[seg], tokens=tokens, first=g == 0)
+        params = (chunk_params(op["fwd_chunk"]), shared)
+        (y, k_seg, v_seg), _, stored = residual_forward(
+            body, params, x_in, prefix(k_cache, seg), prefix(v_cache, seg)
+        )
+
+        def head(sh, y):
+            loss, _, head_stored = head_forward(head_fns[seg], sh, y, targets)
+            return loss, tuple(head_stored)
+
+        loss, head_stored = jax.lax.cond(
+            g == last_chunk,
+            head,
+            lambda sh, y: (jnp.zeros((), jnp.float32), _zeros_of(head_layouts[seg])),
+            shared,
+            y,
+        )
+        return y, loss, pad_to(k_seg, seg_max), pad_to(v_seg, seg_max), tuple(stored), head_stored
+
+    def backward_keep(op, res, dy, k_cache, v_cache, dk_cache, dv_cache):
+        res, head_res = res
+
+        def run(seg):
+            def stored_in(buffers, slot):
+                return [jax.lax.dynamic_index_in_dim(b, slot, keepdims=False) for b in buffers]
+
+            def head(sh):  # the loss's cotangents of the shared weights and of y
+                vjp = head_layouts[seg].rebuild(stored_in(head_res[seg], op["bwd_head"]), sh)
+                return vjp(jnp.ones((), jnp.float32))
+
+            d_head, dy_head = jax.lax.cond(
+                op["bwd_chunk"] * S + stage == last_chunk,
+                head,
+                lambda sh: (_zeros_like_tree(sh), jnp.zeros_like(dy)),
+                shared,
+            )
+            inputs = (
+                chunk_params(op["bwd_chunk"]),
+                shared,
+                prefix(k_cache, seg),
+                prefix(v_cache, seg),
+            )
+            vjp = layouts[seg].rebuild(stored_in(res[seg], op["bwd_res"]), inputs)
+            dx, d_chunk, d_shared, dk, dv = pull(
+                vjp, seg, dy + dy_head, dk_cache, dv_cache, with_loss=False
+            )
+            return dx, d_chunk, jax.tree.map(jnp.add, d_shared, d_head), dk, dv
+
+        return jax.lax.switch(op["bwd_seg"], [functools.partial(run, k) for k in range(K)])
+
+    keeps_residuals = spec.remat != "full"
+    if keeps_residuals:
+        bodies = [_body(spec, k) for k in range(K)]
+        head_fns = [_head(spec, k, scale) for k in range(K)]
+        stashes = residual_stashes(spec, rows, scale)
+        layouts = [layout for _, layout in stashes["res"]]
+        head_layouts = [layout for _, layout in stashes["head"]]
 
     def tick(carry, ops):
         op = {name: jnp.maximum(row[stage], 0) for name, row in ops.items()}
@@ -260,28 +516,59 @@ def _stage_body(spec: PipelineSpec, layers_VxN: Params, shared: Params, tokens_B
         f_on = raw["fwd_mb"] >= 0
         x_in = carry["recv_fwd"][op["fwd_in"]]
         k_cache, v_cache = carry["kv_k"][op["fwd_kv"]], carry["kv_v"][op["fwd_kv"]]
-        y, loss, k_seg, v_seg = jax.lax.cond(
-            f_on,
-            lambda: forward(op, x_in, k_cache, v_cache),
-            lambda: (act, jnp.zeros((), jnp.float32), kv_seg_zero, kv_seg_zero),
-        )
+        idle = (act, jnp.zeros((), jnp.float32), kv_seg_zero, kv_seg_zero)
+        if keeps_residuals:
+            outs = []
+            for k in range(K):  # one conditional per segment shape; at most one runs
+                on_k = f_on & (raw["fwd_seg"] == k)
+                *out, stored, head_stored = jax.lax.cond(
+                    on_k,
+                    functools.partial(forward_keep, op, k, x_in, k_cache, v_cache),
+                    lambda k=k: (*idle, _zeros_of(layouts[k]), _zeros_of(head_layouts[k])),
+                )
+                outs.append(out)
+                head_on = on_k & (raw["fwd_head"] >= 0)
+                for name, new, slot, on in (
+                    ("res", stored, op["fwd_res"], on_k),
+                    ("head", head_stored, op["fwd_head"], head_on),
+                ):
+                    carry[name] = _replace(
+                        carry[name],
+                        k,
+                        tuple(
+                            _masked_write(b, (slot,) + (0,) * r.ndim, r[None], on)
+                            for b, r in zip(carry[name][k], new, strict=True)
+                        ),
+                    )
+            y, loss, k_seg, v_seg = jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *outs)
+        else:
+            y, loss, k_seg, v_seg = jax.lax.cond(
+                f_on, lambda: forward(op, x_in, k_cache, v_cache), lambda: idle
+            )
+            at = (op["fwd_stash"], 0, 0, 0)
+            carry["stash"] = _masked_write(carry["stash"], at, x_in[None], f_on)
         carry["loss"] = carry["loss"] + loss
-        carry["stash"] = _masked_write(carry["stash"], (op["fwd_stash"], 0, 0, 0), x_in[None], f_on)
         if K > 1:  # only segments before the last are ever read back as a prefix
             at = (op["fwd_kv"], 0, 0, offsets[op["fwd_seg"]], 0, 0)
             keep = f_on & (raw["fwd_seg"] < K - 1)
             carry["kv_k"] = _masked_write(carry["kv_k"], at, k_seg[None], keep)
             carry["kv_v"] = _masked_write(carry["kv_v"], at, v_seg[None], keep)
 
-        # Backward: recompute the unit from its stashed input and pull cotangents through.
+        # Backward: rebuild the unit's vjp (from its residuals, or by recomputing it from
+        # its stashed input) and pull the cotangents through.
         b_on = raw["bwd_mb"] >= 0
-        x_in = carry["stash"][op["bwd_stash"]]
         dy = jnp.where(raw["bwd_in"] >= 0, carry["recv_bwd"][op["bwd_in"]], 0)
         k_cache, v_cache = carry["kv_k"][op["bwd_kv"]], carry["kv_v"][op["bwd_kv"]]
         dk_cache, dv_cache = carry["dkv_k"][op["bwd_dkv"]], carry["dkv_v"][op["bwd_dkv"]]
+        if keeps_residuals:
+            source = (carry["res"], carry["head"])
+            run_backward = backward_keep
+        else:
+            source = carry["stash"][op["bwd_stash"]]
+            run_backward = backward
         dx, d_chunk, d_shared, dk_prefix, dv_prefix = jax.lax.cond(
             b_on,
-            lambda: backward(op, x_in, dy, k_cache, v_cache, dk_cache, dv_cache),
+            lambda: run_backward(op, source, dy, k_cache, v_cache, dk_cache, dv_cache),
             lambda: (
                 act,
                 _zeros_like_tree(chunk_params(0)),
@@ -295,7 +582,9 @@ def _stage_body(spec: PipelineSpec, layers_VxN: Params, shared: Params, tokens_B
             carry["grads_layers"],
             d_chunk,
         )
-        carry["grads_shared"] = jax.tree.map(jnp.add, carry["grads_shared"], d_shared)
+        carry["grads_shared"] = jax.tree.map(
+            lambda acc, d: acc + d.astype(acc.dtype), carry["grads_shared"], d_shared
+        )
         if K > 1:
             # Prefix cotangents wait for the earlier segments; this segment's own (and any
             # later ones) are spent, so they are cleared for the slot's next micro-batch.
@@ -318,17 +607,23 @@ def _stage_body(spec: PipelineSpec, layers_VxN: Params, shared: Params, tokens_B
     kv_shape = (max(prog.num_kv, 1), n_layers, rows, kv_len, *heads)
     dkv_shape = (max(prog.num_dkv, 1), n_layers, rows, kv_len, *heads)
     init = {
-        "stash": jnp.zeros((max(prog.num_stash, 1),) + act.shape, act_dtype),
         "recv_fwd": jnp.zeros((max(prog.num_recv_fwd, 1),) + act.shape, act_dtype),
         "recv_bwd": jnp.zeros((max(prog.num_recv_bwd, 1),) + act.shape, act_dtype),
         "kv_k": jnp.zeros(kv_shape, act_dtype),
         "kv_v": jnp.zeros(kv_shape, act_dtype),
         "dkv_k": jnp.zeros(dkv_shape, act_dtype),
         "dkv_v": jnp.zeros(dkv_shape, act_dtype),
-        "grads_layers": _zeros_like_tree(layers_VxN),
-        "grads_shared": _zeros_like_tree(shared),
+        **grads_init,
         "loss": jnp.zeros((), jnp.float32),
     }
+    if keeps_residuals:
+        for name, per_segment in stashes.items():
+            init[name] = tuple(
+                tuple(jnp.zeros((max(n, 1),) + a.shape, a.dtype) for a in layout.stored)
+                for n, layout in per_segment
+            )
+    else:
+        init["stash"] = jnp.zeros((max(prog.num_stash, 1),) + act.shape, act_dtype)
     ops = {
         f.name: jnp.asarray(getattr(prog, f.name))
         for f in dataclasses.fields(prog)

@@ -287,11 +287,17 @@ class Program:
     bwd_dkv: np.ndarray  # dK/dV accumulator slot of (mb, chunk): last segment's backward to seg 0's
     recv_fwd: np.ndarray  # slot storing what stage (s-1) % S sent during tick t
     recv_bwd: np.ndarray  # slot storing what stage (s+1) % S sent during tick t
+    fwd_res: np.ndarray  # slot, among its segment's, keeping the forward's residuals
+    bwd_res: np.ndarray  # the residual slot the backward reads
+    fwd_head: np.ndarray  # slot keeping the head's residuals (last global chunk only)
+    bwd_head: np.ndarray
     num_stash: int
     num_kv: int
     num_dkv: int
     num_recv_fwd: int
     num_recv_bwd: int
+    num_res: tuple[int, ...]  # residual slots per segment (their shapes differ by segment)
+    num_head: tuple[int, ...]  # head residual slots per segment: the last chunk's units only
 
 
 def _allocate(intervals: list[tuple[int, int, object]]) -> tuple[dict[object, int], int]:
@@ -341,6 +347,7 @@ def lower(s: Schedule) -> Program:
                     b.chunk,
                 )
     counts = {}
+    num_res, num_head = [0] * s.segments, [0] * s.segments
     for r in range(S):
         stash, kv, dkv, rf, rb = [], [], [], [], []
         for (rr, u), tf in f_at.items():
@@ -359,6 +366,17 @@ def lower(s: Schedule) -> Program:
                 sent = b_at[(r + 1) % S, Unit(u.mb, u.seg, u.chunk + (r == S - 1))]
                 rb.append((sent + 1, tb, u))
         stash_of, counts[r, "stash"] = _allocate(stash)
+        for k in range(s.segments):  # the same lifetimes, counted per segment
+            res_of, n = _allocate([x for x in stash if x[2].seg == k])
+            num_res[k] = max(num_res[k], n)
+            for u, slot in res_of.items():
+                arr["fwd_res"][f_at[r, u], r] = arr["bwd_res"][b_at[r, u], r] = slot
+            if r == S - 1:  # the head (logits, loss) runs on the last global chunk alone
+                head_of, num_head[k] = _allocate(
+                    [x for x in stash if x[2].seg == k and x[2].chunk == V - 1]
+                )
+                for u, slot in head_of.items():
+                    arr["fwd_head"][f_at[r, u], r] = arr["bwd_head"][b_at[r, u], r] = slot
         kv_of, counts[r, "kv"] = _allocate(kv)
         dkv_of, counts[r, "dkv"] = _allocate(dkv)
         rf_of, counts[r, "rf"] = _allocate(rf)
@@ -386,6 +404,8 @@ def lower(s: Schedule) -> Program:
         num_dkv=num["dkv"],
         num_recv_fwd=num["rf"],
         num_recv_bwd=num["rb"],
+        num_res=tuple(num_res),
+        num_head=tuple(num_head),
     )
 
 

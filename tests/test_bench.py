@@ -27,8 +27,13 @@ def test_quick_end_to_end(tmp_path, capsys):
     for r in result["rows"]:
         for key in ("temp_bytes", "flop_ratio", "predicted_s", "measured_s", "bubble_units"):
             assert math.isfinite(r[key]) and r[key] >= 0, (key, r[key])
-        assert 1.2 < r["flop_ratio"] < 1.6
-    assert result["overhead"]["ratio"] > 0 and result["reference"]["remat_s"] > 0
+        assert 1.0 <= r["flop_ratio"] < 1.1  # remat none: no forward recomputed
+    assert result["overhead"]["ratio"] > 0 and result["reference"]["seconds"] > 0
+    policies = {(p["label"], p["remat"]): p for p in result["policies"]}
+    assert len(policies) == 2 * len(config_lib.REMAT_POLICIES)
+    for name in ("1f1b", "seq1f1b K2 uniform"):
+        none, full = policies[name, "none"], policies[name, "full"]
+        assert none["flop_ratio"] < full["flop_ratio"] and none["stash_bytes"] > full["stash_bytes"]
     assert {p["label"] for p in result["prediction"]} == {"1f1b", "seq1f1b K2 uniform"}
     assert png.stat().st_size > 1000
     assert "| seq1f1b K2 uniform |" in capsys.readouterr().out

@@ -24,11 +24,11 @@ def test_analytic_by_hand():
     assert flops.padded_attention_excess(cfg, (2, 3), rows=1) == 2 * (2 * 2 * 3 * 4)
 
 
-def _spec(stage=2, segments=2, seq=256, microbatches=1):
+def _spec(stage=2, segments=2, seq=256, microbatches=1, remat="full"):
     c = config_lib.base_config()
     c.model.update(vocab_size=128, num_layers=2, d_model=64, num_heads=2, d_ff=128)
     c.mesh.update(stage=stage)
-    c.pipeline.update(schedule="seq1f1b", microbatches=microbatches, segments=segments)
+    c.pipeline.update(schedule="seq1f1b", microbatches=microbatches, segments=segments, remat=remat)
     c.train.update(seq_len=seq, global_batch_size=microbatches)
     config_lib.validate(c)
     return pipeline.make_spec(c)
@@ -61,3 +61,26 @@ def test_layer_scan_counted_once_and_corrected():
     # XLA counts the scan's body once; the correction matches a Python-unrolled chunk.
     assert got["scanned"] < 0.6 * got["unrolled"]
     assert got["corrected"] == pytest.approx(got["unrolled"], rel=0.01)
+
+
+@pytest.mark.parametrize("stage", [1, 2])  # two layers per chunk, and one
+def test_no_recompute_ratio_at_most_1_05(stage):
+    """remat=none: the backward does no forward work again, every matmul runs once; `dots`
+    keeps the matmul outputs too and recomputes only element-wise work."""
+    none, dots = (_spec(stage=stage, segments=4, remat=r) for r in ("none", "dots"))
+    got = flops.step_ratio(none, rows=1)
+    assert 1.0 <= got["ratio"] <= 1.05, got["ratio"]
+    assert got["padded_ratio"] > 1.05, got["padded_ratio"]
+    assert got["ratio"] < flops.step_ratio(dots, rows=1)["ratio"] < 1.1
+    for spec in (none, dots):
+        parts = flops.breakdown(spec, rows=1)
+        assert parts["matmul"] == pytest.approx(1.0, rel=1e-9)
+        assert flops.step_ratio(spec, rows=1)["ratio"] == pytest.approx(
+            sum(parts.values()), abs=0.03
+        )
+
+
+def test_layer_remat_recomputes_the_layers_not_the_head():
+    full, layer = (flops.step_ratio(_spec(stage=1, remat=r), rows=1) for r in ("full", "layer"))
+    none = flops.step_ratio(_spec(stage=1, remat="none"), rows=1)
+    assert none["ratio"] < layer["ratio"] < full["ratio"]

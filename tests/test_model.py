@@ -45,14 +45,49 @@ def test_segment_attention_with_offset_matches_full_causal_attention():
     q, k, v = (jax.random.normal(jax.random.key(i), (2, 10, 3, 8)) for i in range(3))
     full = naive_causal_attention(q, k, v)
     # Queries 6..9 against keys 0..9: fewer queries than keys, where a top-left mask fails.
-    part = segment_attention(q[:, 6:], k, v, offset=6)
+    part = segment_attention(q[:, 6:], k[:, :6], v[:, :6], k[:, 6:], v[:, 6:])
     np.testing.assert_allclose(part, full[:, 6:], rtol=1e-5, atol=1e-6)
+    first = segment_attention(q[:, :6], k[:, :0], v[:, :0], k[:, :6], v[:, :6])
+    np.testing.assert_allclose(first, full[:, :6], rtol=1e-5, atol=1e-6)
+
+
+def test_segment_attention_gradients_match_autodiff_of_naive_attention():
+    """The hand-written backward against autodiff of plain masked softmax attention."""
+    q, k, v, g = (jax.random.normal(jax.random.key(i), (2, 10, 3, 8)) for i in range(4))
+
+    def by_segments(q, k, v):
+        bounds = [(0, 3), (3, 4), (4, 10)]  # unequal, one of length 1
+        outs = [
+            segment_attention(q[:, a:b], k[:, :a], v[:, :a], k[:, a:b], v[:, a:b])
+            for a, b in bounds
+        ]
+        return jnp.concatenate(outs, axis=1)
+
+    got = jax.grad(lambda *a: jnp.sum(g * by_segments(*a)), argnums=(0, 1, 2))(q, k, v)
+    want = jax.grad(lambda *a: jnp.sum(g * naive_causal_attention(*a)), argnums=(0, 1, 2))(q, k, v)
+    for name, x, y in zip("qkv", got, want, strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6, err_msg=f"d{name}")
+
+
+def test_segment_attention_keeps_its_probabilities_once():
+    """Beyond its inputs, the vjp keeps one [B, H, Q, P + Q] block of probabilities."""
+    b, p_len, q_len, h, e = 2, 6, 4, 3, 8
+    args = [jnp.zeros((b, n, h, e)) for n in (q_len, p_len, p_len, q_len, q_len)]
+    kept = []
+
+    def probe(*args):
+        _, vjp = jax.vjp(segment_attention, *args)
+        inputs = {id(x) for x in args}
+        kept.extend(x.size for x in jax.tree.leaves(vjp) if id(x) not in inputs)
+
+    jax.eval_shape(probe, *args)
+    assert sum(kept) == b * h * q_len * (p_len + q_len)
 
 
 def test_segment_attention_rejects_inconsistent_key_range():
-    q = jnp.zeros((1, 4, 2, 8))
-    with pytest.raises(ValueError, match="offset"):
-        segment_attention(q, jnp.zeros((1, 9, 2, 8)), jnp.zeros((1, 9, 2, 8)), offset=4)
+    q, kv = jnp.zeros((1, 4, 2, 8)), jnp.zeros((1, 5, 2, 8))
+    with pytest.raises(ValueError, match="expected the segment's own 4"):
+        segment_attention(q, kv, kv, kv, kv)
 
 
 @pytest.mark.parametrize(
@@ -84,10 +119,19 @@ def test_rope_uses_absolute_positions(params, tokens):
     assert not np.allclose(y0, y1, atol=1e-4)
 
 
-def test_remat_changes_nothing(params, tokens):
+@pytest.mark.parametrize("policy", sorted(model.CHECKPOINT_POLICIES))
+def test_checkpoint_policies_change_nothing(params, tokens, policy):
     _, g0 = loss_and_grad(params, tokens, CFG)
-    _, g1 = loss_and_grad(params, tokens, CFG, None, True)
+    _, g1 = loss_and_grad(params, tokens, CFG, (8, 16), policy)
     assert_tree_close(g1, g0)
+
+
+def test_gelu_derivative_is_the_tanh_forms():
+    x = jnp.linspace(-6.0, 6.0, 101)
+    ours = jax.vmap(jax.grad(model.gelu))(x)
+    exact = jax.vmap(jax.grad(lambda y: jax.nn.gelu(y, approximate=True)))(x)
+    np.testing.assert_allclose(ours, exact, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(model.gelu(x), jax.nn.gelu(x, approximate=True), rtol=1e-6)
 
 
 def test_initial_loss_is_near_uniform(params, tokens):
