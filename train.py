@@ -29,7 +29,9 @@ def main(argv: list[str]) -> int:
     try:
         cli.run_or_exit(lambda: train.run(config, args.workdir))
     except train.TrainingError as e:
-        cli.fail(str(e), code=1)
+        # Every file is closed by now; what orbax's threads print on the way out would bury
+        # the one line that says what to do.
+        cli.fail(str(e), code=1, at_once=True)
     return 0
 
 

@@ -15,6 +15,8 @@ directory appears only once complete, so `latest_step()` is always a restorable 
   Training has no random state beyond the seed (no dropout), so there is no RNG to save.
 """
 
+import errno
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,12 @@ from ml_collections import ConfigDict
 from seqpipe.config import ConfigError
 
 ITEMS = ("state", "data", "meta")
+# What orbax names a step directory until it is complete (tests/test_faults.py checks it).
+TMP_SUFFIX = ".orbax-checkpoint-tmp"
+
+
+class SaveError(RuntimeError):
+    """A checkpoint could not be written (a full disk, say); the message is one line."""
 
 
 def directory(workdir: str | Path) -> Path:
@@ -55,12 +63,58 @@ def save(
     """Start saving step `step` (returns once the arrays are off the device); False if present."""
     if step in manager.all_steps():
         return False
+    # Refuse up front what cannot fit: a save that runs out of space half-way leaves a
+    # temporary directory (never restored) and a background thread's error, not a message.
+    need = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+    free = shutil.disk_usage(manager.directory).free
+    if free < need:
+        raise SaveError(_failed(manager, step, f"{need:,} bytes needed, {free:,} free"))
     args = ocp.args.Composite(
         state=ocp.args.StandardSave(state),
         data=ocp.args.JsonSave(data_state),
         meta=ocp.args.JsonSave(metadata(config)),
     )
-    return manager.save(step, args=args, force=True)
+    try:
+        return manager.save(step, args=args, force=True)
+    except Exception as e:  # orbax's errors, from the file system down
+        raise SaveError(_failed(manager, step, _reason(e))) from e
+
+
+def wait(manager: ocp.CheckpointManager, step: int | None) -> None:
+    """Wait for the save of `step` in flight, if any; its write's failure is a SaveError."""
+    try:
+        manager.wait_until_finished()
+    except Exception as e:
+        raise SaveError(_failed(manager, step, _reason(e))) from e
+
+
+def complete_steps(directory: Path) -> list[int]:
+    """Steps whose checkpoint is complete: orbax writes `<step>.orbax-checkpoint-tmp` and
+    renames it to `<step>` (atomically) only once every item is written and committed."""
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+
+
+def _reason(e: Exception) -> str:
+    # orbax and tensorstore wrap the file system's error in their own; say the cause.
+    if "No space left on device" in str(e) or getattr(e, "errno", None) == errno.ENOSPC:
+        return "no space left on device"
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[-1][:200] if lines else ''}"
+
+
+def _failed(manager: ocp.CheckpointManager, step: int | None, reason: str) -> str:
+    """The one-line message; the failed save's partial directory is removed first, since a
+    full disk is the usual cause and the space is needed to close the logs."""
+    directory = Path(manager.directory)
+    shutil.rmtree(directory / f"{step}{TMP_SUFFIX}", ignore_errors=True)
+    steps = complete_steps(directory)
+    kept = f"step {steps[-1]} is the newest complete one, intact" if steps else "none is complete"
+    return (
+        f"saving the checkpoint of step {step} in {directory} failed ({reason}); {kept}; "
+        "free space there (or lower checkpoint.keep) and run again to resume"
+    )
 
 
 def restore_latest(

@@ -35,9 +35,20 @@ def fake_cpu_devices(count: int) -> None:
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}={count}".strip()
 
 
-def fail(message: str, code: int = 2) -> None:
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    sys.exit(code)
+def fail(message: str, code: int = 2, at_once: bool = False) -> None:
+    """Print `error: message` and exit. `at_once` is for a process whose background threads
+    (orbax's, after a failed save) may still be printing: their stderr is silenced first,
+    so the last line is this one, and the interpreter's shutdown is skipped."""
+    if not at_once:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        sys.exit(code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    ours = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)  # every later write to fd 2, from any thread, is dropped
+    os.write(ours, f"error: {message}\n".encode())
+    os._exit(code)
 
 
 def load_or_exit(argv: list[str], prog: str, add_flags: Callable | None = None):

@@ -64,9 +64,20 @@ def _stdlib_files() -> list[str]:
     return sorted(files)
 
 
+def _unreadable(path: str, e: OSError) -> DataError:
+    return DataError(f"cannot read {path} ({e.strerror}); fix data.path or its permissions")
+
+
+def _read_bytes(path: str, size: int = -1) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read(size)
+    except OSError as e:
+        raise _unreadable(path, e) from None
+
+
 def _is_text(path: str) -> bool:
-    with open(path, "rb") as f:
-        return b"\0" not in f.read(8192)
+    return b"\0" not in _read_bytes(path, 8192)
 
 
 def _text_files(path: str) -> list[str]:
@@ -107,10 +118,7 @@ def _fingerprint(files: list[str], *extra: Any) -> str:
 
 def _read_docs(files: list[str]) -> list[str]:
     # A few stdlib files are not valid UTF-8; replacing beats skipping real text.
-    docs = []
-    for f in files:
-        with open(f, "rb") as fh:
-            docs.append(fh.read().decode("utf-8", errors="replace"))
+    docs = [_read_bytes(f).decode("utf-8", errors="replace") for f in files]
     docs = [d for d in docs if d]
     if not docs:
         raise DataError(f"the corpus ({len(files)} files) is empty; add text to data.path")
@@ -137,7 +145,7 @@ def _atomic_write(path: str, write) -> None:
 # ---------------------------------------------------------------- tokenizer
 
 
-def load_tokenizer(config, workdir: str) -> Tokenizer:
+def load_tokenizer(config) -> Tokenizer:
     """The configured tokenizer; a BPE is trained on the corpus on first use, then cached."""
     kind = config.data.tokenizer
     vocab = config.model.vocab_size
@@ -152,10 +160,42 @@ def load_tokenizer(config, workdir: str) -> Tokenizer:
             f"tokenizer has {t.vocab_size} symbols but model.vocab_size={vocab}; "
             f"set model.vocab_size >= {t.vocab_size}"
         )
+    return t
+
+
+def save_tokenizer(t: Tokenizer, workdir: str) -> None:
+    """A copy of the BPE in the workdir, so a run keeps what it was trained with."""
     if workdir and isinstance(t, tok.BpeTokenizer):
         os.makedirs(workdir, exist_ok=True)
         _atomic_write(os.path.join(workdir, "tokenizer.json"), t.hf.save)
-    return t
+
+
+def check_resume_tokenizer(t: Tokenizer, workdir: str, config) -> None:
+    """Refuse a tokenizer other than the one a workdir's checkpoints were trained with
+    (its `tokenizer.json`; none there: no BPE): the same ids would mean
+    other text, and the run would go on without a sign of it."""
+    from seqpipe import checkpoint  # only here: data loading needs no orbax otherwise
+
+    if not workdir or not checkpoint.complete_steps(checkpoint.directory(workdir)):
+        return
+    saved = os.path.join(workdir, "tokenizer.json")
+    if os.path.exists(saved):
+        with open(saved) as f:
+            same = isinstance(t, tok.BpeTokenizer) and json.loads(f.read()) == json.loads(
+                t.to_json()
+            )
+        trained_with = f"the BPE in {saved}"
+        how = f" (data.tokenizer=bpe data.tokenizer_path={saved})"
+    else:
+        same = isinstance(t, tok.ByteTokenizer)
+        trained_with, how = "no BPE (the byte tokenizer, or a token file without one)", ""
+    if not same:
+        raise DataError(
+            f"the checkpoints in {checkpoint.directory(workdir)} were trained with "
+            f"{trained_with}, not the configured data.tokenizer={config.data.tokenizer} "
+            f"(data.source={config.data.source}); resume with that tokenizer{how} or use a "
+            "new --workdir"
+        )
 
 
 def _load_bpe(config) -> tok.BpeTokenizer:
@@ -163,7 +203,13 @@ def _load_bpe(config) -> tok.BpeTokenizer:
     if path:
         if not os.path.isfile(path):
             raise DataError(f"data.tokenizer_path={path!r} does not exist; give a tokenizer.json")
-        return tok.BpeTokenizer.from_file(path)
+        try:
+            return tok.BpeTokenizer.from_file(path)
+        except Exception as e:  # HF raises a bare Exception for a file it cannot parse
+            raise DataError(
+                f"data.tokenizer_path={path!r} is not a tokenizers JSON file ({e}); give the "
+                "tokenizer.json the data was made with"
+            ) from None
     if config.data.source == "tokens":
         raise DataError(
             "data.source=tokens has no text to train a BPE on; "
@@ -198,8 +244,7 @@ def _token_dtype(config) -> np.dtype:
     return np.dtype(name)
 
 
-def _encode_corpus(config, workdir: str) -> np.ndarray:
-    t = load_tokenizer(config, workdir)
+def _encode_corpus(config, t: Tokenizer) -> np.ndarray:
     files = _corpus_files(config)
     key = _fingerprint(files, tok.fingerprint(t))
     path = os.path.join(_cache_dir(config), f"tokens-{key}.npy")
@@ -227,14 +272,22 @@ def _read_token_file(config) -> np.ndarray:
         raise DataError(f"data.path={path!r} is not a file; data.source=tokens needs a flat binary")
     dtype = _token_dtype(config)
     if os.path.getsize(path) % dtype.itemsize:
-        raise DataError(f"{path} size is not a multiple of {dtype} ({dtype.itemsize} bytes)")
-    tokens = np.memmap(path, dtype=dtype, mode="r")
+        raise DataError(
+            f"data.path={path!r}: its size is not a multiple of data.token_dtype={dtype} "
+            f"({dtype.itemsize} bytes); check data.token_dtype"
+        )
+    if os.path.getsize(path) == 0:
+        raise DataError(f"data.path={path!r} is empty; data.source=tokens needs token ids")
+    try:
+        tokens = np.memmap(path, dtype=dtype, mode="r")
+    except OSError as e:
+        raise _unreadable(path, e) from None
     # One pass in chunks, so a huge file never sits in memory at once.
     vocab = config.model.vocab_size
     top = max((int(tokens[i : i + 2**24].max()) for i in range(0, tokens.size, 2**24)), default=0)
     if top >= vocab:
         raise DataError(
-            f"{path} holds token id {top} >= model.vocab_size={vocab}; "
+            f"data.path={path!r} holds token id {top} >= model.vocab_size={vocab}; "
             "check data.token_dtype or raise model.vocab_size"
         )
     return tokens
@@ -242,10 +295,14 @@ def _read_token_file(config) -> np.ndarray:
 
 def load_tokens(config, workdir: str) -> tuple[np.ndarray, np.ndarray]:
     """(train_tokens, eval_tokens): 1-D, the eval split is the stream's last part."""
+    # The tokenizer of a token file is checked only when one is named (it may be any).
+    t = None
+    if config.data.source != "tokens" or config.data.get("tokenizer_path"):
+        t = load_tokenizer(config)
     if config.data.source == "tokens":
         tokens = _read_token_file(config)
     else:
-        tokens = _encode_corpus(config, workdir)
+        tokens = _encode_corpus(config, t)
     window = config.train.seq_len + 1
     fraction = config.data.get("eval_fraction", 0.02)
     num_eval = max(math.ceil(fraction * tokens.size), window)
@@ -255,6 +312,9 @@ def load_tokens(config, workdir: str) -> tuple[np.ndarray, np.ndarray]:
             f"{window}; add data or lower train.seq_len"
         )
     split = tokens.size - num_eval
+    if t is not None:  # only once everything is checked: a refused run writes nothing
+        check_resume_tokenizer(t, workdir, config)
+        save_tokenizer(t, workdir)
     return tokens[:split], tokens[split:]
 
 

@@ -56,6 +56,10 @@ def device_memory_peak(devices) -> int | None:
     return max(peaks) if peaks else None
 
 
+class MetricsError(RuntimeError):
+    """metrics.jsonl could not be written (a full disk, say)."""
+
+
 class MetricsLog:
     """Writes logged steps to the console, metrics.jsonl and TensorBoard; only if enabled
     (the main process). On a terminal a progress bar with ETA sits below the lines."""
@@ -66,7 +70,7 @@ class MetricsLog:
         self.enabled = enabled
         self.total_steps = total_steps
         self.path = Path(workdir) / "metrics.jsonl"
-        self._file, self._tb = None, None
+        self._file, self._tb, self._broken = None, None, False
         if enabled:
             from tensorboardX import SummaryWriter
 
@@ -82,8 +86,14 @@ class MetricsLog:
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+        except OSError as e:
+            self._broken = True  # what the buffer kept would fail again on close
+            raise MetricsError(
+                f"writing step {record['step']} to {self.path} failed ({e.strerror or e})"
+            ) from None
         for key, value in record.items():
             if key != "step" and isinstance(value, int | float) and math.isfinite(value):
                 self._tb.add_scalar(key, value, record["step"])
@@ -109,11 +119,15 @@ class MetricsLog:
         if self._tb:
             self._tb.close()
         if self._file:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError:
+                if not self._broken:
+                    raise
 
 
 def _drop_after(path: Path, step: int) -> None:
-    if not path.exists():
+    if not path.is_file():  # absent, or a device or pipe a user pointed it at
         return
     lines = path.read_text().splitlines()
     keep = [x for x in lines if _step_of(x) is not None and _step_of(x) <= step]
@@ -156,6 +170,9 @@ def format_line(record: dict, total_steps: int) -> str:
         if key in record:
             value = record[key]
             parts.append(fmt.format(_bytes(value) if key == "peak_memory_bytes" else value))
+    if record.get("bad_steps"):  # said only once there is something to say
+        in_row = record.get("bad_steps_in_row")
+        parts.append(f"skipped {record['bad_steps']}" + (f" ({in_row} in a row)" if in_row else ""))
     return "  ".join(parts)
 
 

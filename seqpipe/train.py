@@ -6,7 +6,6 @@ step it just launched. Checkpoints (`seqpipe.checkpoint`) are saved every
 SIGTERM or SIGINT finishes the current step, saves, and returns; a second SIGINT aborts.
 """
 
-import math
 import signal
 import threading
 import time
@@ -22,7 +21,7 @@ from ml_collections import ConfigDict
 
 from seqpipe import checkpoint, data, model, optim, pipeline, reference, schedule, sharding
 from seqpipe import config as config_lib
-from seqpipe.metrics import MetricsLog, Throughput, device_memory_peak, peak_flops
+from seqpipe.metrics import MetricsError, MetricsLog, Throughput, device_memory_peak, peak_flops
 from seqpipe.model import GPTConfig
 
 State = dict[str, Any]
@@ -38,7 +37,7 @@ def make_grad_fn(config: ConfigDict, mesh: jax.sharding.Mesh) -> GradFn:
     cfg = GPTConfig.from_config(config.model)
     if config.pipeline.schedule == "none":
         return lambda params, tokens: reference.loss_and_grads(
-            params, tokens, cfg, config.pipeline.remat
+            params, tokens, cfg, reference.CHECKPOINT[config.pipeline.remat]
         )
     spec = pipeline.make_spec(config)
     return lambda params, tokens: pipeline.loss_and_grads(params, tokens, spec, mesh)
@@ -71,19 +70,37 @@ def init_state(
     return init(jax.random.key(config.train.seed))
 
 
-def make_train_step(grad_fn: GradFn, tx: optax.GradientTransformation, lr_fn) -> Callable:
+def make_train_step(
+    grad_fn: GradFn, tx: optax.GradientTransformation, lr_fn, inject_nan_at: tuple = ()
+) -> Callable:
+    """The jitted step. A non-finite loss or gradient norm leaves the parameters and the
+    optimizer state as they were (`metrics["skipped"]` is 1); only the step count moves on.
+
+    `inject_nan_at` (tests only) makes the loss and gradients of those steps NaN.
+    """
+
     def train_step(state: State, tokens: jax.Array) -> tuple[State, dict]:
         loss, grads = grad_fn(state["params"], tokens)
+        if inject_nan_at:
+            poison = jnp.isin(state["step"] + 1, jnp.asarray(inject_nan_at))
+            loss = jnp.where(poison, jnp.nan, loss)
+            grads = jax.tree.map(lambda g: jnp.where(poison, jnp.nan, g), grads)
+        grad_norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        # A select on device, not a branch on the host: no sync, and NaNs never reach state.
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
         new_state = {
             "step": state["step"] + 1,
-            "params": optax.apply_updates(state["params"], updates),
-            "opt_state": opt_state,
+            "params": keep(params, state["params"]),
+            "opt_state": keep(opt_state, state["opt_state"]),
         }
         metrics = {
             "loss": loss,
-            "grad_norm": optax.tree.norm(grads),
+            "grad_norm": grad_norm,
             "learning_rate": lr_fn(state["step"]),
+            "skipped": (~finite).astype(jnp.int32),
         }
         return new_state, metrics
 
@@ -185,7 +202,9 @@ def run(config: ConfigDict, workdir: str) -> list[dict]:
         manager.close()
         return []
 
-    step_fn = make_train_step(make_grad_fn(config, mesh), tx, optim.lr_schedule(t))
+    step_fn = make_train_step(
+        make_grad_fn(config, mesh), tx, optim.lr_schedule(t), tuple(t.inject_nan_at)
+    )
     eval_fn = make_eval_fn(config)
     tokens_per_step = t.global_batch_size * t.seq_len
     flops_per_token = model.flops_per_token(GPTConfig.from_config(config.model), t.seq_len)
@@ -195,14 +214,17 @@ def run(config: ConfigDict, workdir: str) -> list[dict]:
     records, throughput = [], Throughput(start)
     loop_start = time.perf_counter()
     first_step_s = None  # compilation plus the first step, kept out of the throughput
+    bad = {"bad_steps": 0, "bad_steps_in_row": 0}  # skipped steps: in all, and the current run
+    saved_step = start if restored else None
 
     def report(step: int, metrics: dict, eval_losses: list | None, force: bool = False) -> None:
         # Called one step late so the host never waits on the step it just dispatched.
-        if step % t.log_every and step != end and not force and not eval_losses:
+        skipped = bad["bad_steps_in_row"] > 0  # counted by finished(step), just before
+        if step % t.log_every and step != end and not force and not eval_losses and not skipped:
             return
-        record = {"step": step, **{k: float(v) for k, v in jax.device_get(metrics).items()}}
-        if not math.isfinite(record["loss"]):
-            raise TrainingError(f"loss is {record['loss']} at step {step}; lower the learning rate")
+        values = jax.device_get(metrics)
+        record = {"step": step, **{k: float(v) for k, v in values.items() if k != "skipped"}}
+        record.update({k: bad[k] for k in ("bad_steps", "bad_steps_in_row")})
         if eval_losses:
             record["eval_loss"] = float(np.mean(jax.device_get(eval_losses)))
         record.update(constants)
@@ -219,18 +241,41 @@ def run(config: ConfigDict, workdir: str) -> list[dict]:
             record["peak_memory_bytes"] = memory
         records.append(record)
         log.write(record)
+        if bad["bad_steps_in_row"] >= t.max_bad_steps:
+            first = step - bad["bad_steps_in_row"] + 1
+            kept = (
+                f"the last checkpoint, step {saved_step} in {checkpoint.directory(workdir)}, is "
+                "as it was"
+                if saved_step is not None
+                else "no checkpoint was saved"
+            )
+            raise TrainingError(
+                f"steps {first}-{step}: {bad['bad_steps_in_row']} in a row with a non-finite "
+                f"loss or gradient norm (train.max_bad_steps={t.max_bad_steps}; last loss "
+                f"{record['loss']}, grad_norm {record['grad_norm']}); stopped without saving, "
+                f"{kept}; lower train.learning_rate or check the data"
+            )
 
     def finished(step: int, metrics: dict) -> None:
         # Wait for step t-1 while step t runs: the host stays one step ahead, no more.
         nonlocal first_step_s
         jax.block_until_ready(metrics)
+        # One int off a step that is already done: counting skips adds no wait.
+        if int(jax.device_get(metrics["skipped"])):
+            bad["bad_steps"] += 1
+            bad["bad_steps_in_row"] += 1
+        else:
+            bad["bad_steps_in_row"] = 0
         log.step(step)
         if step == start + 1:
             first_step_s = time.perf_counter() - loop_start
             throughput.reset(step)
 
     def save(step: int) -> None:
+        nonlocal saved_step
+        checkpoint.wait(manager, saved_step)  # the previous write's failure surfaces here
         checkpoint.save(manager, step, state, batches.get_state(), config)
+        saved_step = step
 
     pending, step = None, start
     try:
@@ -260,10 +305,25 @@ def run(config: ConfigDict, workdir: str) -> list[dict]:
                         f"{checkpoint.directory(workdir)}; run again to resume"
                     )
                     break
+    except checkpoint.SaveError as e:
+        raise TrainingError(str(e)) from None
+    except MetricsError as e:
+        kept = (
+            f"step {saved_step} in {checkpoint.directory(workdir)} is the newest checkpoint"
+            if saved_step is not None
+            else "no checkpoint was saved"
+        )
+        raise TrainingError(
+            f"{e}; stopped, {kept}; free space there and run again to resume"
+        ) from None
     finally:
-        manager.wait_until_finished()
-        manager.close()
-        log.close()
+        try:
+            checkpoint.wait(manager, saved_step)
+        except checkpoint.SaveError as e:
+            raise TrainingError(str(e)) from None
+        finally:
+            manager.close()
+            log.close()
     return records
 
 

@@ -13,6 +13,7 @@ from test_train import PIPELINED, REPO, read_event_protos, subprocess_env, tiny_
 
 from seqpipe import checkpoint, optim, sharding, train
 from seqpipe.config import ConfigError
+from seqpipe.data import DataError
 
 
 def _steps(workdir) -> list[int]:
@@ -70,8 +71,13 @@ def test_different_model_is_refused(tmp_path):
         train.run(tiny_config(**{"model.d_model": "64"}), str(tmp_path))
     with pytest.raises(ConfigError, match="batch order.*train.global_batch_size=8 saved, 16"):
         train.run(tiny_config(**{"train.global_batch_size": "16"}), str(tmp_path))
-    # From the command line: one line on stderr, exit 2, the checkpoint untouched.
-    before = sorted(p.name for p in checkpoint.directory(tmp_path).iterdir())
+
+    # From the command line: one line on stderr, exit 2, the workdir untouched.
+    def snapshot():
+        files = sorted(p for p in tmp_path.rglob("*") if p.is_file())
+        return [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+
+    before = snapshot()
     proc = subprocess.run(
         [sys.executable, "train.py", "--workdir", str(tmp_path)]
         + tiny_args(**{"model.d_model": "64"}),
@@ -83,7 +89,7 @@ def test_different_model_is_refused(tmp_path):
     )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("\n") == 1 and "different model" in proc.stderr
-    assert sorted(p.name for p in checkpoint.directory(tmp_path).iterdir()) == before
+    assert snapshot() == before
 
 
 def _restore(workdir, config, data, stage):
@@ -95,6 +101,39 @@ def _restore(workdir, config, data, stage):
     )
     manager.close()
     return step, state, data_state, mesh
+
+
+def test_another_tokenizer_is_refused(tmp_path):
+    """Checkpoints resume only with the tokenizer they were trained with: the same ids under
+    another tokenizer are other text. The refusal overwrites nothing; the saved
+    tokenizer.json, as the message suggests, resumes."""
+    byte_run = tmp_path / "byte"
+    train.run(tiny_config(**{"train.stop_at": "1"}), str(byte_run))
+    bpe = {"data.tokenizer": "bpe", "model.vocab_size": "300", "data.cache_dir": str(tmp_path)}
+    with pytest.raises(DataError, match="trained with no BPE .* data.tokenizer=bpe"):
+        train.run(tiny_config(**bpe), str(byte_run))
+    assert not (byte_run / "tokenizer.json").exists()
+
+    bpe_run = tmp_path / "bpe"
+    train.run(tiny_config(**bpe, **{"train.stop_at": "1"}), str(bpe_run))
+    saved = bpe_run / "tokenizer.json"
+    before = saved.read_bytes()
+    with pytest.raises(DataError, match=f"trained with the BPE in {saved}, not the .*=byte"):
+        train.run(tiny_config(**{"model.vocab_size": "300"}), str(bpe_run))
+    other = json.loads(before)
+    other["model"]["merges"] = other["model"]["merges"][:-1]  # one merge fewer
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    with pytest.raises(DataError, match=f"data.tokenizer_path={saved}\\) or use a new"):
+        train.run(
+            tiny_config(**bpe, **{"data.tokenizer_path": str(tmp_path / "other.json")}),
+            str(bpe_run),
+        )
+    assert saved.read_bytes() == before and _steps(bpe_run) == [1]
+    resumed = train.run(
+        tiny_config(**bpe, **{"data.tokenizer_path": str(saved), "train.stop_at": "2"}),
+        str(bpe_run),
+    )
+    assert [r["step"] for r in resumed] == [2]
 
 
 def test_restore_into_another_mesh(tmp_path):

@@ -82,3 +82,169 @@ def test_verify_accepts_a_correct_pipeline(tmp_path):
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "OK" in result.stdout
+
+
+# Every invalid input of issue 7, on the tiny config of test_train: the overrides, and what
+# the one line must say (naming the key). `{tmp}` is a folder of broken data files.
+PIPE = "mesh.data=2 mesh.stage=4 pipeline.schedule=seq1f1b pipeline.microbatches=2"
+INVALID = {
+    "mesh axis below 1": ("mesh.data=0", "mesh.data=0 must be at least 1"),
+    "mesh product not the device count": ("mesh.data=4", "mesh.data * mesh.stage = 4 but 8"),
+    "layers not divisible by stages": (f"{PIPE} model.num_layers=3", "model.num_layers=3 must"),
+    "layers not divisible by stages * virtual": (
+        f"{PIPE} pipeline.schedule=interleaved_1f1b pipeline.virtual_stages=2",
+        "model.num_layers=4 must be divisible by mesh.stage * pipeline.virtual_stages = 8",
+    ),
+    "heads not dividing d_model": ("model.num_heads=3", "model.num_heads=3 must divide"),
+    "batch not divisible by data * microbatches": (
+        "train.global_batch_size=12",
+        "train.global_batch_size=12 must be a positive multiple of",
+    ),
+    "interleaved with fewer micro-batches than stages": (
+        f"{PIPE} pipeline.schedule=interleaved_1f1b pipeline.virtual_stages=2 model.num_layers=8",
+        "pipeline.microbatches=2",
+    ),
+    "segments below 1": ("pipeline.segments=0", "pipeline.segments=0 must be"),
+    "segments above seq_len": ("pipeline.segments=17", "pipeline.segments=17 exceeds"),
+    "flops partition below the rounding multiple": (
+        f"{PIPE} pipeline.segments=2 pipeline.partition=flops pipeline.partition_multiple=16",
+        "pipeline.partition=flops, pipeline.partition_multiple=16: 2 segments of at least 16 "
+        "tokens do not fit in 16",
+    ),
+    "unknown schedule": ("pipeline.schedule=2f2b", "pipeline.schedule='2f2b' is not valid"),
+    "unknown partition": ("pipeline.partition=even", "pipeline.partition='even' is not valid"),
+    "unknown remat policy": ("pipeline.remat=bogus", "pipeline.remat"),
+    "unknown dtype": ("model.dtype=float8", "model.dtype='float8' is not valid"),
+    "unknown data source": ("data.source=web", "data.source='web' is not valid"),
+    "learning rate not finite": ("train.learning_rate=nan", "train.learning_rate=nan must be"),
+    "learning rate negative": ("train.learning_rate=-1", "train.learning_rate=-1.0 must be"),
+    "warm-up negative": ("train.warmup_steps=-1", "train.warmup_steps=-1 must be >= 0"),
+    "weight decay not finite": ("train.weight_decay=inf", "train.weight_decay=inf must be"),
+    "clip negative": ("train.grad_clip=-0.5", "train.grad_clip=-0.5 must be"),
+    "Adam decay rate 1": ("train.b2=1.0", "train.b2=1.0 must be in [0, 1)"),
+    "steps below 1": ("train.steps=0", "train.steps=0 must be at least 1"),
+    "max_bad_steps below 1": ("train.max_bad_steps=0", "train.max_bad_steps=0 must be"),
+    "data path missing": (
+        "data.source=text data.path={tmp}/missing.txt",
+        "data.path='{tmp}/missing.txt' matches no text files",
+    ),
+    "data path not given": ("data.source=text", "data.source='text' needs data.path"),
+    "token file missing": ("data.source=tokens data.path={tmp}/no.bin", "is not a file"),
+    "text file empty": ("data.source=text data.path={tmp}/empty.txt", "is empty"),
+    "token file empty": (
+        "data.source=tokens data.path={tmp}/empty.bin",
+        "data.path='{tmp}/empty.bin' is empty",
+    ),
+    # Exists and cannot be read, even by root (EIO at offset 0): as real as a chmod 000 file.
+    "data unreadable": ("data.source=text data.path=/proc/self/mem", "cannot read /proc/self/mem"),
+    "token file size not a multiple of the dtype": (
+        "data.source=tokens data.path={tmp}/odd.bin",
+        "size is not a multiple of data.token_dtype=uint16",
+    ),
+    "token ids not below vocab_size": (
+        "data.source=tokens data.path={tmp}/big_ids.bin",
+        "holds token id 300 >= model.vocab_size=256",
+    ),
+    "tokenizer file not a tokenizer": (
+        "data.source=tokens data.path={tmp}/ids.bin data.tokenizer=bpe "
+        "data.tokenizer_path={tmp}/garbage.json",
+        "data.tokenizer_path='{tmp}/garbage.json' is not a tokenizers JSON file",
+    ),
+    "tokenizer file larger than vocab_size": (
+        "data.source=tokens data.path={tmp}/ids.bin data.tokenizer=bpe "
+        "data.tokenizer_path={tmp}/bpe300.json model.vocab_size=290",
+        "tokenizer has 300 symbols but model.vocab_size=290",
+    ),
+    "tokenizer file missing": (
+        "data.source=tokens data.path={tmp}/ids.bin data.tokenizer=bpe "
+        "data.tokenizer_path={tmp}/none.json",
+        "data.tokenizer_path='{tmp}/none.json' does not exist",
+    ),
+    "seq_len above what the data allows": (
+        "data.source=text data.path={tmp}/short.txt train.seq_len=64",
+        "the corpus has 100 tokens: too few",
+    ),
+}
+# Run through a real train.py process by default; the rest in the slow target (their
+# in-process twins run by default).
+BY_PROCESS = {
+    "mesh product not the device count",
+    "interleaved with fewer micro-batches than stages",
+    "learning rate not finite",
+    "data unreadable",
+    "token file size not a multiple of the dtype",
+    "tokenizer file not a tokenizer",
+    "seq_len above what the data allows",
+}
+
+
+@pytest.fixture(scope="module")
+def broken_data(tmp_path_factory):
+    import numpy as np
+
+    from seqpipe import tokenizer
+
+    d = tmp_path_factory.mktemp("data")
+    (d / "empty.txt").write_text("")
+    (d / "empty.bin").write_bytes(b"")
+    (d / "short.txt").write_text("0123456789" * 10)
+    (d / "odd.bin").write_bytes(b"\1\0\2")
+    np.array([1, 2, 300] * 100, np.uint16).tofile(d / "big_ids.bin")
+    np.arange(1000, dtype=np.uint16).__mod__(256).astype(np.uint16).tofile(d / "ids.bin")
+    (d / "garbage.json").write_text("this is not a tokenizer\n")
+    bpe = tokenizer.train_bpe([Path(os.__file__).read_text()], 300)  # real text: all merges
+    assert bpe.vocab_size == 300
+    bpe.hf.save(str(d / "bpe300.json"))
+    return d
+
+
+def _invalid_argv(name: str, data_dir, workdir) -> tuple[list[str], str]:
+    from test_train import tiny_args
+
+    overrides, expected = (x.replace("{tmp}", str(data_dir)) for x in INVALID[name])
+    pairs = dict(kv.split("=", 1) for kv in overrides.split())
+    pairs.setdefault("data.cache_dir", str(data_dir / "cache"))
+    return ["--workdir", str(workdir), *tiny_args(**pairs)], expected
+
+
+def _check_refusal(code: int, stderr: str, expected: str, workdir: Path) -> None:
+    assert code == 2, stderr
+    assert "Traceback" not in stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
+    assert expected in lines[0], lines[0]
+    assert not workdir.exists()
+
+
+@pytest.mark.parametrize("name", sorted(INVALID))
+def test_every_invalid_input_is_refused_in_process(name, broken_data, tmp_path, capsys):
+    """train.py's main() in this process: exit 2, one line naming the key, nothing written."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_cli", ROOT / "train.py")
+    train_cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_cli)
+    argv, expected = _invalid_argv(name, broken_data, tmp_path / "run")
+    with pytest.raises(SystemExit) as exit_info:
+        train_cli.main(argv)
+    _check_refusal(exit_info.value.code, capsys.readouterr().err, expected, tmp_path / "run")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [n if n in BY_PROCESS else pytest.param(n, marks=pytest.mark.slow) for n in sorted(INVALID)],
+)
+def test_every_invalid_input_is_refused_by_train_py(name, broken_data, tmp_path):
+    from test_train import subprocess_env
+
+    argv, expected = _invalid_argv(name, broken_data, tmp_path / "run")
+    # 8 CPU devices whatever the mesh, as on a machine with 8 accelerators.
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *argv],
+        cwd=tmp_path,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    _check_refusal(result.returncode, result.stderr, expected, tmp_path / "run")

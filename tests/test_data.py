@@ -48,7 +48,7 @@ def take(it, n):
 
 def test_bpe_trains_on_stdlib_text_caches_and_round_trips(tmp_path):
     config = make_config(tmp_path)
-    tok = data.load_tokenizer(config, str(tmp_path / "work"))
+    tok = data.load_tokenizer(config)
     assert tok.vocab_size == 512
     text = open(os.path.join(STDLIB, "email", "utils.py"), encoding="utf-8").read()
     ids = tok.encode(text)
@@ -56,19 +56,24 @@ def test_bpe_trains_on_stdlib_text_caches_and_round_trips(tmp_path):
     assert tok.decode(ids) == text
     odd = "naïve café → ∑ 😀\n\tx  = 1"  # bytes never seen in training still round-trip
     assert tok.decode(tok.encode(odd)) == odd
-    # Cached under the data cache and copied into the workdir; a reload is the same tokenizer.
-    assert os.path.exists(tmp_path / "work" / "tokenizer.json")
+    # Cached under the data cache and copied into the workdir once the data is read; a
+    # reload is the same tokenizer.
+    assert not os.path.exists(tmp_path / "work")
+    data.load_tokens(config, str(tmp_path / "work"))
+    assert json.loads((tmp_path / "work" / "tokenizer.json").read_text()) == json.loads(
+        tok.to_json()
+    )
     (cached,) = (tmp_path / "cache").glob("bpe-512-*.json")
-    again = data.load_tokenizer(config, "")
+    again = data.load_tokenizer(config)
     assert again.to_json() == tok.to_json()
     assert json.loads(cached.read_text()) == json.loads(tok.to_json())
     # Another vocab size is another cache entry, never the stale one.
     config.model.vocab_size = 600
-    assert data.load_tokenizer(config, "").vocab_size == 600
+    assert data.load_tokenizer(config).vocab_size == 600
 
 
 def test_byte_tokenizer_round_trips(tmp_path):
-    tok = data.load_tokenizer(make_config(tmp_path, tokenizer="byte"), "")
+    tok = data.load_tokenizer(make_config(tmp_path, tokenizer="byte"))
     text = "def f(x):\n    return 'ünïcode ∑ 😀'\n"
     assert tok.vocab_size == 256
     assert tok.encode(text) == list(text.encode())
@@ -79,7 +84,7 @@ def test_tokenizer_larger_than_model_vocab_is_an_error(tmp_path):
     config = make_config(tmp_path, tokenizer="byte")
     config.model.vocab_size = 200
     with pytest.raises(data.DataError, match="vocab_size"):
-        data.load_tokenizer(config, "")
+        data.load_tokenizer(config)
 
 
 # ---------------------------------------------------------------- corpus and splits
@@ -104,7 +109,7 @@ def test_stdlib_corpus_split_and_cache(tmp_path):
 
 def test_bpe_tokens_carry_end_of_text_between_documents(tmp_path):
     config = make_config(tmp_path)
-    tok = data.load_tokenizer(config, "")
+    tok = data.load_tokenizer(config)
     train, held_out = data.load_tokens(config, "")
     stream = np.concatenate([train, held_out])
     files = [f for f in data._text_files(config.data.path) if os.path.getsize(f)]
@@ -274,7 +279,7 @@ def test_to_global_shards_the_batch_over_data(tmp_path):
 def test_bpe_on_the_whole_stdlib(tmp_path, vocab_size):
     config = make_config(tmp_path, source="stdlib", path="")
     config.model.vocab_size = vocab_size
-    tok = data.load_tokenizer(config, "")
+    tok = data.load_tokenizer(config)
     assert tok.vocab_size == vocab_size
     train, held_out = data.load_tokens(config, "")
     assert train.size + held_out.size > 2_000_000
