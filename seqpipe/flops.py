@@ -22,7 +22,9 @@ executed / analytic is 4/3 plus what XLA counts beyond the matmuls (softmax, nor
 GELU, residual adds, the loss, the embedding's scatter-add); `layer` recomputes the
 layers but not the head. Under `none` and `dots` the forward stashes its vjp's residuals
 (`dots`: the matmul outputs, the element-wise work recomputed) and the backward unit
-rebuilds the vjp from them, so the ratio is 1 plus that element-wise work. `breakdown`
+rebuilds the vjp from them, so the ratio is 1 plus that element-wise work. With residuals
+kept, the last chunk's forward unit also runs the head's backward (`pipeline.head_grads`),
+as the executor does. `breakdown`
 splits the executed count from the jaxpr: matmul FLOPs exactly (2 per multiply-add), the
 rest per source function.
 """
@@ -100,9 +102,10 @@ def unit_functions(spec, seg: int, first: bool, last: bool, rows: int = 1, n: in
 
     Under `full` remat forward(p, shared, x, k, v, tokens, targets) calls `pipeline._unit`
     and backward takes the same plus the cotangents (dy, dk_seg, dv_seg), recomputing the
-    forward inside. Under the other policies forward also returns the residuals it stashes
-    and backward(p, shared, residuals, k, v, dy, dk_seg, dv_seg) rebuilds the vjp from them
-    (`rows` and `n`, the chunk's layers, shape that layout).
+    forward inside. Under the other policies forward also returns the body's residuals it
+    stashes (and on the last chunk runs the head with its backward) and
+    backward(p, shared, residuals, k, v, dy, dk_seg, dv_seg) rebuilds the body's vjp from
+    them (`rows` and `n`, the chunk's layers, shape that layout).
     """
     unit = pipeline._unit(spec, seg, 1.0)
 
@@ -110,15 +113,20 @@ def unit_functions(spec, seg: int, first: bool, last: bool, rows: int = 1, n: in
         return functools.partial(unit, tokens=tokens, targets=targets, first=first, last=last)
 
     if keeps_residuals(spec):
-        layout = pipeline.residual_layout(spec, rows, seg, flags=(first, last), layers=n)
+        # As the executor: the forward stashes the body's residuals and, on the last
+        # chunk, runs the head's backward at once; the backward rebuilds the body's vjp.
+        layout = pipeline.residual_layout(spec, rows, seg, first=first, layers=n)
+        body, head = pipeline._body(spec, seg), pipeline._head(spec, seg, 1.0)
 
         def forward_keep(p, sh, x, k, v, tokens, targets):
-            outputs, _, stored = pipeline.residual_forward(bound(tokens, targets), (p, sh), x, k, v)
+            bound_body = functools.partial(body, tokens=tokens, first=first)
+            outputs, _, stored = pipeline.residual_forward(bound_body, (p, sh), x, k, v)
+            if last:
+                outputs = (outputs, pipeline.head_grads(head, sh, outputs[0], targets))
             return outputs, tuple(stored)
 
         def backward_keep(p, sh, stored, k, v, dy, dk, dv):
-            vjp = layout.rebuild(stored, (p, sh, k, v))
-            return vjp((dy, jnp.ones((), jnp.float32), dk, dv))
+            return layout.rebuild(stored, (p, sh, k, v))((dy, dk, dv))
 
         return forward_keep, backward_keep
 
@@ -147,7 +155,7 @@ def unit_args(spec, rows: int, seg: int, n: int, backward: bool, flags=(False, F
         return args
     if keeps_residuals(spec):
         p, sh, _, k, v, _, _ = args
-        layout = pipeline.residual_layout(spec, rows, seg, flags=flags, layers=n)
+        layout = pipeline.residual_layout(spec, rows, seg, first=flags[0], layers=n)
         return (p, sh, layout.stored, k, v) + _backward_extra(spec, rows, seg, n)
     return args + _backward_extra(spec, rows, seg, n)
 

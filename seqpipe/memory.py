@@ -12,8 +12,8 @@ lowered schedule (`schedule.Program`) and the shapes the executor uses:
 
   stash      max(num_stash, 1) x [b, Lseg, D]              inputs kept for the backward
                                                               (remat `full`)
-  res        per segment k, max(num_res[k], 1) x its unit's residuals (other policies),
-             plus max(num_head[k], 1) x the head's residuals (last chunk's units only)
+  res        per segment k, max(num_res[k], 1) x its body's residuals (other policies),
+             plus max(num_head[k], 1) x [b, L_k, D], the head's dy (last chunk's units)
   messages   (max(num_recv_fwd, 1) + max(num_recv_bwd, 1)) x [b, Lseg, D]
   kv         2 x max(num_kv, 1) x [n, b, Lkv, H, E]          kv_k + kv_v
   dkv        2 x max(num_dkv, 1) x [n, b, Lkv, H, E]         dkv_k + dkv_v
@@ -89,9 +89,9 @@ def residual_bytes(spec, rows: int) -> int:
     from seqpipe import pipeline
 
     return sum(
-        max(n, 1) * sum(_nbytes(a.shape, a.dtype) for a in layout.stored)
+        max(n, 1) * sum(_nbytes(a.shape, a.dtype) for a in stored)
         for per_segment in pipeline.residual_stashes(spec, rows).values()
-        for n, layout in per_segment
+        for n, stored in per_segment
     )
 
 
@@ -225,15 +225,22 @@ def unit_temp_bytes(spec, rows: int, seg: int) -> int:
     one = jnp.ones((), jnp.float32)
 
     if spec.remat != "full":
+        # The backward rebuilds the body's vjp; the head's backward runs in the last
+        # chunk's forward (`pipeline.head_grads`): the larger of the two working sets.
         layout = pipeline.residual_layout(spec, rows, seg)
-        head = pipeline.head_layout(spec, rows, seg)
+        head = pipeline._head(spec, seg, 1.0)
 
-        def rebuilt(p, sh, stored, head_stored, k, v, dy, dk, dv):  # the last stage's
-            d_head, dy_head = head.rebuild(head_stored, sh)(one)
-            return d_head, layout.rebuild(stored, (p, sh, k, v))((dy + dy_head, dk, dv))
+        def rebuilt(p, sh, stored, k, v, dy, dk, dv):
+            return layout.rebuild(stored, (p, sh, k, v))((dy, dk, dv))
 
-        args = (chunk, shared, layout.stored, head.stored, prefix, prefix, x_in, own, own)
-        return int(jax.jit(rebuilt).lower(*args).compile().memory_analysis().temp_size_in_bytes)
+        def head_forward(sh, y, targets):
+            return pipeline.head_grads(head, sh, y, targets)
+
+        args = (chunk, shared, layout.stored, prefix, prefix, x_in, own, own)
+        return max(
+            int(jax.jit(fn).lower(*a).compile().memory_analysis().temp_size_in_bytes)
+            for fn, a in ((rebuilt, args), (head_forward, (shared, x_in, tok)))
+        )
 
     def backward(p, sh, x, k, v, tokens, targets, first, last, dy, dk, dv):
         f = lambda p, sh, x, k, v: unit(p, sh, x, k, v, tokens, targets, first, last)  # noqa: E731

@@ -11,6 +11,9 @@ Per device (stage r) the carry holds, all with static shapes:
   res     per segment k, per residual: [slots_k, ...] what each forward's vjp keeps for its
           backward (remat `none`, `dots`, `layer`), less what the backward can re-read
           instead: the parameters and the K/V prefix, which lives in the KV cache
+  head    per segment k: [slots_k, b, L_k, D] the head's dy; with residuals kept, the last
+          chunk runs the head's backward in its forward (the loss's cotangent is known),
+          so no logits wait in the carry for the unit's backward
   kv, dkv [slots, n, b, Lkv, H, E] K/V of each micro-batch in flight, and their cotangents
           accumulated from later segments (dK/dV of a prefix is complete only after every
           later segment's backward, hence backwards in descending segment order)
@@ -251,61 +254,50 @@ def residual_layout(
     spec: PipelineSpec,
     rows: int,
     seg: int,
-    scale: float = 1.0,
-    flags: tuple[bool, bool] | None = None,
+    first: bool | None = None,
     layers: int | None = None,
 ) -> ResidualLayout:
-    """The residual layout of segment `seg`'s unit, from an abstract trace. With `flags`
-    (first chunk?, last chunk?) fixed: the whole unit's, head included. Without: what the
-    executor stashes per unit, the body's with `first` decided at run time (the head's
-    residuals have slots of their own, `head_layout`)."""
+    """The residual layout of segment `seg`'s body (embedding, layers; the head keeps
+    nothing, `head_grads`), from an abstract trace; `first` (global chunk 0?) fixed, or
+    decided at run time as in the executor."""
     found = []
 
-    def probe(p, sh, x_in, k_prefix, v_prefix, tokens, targets, *traced):
-        if flags is None:
-            unit = functools.partial(_body(spec, seg), tokens=tokens, first=traced[0])
-        else:
-            first, last = flags
-            unit = functools.partial(
-                _unit(spec, seg, scale), tokens=tokens, targets=targets, first=first, last=last
-            )
+    def probe(p, sh, x_in, k_prefix, v_prefix, tokens, *traced):
+        flag = first if first is not None else traced[0]
+        unit = functools.partial(_body(spec, seg), tokens=tokens, first=flag)
         _, layout, stored = residual_forward(unit, (p, sh), x_in, k_prefix, v_prefix)
         found.append(layout)
         return stored
 
-    traced = () if flags is not None else (jax.ShapeDtypeStruct((), jnp.bool_),)
-    jax.eval_shape(probe, *unit_avals(spec, rows, seg, layers), *traced)
+    traced = () if first is not None else (jax.ShapeDtypeStruct((), jnp.bool_),)
+    jax.eval_shape(probe, *unit_avals(spec, rows, seg, layers)[:6], *traced)
     return found[0]
 
 
-def head_forward(head, shared, y, targets):
-    """(loss, layout, leaves to stash) of the head on y; the shared weights are re-read."""
+def head_grads(head, shared, y, targets):
+    """(loss, its cotangents of the shared weights and of y) of the head on y, at once.
+
+    The loss's cotangent is the constant 1, so the head's backward need not wait for the
+    unit's: run in the forward, it leaves only dy ([b, Lseg, D]) for the body's backward
+    instead of the logits ([b, Lseg, V], in float32) and the head's inputs."""
     loss, vjp = jax.vjp(lambda sh, y: head(sh, y, targets), shared, y)
-    layout, stored = ResidualLayout.split(vjp, shared)
-    return loss, layout, stored
+    d_shared, dy = vjp(jnp.ones((), loss.dtype))
+    return loss, d_shared, dy
 
 
-def head_layout(spec: PipelineSpec, rows: int, seg: int, scale: float = 1.0) -> ResidualLayout:
-    """The residual layout of the head on segment `seg` (the last chunk's units only)."""
-    found = []
-
-    def probe(sh, y, targets):
-        _, layout, stored = head_forward(_head(spec, seg, scale), sh, y, targets)
-        found.append(layout)
-        return stored
-
-    _, shared, x_in, _, _, _, targets = unit_avals(spec, rows, seg)
-    jax.eval_shape(probe, shared, x_in, targets)
-    return found[0]
+def head_cotangent(spec: PipelineSpec, rows: int, seg: int) -> jax.ShapeDtypeStruct:
+    """What a last-chunk unit of segment `seg` keeps of its head: dy of its own positions."""
+    return jax.ShapeDtypeStruct((rows, spec.lengths[seg], spec.cfg.d_model), spec.cfg.dtype)
 
 
-def residual_stashes(spec: PipelineSpec, rows: int, scale: float = 1.0) -> dict:
-    """The executor's residual stashes (remat other than `full`): for the units' ("res")
-    and the head's ("head") residuals, per segment, (slot count, layout)."""
+def residual_stashes(spec: PipelineSpec, rows: int) -> dict:
+    """The executor's residual stashes (remat other than `full`): for the bodies' ("res")
+    residuals and the heads' cotangents ("head"), per segment, (slot count, the abstract
+    leaves of one slot)."""
     prog = spec.program
     return {
-        "res": [(n, residual_layout(spec, rows, k, scale)) for k, n in enumerate(prog.num_res)],
-        "head": [(n, head_layout(spec, rows, k, scale)) for k, n in enumerate(prog.num_head)],
+        "res": [(n, residual_layout(spec, rows, k).stored) for k, n in enumerate(prog.num_res)],
+        "head": [(n, (head_cotangent(spec, rows, k),)) for k, n in enumerate(prog.num_head)],
     }
 
 
@@ -445,46 +437,35 @@ def _stage_body(spec: PipelineSpec, layers_VxN: Params, shared: Params, tokens_B
     # rebuilds the vjp from it. Residual shapes differ by segment, so each segment has its
     # own stash (slots from `Program.fwd_res`) and its own conditional in the forward.
     def forward_keep(op, seg, x_in, k_cache, v_cache):
-        """The body's outputs and residuals; on the last chunk also the head's loss and
-        residuals (slots of their own: only the last stage ever fills them)."""
-        tokens, targets = segment_tokens(op["fwd_mb"], seg)
-        g = op["fwd_chunk"] * S + stage
-        body = functools.partial(bodies[seg], tokens=tokens, first=g == 0)
+        """The body's outputs and the residuals its backward needs."""
+        tokens, _ = segment_tokens(op["fwd_mb"], seg)
+        body = functools.partial(bodies[seg], tokens=tokens, first=op["fwd_chunk"] * S + stage == 0)
         params = (chunk_params(op["fwd_chunk"]), shared)
         (y, k_seg, v_seg), _, stored = residual_forward(
             body, params, x_in, prefix(k_cache, seg), prefix(v_cache, seg)
         )
+        return y, pad_to(k_seg, seg_max), pad_to(v_seg, seg_max), tuple(stored)
 
-        def head(sh, y):
-            loss, _, head_stored = head_forward(head_fns[seg], sh, y, targets)
-            return loss, tuple(head_stored)
+    def head_keep(op, y):
+        """The last chunk's head, its backward run at once: (loss, d shared, dy padded)."""
 
-        loss, head_stored = jax.lax.cond(
-            g == last_chunk,
-            head,
-            lambda sh, y: (jnp.zeros((), jnp.float32), _zeros_of(head_layouts[seg])),
-            shared,
-            y,
-        )
-        return y, loss, pad_to(k_seg, seg_max), pad_to(v_seg, seg_max), tuple(stored), head_stored
+        def run(seg):
+            _, targets = segment_tokens(op["fwd_mb"], seg)
+            return head_grads(head_fns[seg], shared, y, targets)
+
+        return jax.lax.switch(op["fwd_seg"], [functools.partial(run, k) for k in range(K)])
 
     def backward_keep(op, res, dy, k_cache, v_cache, dk_cache, dv_cache):
-        res, head_res = res
+        res, head_res, head_on = res
 
         def run(seg):
             def stored_in(buffers, slot):
                 return [jax.lax.dynamic_index_in_dim(b, slot, keepdims=False) for b in buffers]
 
-            def head(sh):  # the loss's cotangents of the shared weights and of y
-                vjp = head_layouts[seg].rebuild(stored_in(head_res[seg], op["bwd_head"]), sh)
-                return vjp(jnp.ones((), jnp.float32))
-
-            d_head, dy_head = jax.lax.cond(
-                op["bwd_chunk"] * S + stage == last_chunk,
-                head,
-                lambda sh: (_zeros_like_tree(sh), jnp.zeros_like(dy)),
-                shared,
-            )
+            # On the last chunk no cotangent arrives (dy is 0): the head's, kept by the
+            # forward, takes its place.
+            (dy_head,) = stored_in(head_res[seg], op["bwd_head"])
+            dy_head = jnp.pad(dy_head, ((0, 0), (0, seg_max - spec.lengths[seg]), (0, 0)))
             inputs = (
                 chunk_params(op["bwd_chunk"]),
                 shared,
@@ -492,10 +473,8 @@ def _stage_body(spec: PipelineSpec, layers_VxN: Params, shared: Params, tokens_B
                 prefix(v_cache, seg),
             )
             vjp = layouts[seg].rebuild(stored_in(res[seg], op["bwd_res"]), inputs)
-            dx, d_chunk, d_shared, dk, dv = pull(
-                vjp, seg, dy + dy_head, dk_cache, dv_cache, with_loss=False
-            )
-            return dx, d_chunk, jax.tree.map(jnp.add, d_shared, d_head), dk, dv
+            dy_all = jnp.where(head_on, dy + dy_head, dy)
+            return pull(vjp, seg, dy_all, dk_cache, dv_cache, with_loss=False)
 
         return jax.lax.switch(op["bwd_seg"], [functools.partial(run, k) for k in range(K)])
 
@@ -503,9 +482,8 @@ def _stage_body(spec: PipelineSpec, layers_VxN: Params, shared: Params, tokens_B
     if keeps_residuals:
         bodies = [_body(spec, k) for k in range(K)]
         head_fns = [_head(spec, k, scale) for k in range(K)]
-        stashes = residual_stashes(spec, rows, scale)
-        layouts = [layout for _, layout in stashes["res"]]
-        head_layouts = [layout for _, layout in stashes["head"]]
+        layouts = [residual_layout(spec, rows, k) for k in range(K)]
+        stashes = residual_stashes(spec, rows)
 
     def tick(carry, ops):
         op = {name: jnp.maximum(row[stage], 0) for name, row in ops.items()}
@@ -516,34 +494,46 @@ def _stage_body(spec: PipelineSpec, layers_VxN: Params, shared: Params, tokens_B
         f_on = raw["fwd_mb"] >= 0
         x_in = carry["recv_fwd"][op["fwd_in"]]
         k_cache, v_cache = carry["kv_k"][op["fwd_kv"]], carry["kv_v"][op["fwd_kv"]]
-        idle = (act, jnp.zeros((), jnp.float32), kv_seg_zero, kv_seg_zero)
         if keeps_residuals:
             outs = []
             for k in range(K):  # one conditional per segment shape; at most one runs
                 on_k = f_on & (raw["fwd_seg"] == k)
-                *out, stored, head_stored = jax.lax.cond(
+                *out, stored = jax.lax.cond(
                     on_k,
                     functools.partial(forward_keep, op, k, x_in, k_cache, v_cache),
-                    lambda k=k: (*idle, _zeros_of(layouts[k]), _zeros_of(head_layouts[k])),
+                    lambda k=k: (act, kv_seg_zero, kv_seg_zero, _zeros_of(layouts[k])),
                 )
                 outs.append(out)
-                head_on = on_k & (raw["fwd_head"] >= 0)
-                for name, new, slot, on in (
-                    ("res", stored, op["fwd_res"], on_k),
-                    ("head", head_stored, op["fwd_head"], head_on),
-                ):
-                    carry[name] = _replace(
-                        carry[name],
-                        k,
-                        tuple(
-                            _masked_write(b, (slot,) + (0,) * r.ndim, r[None], on)
-                            for b, r in zip(carry[name][k], new, strict=True)
-                        ),
-                    )
-            y, loss, k_seg, v_seg = jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *outs)
+                carry["res"] = _replace(
+                    carry["res"],
+                    k,
+                    tuple(
+                        _masked_write(b, (op["fwd_res"],) + (0,) * r.ndim, r[None], on_k)
+                        for b, r in zip(carry["res"][k], stored, strict=True)
+                    ),
+                )
+            y, k_seg, v_seg = jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *outs)
+            # The head runs where the schedule gave it a slot: the last global chunk.
+            head_on = f_on & (raw["fwd_head"] >= 0)
+            loss, d_head, dy_head = jax.lax.cond(
+                head_on,
+                lambda: head_keep(op, y),
+                lambda: (jnp.zeros((), jnp.float32), _zeros_like_tree(shared), act),
+            )
+            carry["grads_shared"] = jax.tree.map(
+                lambda acc, d: acc + d.astype(acc.dtype), carry["grads_shared"], d_head
+            )
+            for k in range(K):
+                (buf,) = carry["head"][k]
+                new = dy_head[None, :, : spec.lengths[k]]
+                on = head_on & (raw["fwd_seg"] == k)
+                at = (op["fwd_head"], 0, 0, 0)
+                carry["head"] = _replace(carry["head"], k, (_masked_write(buf, at, new, on),))
         else:
             y, loss, k_seg, v_seg = jax.lax.cond(
-                f_on, lambda: forward(op, x_in, k_cache, v_cache), lambda: idle
+                f_on,
+                lambda: forward(op, x_in, k_cache, v_cache),
+                lambda: (act, jnp.zeros((), jnp.float32), kv_seg_zero, kv_seg_zero),
             )
             at = (op["fwd_stash"], 0, 0, 0)
             carry["stash"] = _masked_write(carry["stash"], at, x_in[None], f_on)
@@ -561,7 +551,7 @@ def _stage_body(spec: PipelineSpec, layers_VxN: Params, shared: Params, tokens_B
         k_cache, v_cache = carry["kv_k"][op["bwd_kv"]], carry["kv_v"][op["bwd_kv"]]
         dk_cache, dv_cache = carry["dkv_k"][op["bwd_dkv"]], carry["dkv_v"][op["bwd_dkv"]]
         if keeps_residuals:
-            source = (carry["res"], carry["head"])
+            source = (carry["res"], carry["head"], raw["bwd_head"] >= 0)
             run_backward = backward_keep
         else:
             source = carry["stash"][op["bwd_stash"]]
@@ -619,8 +609,8 @@ def _stage_body(spec: PipelineSpec, layers_VxN: Params, shared: Params, tokens_B
     if keeps_residuals:
         for name, per_segment in stashes.items():
             init[name] = tuple(
-                tuple(jnp.zeros((max(n, 1),) + a.shape, a.dtype) for a in layout.stored)
-                for n, layout in per_segment
+                tuple(jnp.zeros((max(n, 1),) + a.shape, a.dtype) for a in stored)
+                for n, stored in per_segment
             )
     else:
         init["stash"] = jnp.zeros((max(prog.num_stash, 1),) + act.shape, act_dtype)

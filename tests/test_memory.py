@@ -78,28 +78,28 @@ def test_analytic_carry_with_residual_stashes(schedule, segments, virtual):
     assert got["stash"] == 0 and got["res"] > 0
     for name, per_segment in pipeline.residual_stashes(spec, 2).items():
         assert len(per_segment) == segments
-        for k, (n, layout) in enumerate(per_segment):
-            for a in layout.stored:
+        for k, (n, stored) in enumerate(per_segment):
+            for a in stored:
                 assert any(b.shape == (max(n, 1),) + a.shape for b in avals), (name, k, a)
 
 
 @pytest.mark.parametrize(
     "schedule,segments,virtual", [("1f1b", 1, 1), ("seq1f1b", 4, 1), ("seq1f1b_interleaved", 2, 2)]
 )
-def test_head_residuals_hold_no_weight_and_fill_only_last_chunk_slots(schedule, segments, virtual):
-    """The head's weight is re-read, never stashed per unit; its residuals (logits) have
-    slots for the last chunk's units in flight, not for every unit of every stage."""
+def test_head_keeps_only_its_dy_in_last_chunk_slots(schedule, segments, virtual):
+    """The head's backward runs in its forward: a last-chunk unit keeps dy of its own
+    positions ([b, L_k, D]), never the logits or the head's weight, in slots for the last
+    chunk's units in flight, not for every unit of every stage."""
     config = tiny_config(schedule, segments, virtual=virtual)
     config.pipeline.remat = "none"
     spec = pipeline.make_spec(config)
     cfg, prog = spec.cfg, spec.program
-    weight = (cfg.d_model, cfg.vocab_size)
+    stashes = pipeline.residual_stashes(spec, 2)
     for k in range(segments):
-        body = pipeline.residual_layout(spec, 2, k).stored
-        head = pipeline.head_layout(spec, 2, k).stored
-        assert weight not in [a.shape for a in body + head]
-        assert not [a for a in body if a.shape[-1:] == (cfg.vocab_size,)]  # no logits per unit
-        assert [a for a in head if a.shape[-1:] == (cfg.vocab_size,)]
+        body = stashes["res"][k][1]
+        assert not [a for a in body if cfg.vocab_size in a.shape]  # no weight, no logits
+        (dy,) = stashes["head"][k][1]
+        assert dy.shape == (2, spec.lengths[k], cfg.d_model) and dy.dtype == cfg.dtype
     assert (prog.fwd_head[:, : spec.stages - 1] < 0).all()  # only the last stage fills them
     last_chunk = (prog.fwd_mb[:, -1] >= 0) & (prog.fwd_chunk[:, -1] == virtual - 1)
     assert ((prog.fwd_head[:, -1] >= 0) == last_chunk).all()
