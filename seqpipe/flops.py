@@ -5,8 +5,8 @@
                  (the queries times their own causal key range, prefix plus itself);
                  the head 2*b*s*D*V on the last chunk. Backward = 2 x forward.
     executed   XLA `cost_analysis()["flops"]` of each forward unit and each backward unit
-               (`pipeline._unit` and its vjp, as the executor runs them), compiled on its
-               own per (segment, first chunk?, last chunk?), times the number of such
+               (as the executor runs them: the body, and on the last chunk the head with
+               its backward, forward; the body's vjp, backward), compiled on its
                units in the schedule table.
 
 Two XLA counting rules shape the method. A while loop's body is counted once whatever
@@ -17,14 +17,14 @@ layers are added as n-1 copies of a middle-chunk one-layer unit (no embedding, n
 A `lax.cond` counts its costliest branch; the unit's first/last-chunk switches are
 compiled as constants, so XLA folds them to the branch that runs on that chunk.
 
-With full rematerialisation (`pipeline.remat=full`) the backward re-runs the forward, so
-executed / analytic is 4/3 plus what XLA counts beyond the matmuls (softmax, norms, RoPE,
+The head's backward runs in the last chunk's forward (the loss's cotangent is the constant
+1), so no policy recomputes the head. With full rematerialisation (`pipeline.remat=full`)
+the backward re-runs the body, so executed / analytic is (4 x layers + 3 x head) / (3 x
+all), a little under 4/3, plus what XLA counts beyond the matmuls (softmax, norms, RoPE,
 GELU, residual adds, the loss, the embedding's scatter-add); `layer` recomputes the
-layers but not the head. Under `none` and `dots` the forward stashes its vjp's residuals
+layers one at a time. Under `none` and `dots` the forward stashes its vjp's residuals
 (`dots`: the matmul outputs, the element-wise work recomputed) and the backward unit
-rebuilds the vjp from them, so the ratio is 1 plus that element-wise work. With residuals
-kept, the last chunk's forward unit also runs the head's backward (`pipeline.head_grads`),
-as the executor does. `breakdown`
+rebuilds the vjp from them, so the ratio is 1 plus that element-wise work. `breakdown`
 splits the executed count from the jaxpr: matmul FLOPs exactly (2 per multiply-add), the
 rest per source function.
 """
@@ -100,30 +100,26 @@ def keeps_residuals(spec) -> bool:
 def unit_functions(spec, seg: int, first: bool, last: bool, rows: int = 1, n: int = 1):
     """(forward, backward) of one unit as the executor runs it, the chunk flags fixed.
 
-    Under `full` remat forward(p, shared, x, k, v, tokens, targets) calls `pipeline._unit`
-    and backward takes the same plus the cotangents (dy, dk_seg, dv_seg), recomputing the
-    forward inside. Under the other policies forward also returns the body's residuals it
-    stashes (and on the last chunk runs the head with its backward) and
-    backward(p, shared, residuals, k, v, dy, dk_seg, dv_seg) rebuilds the body's vjp from
-    them (`rows` and `n`, the chunk's layers, shape that layout).
+    The forward runs the body (embedding, layers) and, on the last chunk, the head with its
+    backward (`pipeline.head_grads`). Under `full` remat forward(p, shared, x, k, v, tokens,
+    targets) keeps nothing and backward takes the same plus the cotangents (dy, dk_seg,
+    dv_seg), recomputing the body inside. Under the other policies forward also returns
+    the body's residuals it stashes and backward(p, shared, residuals, k, v, dy, dk_seg,
+    dv_seg) rebuilds the body's vjp from them (`rows` and `n`, the chunk's layers, shape
+    that layout).
     """
-    unit = pipeline._unit(spec, seg, 1.0)
+    body, head = pipeline._body(spec, seg), pipeline._head(spec, seg, 1.0)
 
-    def bound(tokens, targets):
-        return functools.partial(unit, tokens=tokens, targets=targets, first=first, last=last)
+    def with_head(outputs, sh, targets):
+        return (outputs, pipeline.head_grads(head, sh, outputs[0], targets)) if last else outputs
 
     if keeps_residuals(spec):
-        # As the executor: the forward stashes the body's residuals and, on the last
-        # chunk, runs the head's backward at once; the backward rebuilds the body's vjp.
         layout = pipeline.residual_layout(spec, rows, seg, first=first, layers=n)
-        body, head = pipeline._body(spec, seg), pipeline._head(spec, seg, 1.0)
 
         def forward_keep(p, sh, x, k, v, tokens, targets):
-            bound_body = functools.partial(body, tokens=tokens, first=first)
-            outputs, _, stored = pipeline.residual_forward(bound_body, (p, sh), x, k, v)
-            if last:
-                outputs = (outputs, pipeline.head_grads(head, sh, outputs[0], targets))
-            return outputs, tuple(stored)
+            bound = functools.partial(body, tokens=tokens, first=first)
+            outputs, _, stored = pipeline.residual_forward(bound, (p, sh), x, k, v)
+            return with_head(outputs, sh, targets), tuple(stored)
 
         def backward_keep(p, sh, stored, k, v, dy, dk, dv):
             return layout.rebuild(stored, (p, sh, k, v))((dy, dk, dv))
@@ -131,11 +127,12 @@ def unit_functions(spec, seg: int, first: bool, last: bool, rows: int = 1, n: in
         return forward_keep, backward_keep
 
     def forward(p, sh, x, k, v, tokens, targets):
-        return bound(tokens, targets)(p, sh, x, k, v)
+        return with_head(body(p, sh, x, k, v, tokens, first), sh, targets)
 
     def backward(p, sh, x, k, v, tokens, targets, dy, dk, dv, keep_outputs=False):
-        outputs, vjp = jax.vjp(bound(tokens, targets), p, sh, x, k, v)
-        grads = vjp((dy, jnp.ones((), jnp.float32), dk, dv))
+        bound = functools.partial(body, tokens=tokens, first=first)
+        outputs, vjp = jax.vjp(bound, p, sh, x, k, v)
+        grads = vjp((dy, dk, dv))
         return (outputs, grads) if keep_outputs else grads
 
     return forward, backward
@@ -419,7 +416,8 @@ def jaxpr_flops(fn, args) -> collections.Counter:
 
 def breakdown(spec, rows: int, replicas: int = 1) -> dict:
     """The step's FLOPs by source, from each unit's jaxpr times the table's unit counts,
-    as fractions of the analytic total (`matmul` alone is 4/3 with full remat and no waste)."""
+    as fractions of the analytic total (`matmul` alone: 4/3 of the layers' and 1 of the
+    head's with full remat, 1 without recomputation)."""
     n = spec.cfg.num_layers // (spec.stages * spec.virtual)
     total = collections.Counter()
     for (seg, first, last, backward), count in unit_counts(spec.schedule).items():

@@ -12,8 +12,9 @@ lowered schedule (`schedule.Program`) and the shapes the executor uses:
 
   stash      max(num_stash, 1) x [b, Lseg, D]              inputs kept for the backward
                                                               (remat `full`)
-  res        per segment k, max(num_res[k], 1) x its body's residuals (other policies),
-             plus max(num_head[k], 1) x [b, L_k, D], the head's dy (last chunk's units)
+  res        per segment k, max(num_res[k], 1) x its body's residuals (other policies)
+  head       per segment k, max(num_head[k], 1) x [b, L_k, D]    the head's dy, computed
+                                                              in the last chunk's forward
   messages   (max(num_recv_fwd, 1) + max(num_recv_bwd, 1)) x [b, Lseg, D]
   kv         2 x max(num_kv, 1) x [n, b, Lkv, H, E]          kv_k + kv_v
   dkv        2 x max(num_dkv, 1) x [n, b, Lkv, H, E]         dkv_k + dkv_v
@@ -54,9 +55,12 @@ def carry_bytes(spec, rows: int) -> dict:
     """
     import jax.numpy as jnp
 
+    from seqpipe import pipeline
+
     cfg, prog = spec.cfg, spec.program
     n = cfg.num_layers // (spec.stages * spec.virtual)  # layers per chunk
     act = jnp.dtype(cfg.dtype)
+    heads = pipeline.head_stashes(spec, rows)
     msg = _nbytes((rows, max(spec.lengths), cfg.d_model), act)
     slot = _nbytes((n, rows, spec.kv_len, cfg.num_heads, cfg.head_dim), act)
     p_item = jnp.dtype(cfg.param_dtype).itemsize
@@ -64,6 +68,7 @@ def carry_bytes(spec, rows: int) -> dict:
     out = {
         "stash": 0 if spec.remat != "full" else max(prog.num_stash, 1) * msg,
         "res": residual_bytes(spec, rows),
+        "head": sum(max(n, 1) * _nbytes(a.shape, a.dtype) for n, a in heads),
         "messages": (max(prog.num_recv_fwd, 1) + max(prog.num_recv_bwd, 1)) * msg,
         "kv": 2 * max(prog.num_kv, 1) * slot,
         "dkv": 2 * max(prog.num_dkv, 1) * slot,
@@ -82,16 +87,14 @@ def carry_bytes(spec, rows: int) -> dict:
 
 
 def residual_bytes(spec, rows: int) -> int:
-    """Bytes of the per-segment residual stashes, the units' and the head's (remat other
-    than `full`; else 0)."""
+    """Bytes of the per-segment residual stashes (remat other than `full`; else 0)."""
     if spec.remat == "full":
         return 0
     from seqpipe import pipeline
 
     return sum(
         max(n, 1) * sum(_nbytes(a.shape, a.dtype) for a in stored)
-        for per_segment in pipeline.residual_stashes(spec, rows).values()
-        for n, stored in per_segment
+        for n, stored in pipeline.residual_stashes(spec, rows)
     )
 
 
@@ -201,13 +204,13 @@ def loop_copies(hlo: str, shapes) -> int:
 
 
 def unit_temp_bytes(spec, rows: int, seg: int) -> int:
-    """XLA temp bytes of one backward unit alone: under `full` remat the recomputed forward
-    and its vjp, else the vjp rebuilt from stashed residuals.
+    """XLA temp bytes of one unit's working set alone: its backward (under `full` remat the
+    recomputed body and its vjp, else the body's vjp rebuilt from stashed residuals) or,
+    if larger, the last chunk's head with its backward, which runs in the forward.
 
-    The stage function of segment `seg` (n layers, plus the embedding and the head behind
-    run-time flags, as in the executor) on one device, from abstract inputs: the stashed
-    input (or residuals), the K/V prefix and the cotangents are arguments here, so this is
-    the working set the step needs on top of its carry while a unit's backward runs.
+    From abstract inputs on one device (n layers, the embedding behind a run-time flag, as
+    in the executor): the stashed input (or residuals), the K/V prefix and the cotangents
+    are arguments here, so this is what the step needs on top of its carry.
     """
     import jax
     import jax.numpy as jnp
@@ -220,39 +223,32 @@ def unit_temp_bytes(spec, rows: int, seg: int) -> int:
     sds = jax.ShapeDtypeStruct
     chunk, shared, x_in, prefix, _, tok, _ = pipeline.unit_avals(spec, rows, seg)
     own = sds((n, rows, spec.lengths[seg], cfg.num_heads, cfg.head_dim), act)
-    flag = sds((), jnp.bool_)
-    unit = pipeline._unit(spec, seg, 1.0)
-    one = jnp.ones((), jnp.float32)
+    head = pipeline._head(spec, seg, 1.0)
+
+    def head_forward(sh, y, targets):
+        return pipeline.head_grads(head, sh, y, targets)
 
     if spec.remat != "full":
-        # The backward rebuilds the body's vjp; the head's backward runs in the last
-        # chunk's forward (`pipeline.head_grads`): the larger of the two working sets.
         layout = pipeline.residual_layout(spec, rows, seg)
-        head = pipeline._head(spec, seg, 1.0)
 
-        def rebuilt(p, sh, stored, k, v, dy, dk, dv):
+        def backward(p, sh, stored, k, v, dy, dk, dv):
             return layout.rebuild(stored, (p, sh, k, v))((dy, dk, dv))
 
-        def head_forward(sh, y, targets):
-            return pipeline.head_grads(head, sh, y, targets)
-
         args = (chunk, shared, layout.stored, prefix, prefix, x_in, own, own)
-        return max(
-            int(jax.jit(fn).lower(*a).compile().memory_analysis().temp_size_in_bytes)
-            for fn, a in ((rebuilt, args), (head_forward, (shared, x_in, tok)))
-        )
+    else:
+        body = pipeline._body(spec, seg)
 
-    def backward(p, sh, x, k, v, tokens, targets, first, last, dy, dk, dv):
-        f = lambda p, sh, x, k, v: unit(p, sh, x, k, v, tokens, targets, first, last)  # noqa: E731
-        _, vjp = jax.vjp(f, p, sh, x, k, v)
-        return vjp((dy, one, dk, dv))
+        def backward(p, sh, x, k, v, tokens, first, dy, dk, dv):
+            f = lambda p, sh, x, k, v: body(p, sh, x, k, v, tokens, first)  # noqa: E731
+            _, vjp = jax.vjp(f, p, sh, x, k, v)
+            return vjp((dy, dk, dv))
 
-    compiled = (
-        jax.jit(backward)
-        .lower(chunk, shared, x_in, prefix, prefix, tok, tok, flag, flag, x_in, own, own)
-        .compile()
+        flag = sds((), jnp.bool_)
+        args = (chunk, shared, x_in, prefix, prefix, tok, flag, x_in, own, own)
+    return max(
+        int(jax.jit(fn).lower(*a).compile().memory_analysis().temp_size_in_bytes)
+        for fn, a in ((backward, args), (head_forward, (shared, x_in, tok)))
     )
-    return int(compiled.memory_analysis().temp_size_in_bytes)
 
 
 def step_memory(config, unit: bool = True) -> dict:

@@ -11,9 +11,9 @@ Per device (stage r) the carry holds, all with static shapes:
   res     per segment k, per residual: [slots_k, ...] what each forward's vjp keeps for its
           backward (remat `none`, `dots`, `layer`), less what the backward can re-read
           instead: the parameters and the K/V prefix, which lives in the KV cache
-  head    per segment k: [slots_k, b, L_k, D] the head's dy; with residuals kept, the last
-          chunk runs the head's backward in its forward (the loss's cotangent is known),
-          so no logits wait in the carry for the unit's backward
+  head    per segment k: [slots_k, b, L_k, D] the head's dy: the last chunk runs the head's
+          backward in its forward (the loss's cotangent is known), so no logits wait in
+          the carry for the unit's backward, and no backward recomputes the head
   kv, dkv [slots, n, b, Lkv, H, E] K/V of each micro-batch in flight, and their cotangents
           accumulated from later segments (dK/dV of a prefix is complete only after every
           later segment's backward, hence backwards in descending segment order)
@@ -159,19 +159,6 @@ def _head(spec: PipelineSpec, seg: int, scale: float):
     return f
 
 
-def _unit(spec: PipelineSpec, seg: int, scale: float):
-    """The function of one unit of segment `seg`, for vjp: embedding on global chunk 0,
-    head and scaled summed loss on the last one (`first`, `last`: run-time flags, or bools)."""
-    body, head = _body(spec, seg), _head(spec, seg, scale)
-
-    def f(p_chunk, shared, x_in, k_prefix, v_prefix, tokens, targets, first, last):
-        y, k_seg, v_seg = body(p_chunk, shared, x_in, k_prefix, v_prefix, tokens, first)
-        loss = _choose(last, lambda: head(shared, y, targets), lambda: jnp.zeros((), jnp.float32))
-        return y, loss, k_seg, v_seg
-
-    return f
-
-
 def _choose(flag, if_true, if_false):
     """lax.cond on a run-time flag; a Python bool (flops, memory: one chunk's unit alone)
     picks its branch at trace time, so neither the other branch nor its residuals exist."""
@@ -290,15 +277,15 @@ def head_cotangent(spec: PipelineSpec, rows: int, seg: int) -> jax.ShapeDtypeStr
     return jax.ShapeDtypeStruct((rows, spec.lengths[seg], spec.cfg.d_model), spec.cfg.dtype)
 
 
-def residual_stashes(spec: PipelineSpec, rows: int) -> dict:
-    """The executor's residual stashes (remat other than `full`): for the bodies' ("res")
-    residuals and the heads' cotangents ("head"), per segment, (slot count, the abstract
-    leaves of one slot)."""
-    prog = spec.program
-    return {
-        "res": [(n, residual_layout(spec, rows, k).stored) for k, n in enumerate(prog.num_res)],
-        "head": [(n, (head_cotangent(spec, rows, k),)) for k, n in enumerate(prog.num_head)],
-    }
+def residual_stashes(spec: PipelineSpec, rows: int) -> list:
+    """The executor's residual stashes (remat other than `full`), per segment: (slot count,
+    the abstract leaves of one slot)."""
+    return [(n, residual_layout(spec, rows, k).stored) for k, n in enumerate(spec.program.num_res)]
+
+
+def head_stashes(spec: PipelineSpec, rows: int) -> list:
+    """The executor's stashes of the head's dy, per segment: (slot count, one slot)."""
+    return [(n, head_cotangent(spec, rows, k)) for k, n in enumerate(spec.program.num_head)]
 
 
 def _reread(primals):
@@ -332,10 +319,9 @@ def _stage_body(spec: PipelineSpec, layers_VxN: Params, shared: Params, tokens_B
     the tick's op. Updating them inside the branches made XLA copy whole buffers in
     every branch, every tick.
     """
-    cfg, prog, S, V = spec.cfg, spec.program, spec.stages, spec.virtual
+    cfg, prog, S = spec.cfg, spec.program, spec.stages
     K, M = len(spec.lengths), spec.schedule.microbatches
     stage = jax.lax.axis_index(STAGE)
-    last_chunk = V * S - 1
     rows = tokens_BxL1.shape[0] // M
     seq_len = tokens_BxL1.shape[1] - 1
     tokens_MxbxL1 = tokens_BxL1.reshape(M, rows, seq_len + 1)
@@ -348,7 +334,8 @@ def _stage_body(spec: PipelineSpec, layers_VxN: Params, shared: Params, tokens_B
     kv_seg_zero = jnp.zeros((n_layers, rows, seg_max, *heads), act_dtype)
     kv_all_zero = jnp.zeros((n_layers, rows, kv_len, *heads), act_dtype)
     offsets = jnp.asarray(spec.offsets, jnp.int32)
-    units = [_unit(spec, k, scale) for k in range(K)]
+    bodies = [_body(spec, k) for k in range(K)]
+    head_fns = [_head(spec, k, scale) for k in range(K)]
     grads_init = {
         "grads_layers": _zeros_like_tree(layers_VxN),
         "grads_shared": _zeros_like_tree(shared),
@@ -371,44 +358,38 @@ def _stage_body(spec: PipelineSpec, layers_VxN: Params, shared: Params, tokens_B
     def pad_to(x, length):
         return jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[2]), (0, 0), (0, 0)))
 
-    def unit_of(seg, mb, chunk):
-        """Segment `seg`'s unit with its tokens and chunk switches bound."""
-        tokens, targets = segment_tokens(mb, seg)
-        g = chunk * S + stage
-        return functools.partial(
-            units[seg], tokens=tokens, targets=targets, first=g == 0, last=g == last_chunk
-        )
+    def body_of(seg, mb, chunk):
+        """Segment `seg`'s body with its tokens and first-chunk switch bound."""
+        tokens, _ = segment_tokens(mb, seg)
+        return functools.partial(bodies[seg], tokens=tokens, first=chunk * S + stage == 0)
 
     def prefix(cache, seg):
         return cache[:, :, : spec.offsets[seg]]
 
     def forward(op, x_in, k_cache, v_cache):
-        """One forward unit: (y, loss, K/V of the segment padded to the longest segment)."""
+        """One forward unit's body: (y, K/V of the segment padded to the longest segment)."""
 
         def run(seg):
-            unit = unit_of(seg, op["fwd_mb"], op["fwd_chunk"])
-            y, loss, k_seg, v_seg = unit(
+            y, k_seg, v_seg = body_of(seg, op["fwd_mb"], op["fwd_chunk"])(
                 chunk_params(op["fwd_chunk"]),
                 shared,
                 x_in,
                 prefix(k_cache, seg),
                 prefix(v_cache, seg),
             )
-            return y, loss, pad_to(k_seg, seg_max), pad_to(v_seg, seg_max)
+            return y, pad_to(k_seg, seg_max), pad_to(v_seg, seg_max)
 
         return jax.lax.switch(op["fwd_seg"], [functools.partial(run, k) for k in range(K)])
 
-    def pull(vjp, seg, dy, dk_cache, dv_cache, with_loss=True):
-        """Run a unit's vjp (a body's, without the loss output, when `with_loss` is
-        False): (dx, parameter cotangents, prefix K/V cotangents padded)."""
+    def pull(vjp, seg, dy, dk_cache, dv_cache):
+        """Run a body's vjp: (dx, parameter cotangents, prefix K/V cotangents padded)."""
         off, length = spec.offsets[seg], spec.lengths[seg]
         if seg < K - 1:  # K/V cotangents that later segments left for this one
             dk_own = dk_cache[:, :, off : off + length]
             dv_own = dv_cache[:, :, off : off + length]
         else:  # no segment attends to the last one
             dk_own = dv_own = jnp.zeros((n_layers, rows, length, *heads), act_dtype)
-        loss_ct = (jnp.ones((), jnp.float32),) if with_loss else ()
-        d_chunk, d_shared, dx, dk_prefix, dv_prefix = vjp((dy, *loss_ct, dk_own, dv_own))
+        d_chunk, d_shared, dx, dk_prefix, dv_prefix = vjp((dy, dk_own, dv_own))
         return (
             dx.astype(act_dtype),
             d_chunk,
@@ -418,11 +399,11 @@ def _stage_body(spec: PipelineSpec, layers_VxN: Params, shared: Params, tokens_B
         )
 
     def backward(op, x_in, dy, k_cache, v_cache, dk_cache, dv_cache):
-        """One backward unit under full remat: recompute the forward from its input."""
+        """One backward unit under full remat: recompute the body from its input."""
 
         def run(seg):
             _, vjp = jax.vjp(
-                unit_of(seg, op["bwd_mb"], op["bwd_chunk"]),
+                body_of(seg, op["bwd_mb"], op["bwd_chunk"]),
                 chunk_params(op["bwd_chunk"]),
                 shared,
                 x_in,
@@ -438,15 +419,14 @@ def _stage_body(spec: PipelineSpec, layers_VxN: Params, shared: Params, tokens_B
     # own stash (slots from `Program.fwd_res`) and its own conditional in the forward.
     def forward_keep(op, seg, x_in, k_cache, v_cache):
         """The body's outputs and the residuals its backward needs."""
-        tokens, _ = segment_tokens(op["fwd_mb"], seg)
-        body = functools.partial(bodies[seg], tokens=tokens, first=op["fwd_chunk"] * S + stage == 0)
+        body = body_of(seg, op["fwd_mb"], op["fwd_chunk"])
         params = (chunk_params(op["fwd_chunk"]), shared)
         (y, k_seg, v_seg), _, stored = residual_forward(
             body, params, x_in, prefix(k_cache, seg), prefix(v_cache, seg)
         )
         return y, pad_to(k_seg, seg_max), pad_to(v_seg, seg_max), tuple(stored)
 
-    def head_keep(op, y):
+    def head(op, y):
         """The last chunk's head, its backward run at once: (loss, d shared, dy padded)."""
 
         def run(seg):
@@ -456,34 +436,23 @@ def _stage_body(spec: PipelineSpec, layers_VxN: Params, shared: Params, tokens_B
         return jax.lax.switch(op["fwd_seg"], [functools.partial(run, k) for k in range(K)])
 
     def backward_keep(op, res, dy, k_cache, v_cache, dk_cache, dv_cache):
-        res, head_res, head_on = res
-
         def run(seg):
-            def stored_in(buffers, slot):
-                return [jax.lax.dynamic_index_in_dim(b, slot, keepdims=False) for b in buffers]
-
-            # On the last chunk no cotangent arrives (dy is 0): the head's, kept by the
-            # forward, takes its place.
-            (dy_head,) = stored_in(head_res[seg], op["bwd_head"])
-            dy_head = jnp.pad(dy_head, ((0, 0), (0, seg_max - spec.lengths[seg]), (0, 0)))
+            stored = [
+                jax.lax.dynamic_index_in_dim(b, op["bwd_res"], keepdims=False) for b in res[seg]
+            ]
             inputs = (
                 chunk_params(op["bwd_chunk"]),
                 shared,
                 prefix(k_cache, seg),
                 prefix(v_cache, seg),
             )
-            vjp = layouts[seg].rebuild(stored_in(res[seg], op["bwd_res"]), inputs)
-            dy_all = jnp.where(head_on, dy + dy_head, dy)
-            return pull(vjp, seg, dy_all, dk_cache, dv_cache, with_loss=False)
+            return pull(layouts[seg].rebuild(stored, inputs), seg, dy, dk_cache, dv_cache)
 
         return jax.lax.switch(op["bwd_seg"], [functools.partial(run, k) for k in range(K)])
 
     keeps_residuals = spec.remat != "full"
     if keeps_residuals:
-        bodies = [_body(spec, k) for k in range(K)]
-        head_fns = [_head(spec, k, scale) for k in range(K)]
         layouts = [residual_layout(spec, rows, k) for k in range(K)]
-        stashes = residual_stashes(spec, rows)
 
     def tick(carry, ops):
         op = {name: jnp.maximum(row[stage], 0) for name, row in ops.items()}
@@ -513,31 +482,31 @@ def _stage_body(spec: PipelineSpec, layers_VxN: Params, shared: Params, tokens_B
                     ),
                 )
             y, k_seg, v_seg = jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *outs)
-            # The head runs where the schedule gave it a slot: the last global chunk.
-            head_on = f_on & (raw["fwd_head"] >= 0)
-            loss, d_head, dy_head = jax.lax.cond(
-                head_on,
-                lambda: head_keep(op, y),
-                lambda: (jnp.zeros((), jnp.float32), _zeros_like_tree(shared), act),
-            )
-            carry["grads_shared"] = jax.tree.map(
-                lambda acc, d: acc + d.astype(acc.dtype), carry["grads_shared"], d_head
-            )
-            for k in range(K):
-                (buf,) = carry["head"][k]
-                new = dy_head[None, :, : spec.lengths[k]]
-                on = head_on & (raw["fwd_seg"] == k)
-                at = (op["fwd_head"], 0, 0, 0)
-                carry["head"] = _replace(carry["head"], k, (_masked_write(buf, at, new, on),))
         else:
-            y, loss, k_seg, v_seg = jax.lax.cond(
+            y, k_seg, v_seg = jax.lax.cond(
                 f_on,
                 lambda: forward(op, x_in, k_cache, v_cache),
-                lambda: (act, jnp.zeros((), jnp.float32), kv_seg_zero, kv_seg_zero),
+                lambda: (act, kv_seg_zero, kv_seg_zero),
             )
             at = (op["fwd_stash"], 0, 0, 0)
             carry["stash"] = _masked_write(carry["stash"], at, x_in[None], f_on)
+        # The head runs where the schedule gave it a slot (the last global chunk), its
+        # backward at once: its gradients go straight to the accumulator, dy to a slot.
+        head_on = f_on & (raw["fwd_head"] >= 0)
+        loss, d_head, dy_head = jax.lax.cond(
+            head_on,
+            lambda: head(op, y),
+            lambda: (jnp.zeros((), jnp.float32), _zeros_like_tree(shared), act),
+        )
         carry["loss"] = carry["loss"] + loss
+        carry["grads_shared"] = jax.tree.map(
+            lambda acc, d: acc + d.astype(acc.dtype), carry["grads_shared"], d_head
+        )
+        for k, length in enumerate(spec.lengths):
+            on = head_on & (raw["fwd_seg"] == k)
+            at = (op["fwd_head"], 0, 0, 0)
+            new = _masked_write(carry["head"][k], at, dy_head[None, :, :length], on)
+            carry["head"] = _replace(carry["head"], k, new)
         if K > 1:  # only segments before the last are ever read back as a prefix
             at = (op["fwd_kv"], 0, 0, offsets[op["fwd_seg"]], 0, 0)
             keep = f_on & (raw["fwd_seg"] < K - 1)
@@ -548,10 +517,15 @@ def _stage_body(spec: PipelineSpec, layers_VxN: Params, shared: Params, tokens_B
         # its stashed input) and pull the cotangents through.
         b_on = raw["bwd_mb"] >= 0
         dy = jnp.where(raw["bwd_in"] >= 0, carry["recv_bwd"][op["bwd_in"]], 0)
+        for k, length in enumerate(spec.lengths):  # the head's, kept by the forward
+            dy_head = jnp.pad(
+                carry["head"][k][op["bwd_head"]], ((0, 0), (0, seg_max - length), (0, 0))
+            )
+            dy = jnp.where((raw["bwd_head"] >= 0) & (raw["bwd_seg"] == k), dy + dy_head, dy)
         k_cache, v_cache = carry["kv_k"][op["bwd_kv"]], carry["kv_v"][op["bwd_kv"]]
         dk_cache, dv_cache = carry["dkv_k"][op["bwd_dkv"]], carry["dkv_v"][op["bwd_dkv"]]
         if keeps_residuals:
-            source = (carry["res"], carry["head"], raw["bwd_head"] >= 0)
+            source = carry["res"]
             run_backward = backward_keep
         else:
             source = carry["stash"][op["bwd_stash"]]
@@ -606,12 +580,14 @@ def _stage_body(spec: PipelineSpec, layers_VxN: Params, shared: Params, tokens_B
         **grads_init,
         "loss": jnp.zeros((), jnp.float32),
     }
+    init["head"] = tuple(
+        jnp.zeros((max(n, 1),) + a.shape, a.dtype) for n, a in head_stashes(spec, rows)
+    )
     if keeps_residuals:
-        for name, per_segment in stashes.items():
-            init[name] = tuple(
-                tuple(jnp.zeros((max(n, 1),) + a.shape, a.dtype) for a in stored)
-                for n, stored in per_segment
-            )
+        init["res"] = tuple(
+            tuple(jnp.zeros((max(n, 1),) + a.shape, a.dtype) for a in stored)
+            for n, stored in residual_stashes(spec, rows)
+        )
     else:
         init["stash"] = jnp.zeros((max(prog.num_stash, 1),) + act.shape, act_dtype)
     ops = {

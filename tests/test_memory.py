@@ -76,11 +76,12 @@ def test_analytic_carry_with_residual_stashes(schedule, segments, virtual):
     avals = memory.carry_avals(config)
     assert sum(nbytes(a) for a in avals) == got["carry"]
     assert got["stash"] == 0 and got["res"] > 0
-    for name, per_segment in pipeline.residual_stashes(spec, 2).items():
-        assert len(per_segment) == segments
-        for k, (n, stored) in enumerate(per_segment):
-            for a in stored:
-                assert any(b.shape == (max(n, 1),) + a.shape for b in avals), (name, k, a)
+    stashes = pipeline.residual_stashes(spec, 2)
+    heads = pipeline.head_stashes(spec, 2)
+    assert len(stashes) == len(heads) == segments
+    slots = [(n, a) for n, stored in stashes for a in stored] + heads
+    for n, a in slots:
+        assert any(b.shape == (max(n, 1),) + a.shape for b in avals), a
 
 
 @pytest.mark.parametrize(
@@ -94,11 +95,9 @@ def test_head_keeps_only_its_dy_in_last_chunk_slots(schedule, segments, virtual)
     config.pipeline.remat = "none"
     spec = pipeline.make_spec(config)
     cfg, prog = spec.cfg, spec.program
-    stashes = pipeline.residual_stashes(spec, 2)
-    for k in range(segments):
-        body = stashes["res"][k][1]
+    for _, body in pipeline.residual_stashes(spec, 2):
         assert not [a for a in body if cfg.vocab_size in a.shape]  # no weight, no logits
-        (dy,) = stashes["head"][k][1]
+    for k, (_, dy) in enumerate(pipeline.head_stashes(spec, 2)):
         assert dy.shape == (2, spec.lengths[k], cfg.d_model) and dy.dtype == cfg.dtype
     assert (prog.fwd_head[:, : spec.stages - 1] < 0).all()  # only the last stage fills them
     last_chunk = (prog.fwd_mb[:, -1] >= 0) & (prog.fwd_chunk[:, -1] == virtual - 1)
