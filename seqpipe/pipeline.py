@@ -493,15 +493,18 @@ def _stage_body(spec: PipelineSpec, layers_VxN: Params, shared: Params, tokens_B
         # The head runs where the schedule gave it a slot (the last global chunk), its
         # backward at once: its gradients go straight to the accumulator, dy to a slot.
         head_on = f_on & (raw["fwd_head"] >= 0)
-        loss, d_head, dy_head = jax.lax.cond(
+
+        def head_into(acc):
+            loss, d_head, dy = head(op, y)
+            return loss, jax.tree.map(lambda a, d: a + d.astype(a.dtype), acc, d_head), dy
+
+        loss, carry["grads_shared"], dy_head = jax.lax.cond(
             head_on,
-            lambda: head(op, y),
-            lambda: (jnp.zeros((), jnp.float32), _zeros_like_tree(shared), act),
+            head_into,
+            lambda acc: (jnp.zeros((), jnp.float32), acc, act),
+            carry["grads_shared"],
         )
         carry["loss"] = carry["loss"] + loss
-        carry["grads_shared"] = jax.tree.map(
-            lambda acc, d: acc + d.astype(acc.dtype), carry["grads_shared"], d_head
-        )
         for k, length in enumerate(spec.lengths):
             on = head_on & (raw["fwd_seg"] == k)
             at = (op["fwd_head"], 0, 0, 0)
@@ -530,25 +533,31 @@ def _stage_body(spec: PipelineSpec, layers_VxN: Params, shared: Params, tokens_B
         else:
             source = carry["stash"][op["bwd_stash"]]
             run_backward = backward
-        dx, d_chunk, d_shared, dk_prefix, dv_prefix = jax.lax.cond(
+        def backward_into(grads):
+            dx, d_chunk, d_shared, dk_prefix, dv_prefix = run_backward(
+                op, source, dy, k_cache, v_cache, dk_cache, dv_cache
+            )
+            grads = {
+                "grads_layers": jax.tree.map(
+                    lambda acc, d: acc.at[op["bwd_chunk"]].add(d.astype(acc.dtype)),
+                    grads["grads_layers"],
+                    d_chunk,
+                ),
+                "grads_shared": jax.tree.map(
+                    lambda acc, d: acc + d.astype(acc.dtype), grads["grads_shared"], d_shared
+                ),
+            }
+            return dx, grads, dk_prefix, dv_prefix
+
+        # Gradients accumulate inside the branch: returned apart, a parameter-sized
+        # cotangent tree would be one more temporary.
+        dx, grads, dk_prefix, dv_prefix = jax.lax.cond(
             b_on,
-            lambda: run_backward(op, source, dy, k_cache, v_cache, dk_cache, dv_cache),
-            lambda: (
-                act,
-                _zeros_like_tree(chunk_params(0)),
-                _zeros_like_tree(shared),
-                kv_all_zero,
-                kv_all_zero,
-            ),
+            backward_into,
+            lambda grads: (act, grads, kv_all_zero, kv_all_zero),
+            {name: carry[name] for name in ("grads_layers", "grads_shared")},
         )
-        carry["grads_layers"] = jax.tree.map(
-            lambda acc, d: acc.at[op["bwd_chunk"]].add(d.astype(acc.dtype)),
-            carry["grads_layers"],
-            d_chunk,
-        )
-        carry["grads_shared"] = jax.tree.map(
-            lambda acc, d: acc + d.astype(acc.dtype), carry["grads_shared"], d_shared
-        )
+        carry.update(grads)
         if K > 1:
             # Prefix cotangents wait for the earlier segments; this segment's own (and any
             # later ones) are spent, so they are cleared for the slot's next micro-batch.

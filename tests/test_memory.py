@@ -119,6 +119,18 @@ def test_keeping_residuals_costs_memory_and_seq1f1b_holds_a_fraction_of_it():
     assert temps["none", "seq1f1b"] <= 0.6 * temps["none", "1f1b"], temps
 
 
+@pytest.mark.parametrize("remat", ["full", "none"])
+def test_no_gradient_sized_temporary_beside_the_carry(remat):
+    """Gradients accumulate inside the head's and the backward's branches: were a
+    parameter-sized cotangent tree returned from them (a vocabulary-sized head weight's
+    here), XLA's temp would exceed carry plus the largest unit's working set."""
+    config = tiny_config("1f1b", 1)
+    config.model.vocab_size = 4096
+    config.pipeline.remat = remat
+    got = memory.step_memory(config, unit=True)
+    assert got["temp"] <= got["carry"] + got["unit"], got
+
+
 def test_residual_unit_working_set_is_smaller_than_recomputing():
     spec = {}
     for remat in ("full", "none"):
