@@ -220,7 +220,9 @@ def run(config: ConfigDict, workdir: str) -> list[dict]:
     def report(step: int, metrics: dict, eval_losses: list | None, force: bool = False) -> None:
         # Called one step late so the host never waits on the step it just dispatched.
         skipped = bad["bad_steps_in_row"] > 0  # counted by finished(step), just before
-        if step % t.log_every and step != end and not force and not eval_losses and not skipped:
+        # A run's first step is always logged: its loss and the compile time it includes.
+        due = step % t.log_every == 0 or step in (start + 1, end)
+        if not (due or force or eval_losses or skipped):
             return
         values = jax.device_get(metrics)
         record = {"step": step, **{k: float(v) for k, v in values.items() if k != "skipped"}}

@@ -112,9 +112,11 @@ def test_metrics_jsonl_tensorboard_and_eval(tmp_path):
     records = train.run(config, str(tmp_path))
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert lines == records
-    # Logged every 2 steps, and on the eval steps 3 and 6.
-    assert [r["step"] for r in records] == [2, 3, 4, 6]
-    for r in records:
+    # Logged on the first step (with its compile time), every 2 steps, and on the eval
+    # steps 3 and 6.
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 6]
+    assert records[0]["first_step_s"] > 0 and "tokens_per_s" not in records[0]
+    for r in records[1:]:
         assert FIELDS <= set(r), FIELDS - set(r)
         assert r["flops_per_token"] > 0 and r["tokens_per_s"] > 0 and r["bubble"] == 0.0
         assert "mfu" not in r  # CPU: no peak FLOP/s, so achieved FLOP/s only
