@@ -533,6 +533,7 @@ def _stage_body(spec: PipelineSpec, layers_VxN: Params, shared: Params, tokens_B
         else:
             source = carry["stash"][op["bwd_stash"]]
             run_backward = backward
+
         def backward_into(grads):
             dx, d_chunk, d_shared, dk_prefix, dv_prefix = run_backward(
                 op, source, dy, k_cache, v_cache, dk_cache, dv_cache
