@@ -441,7 +441,6 @@ _SOURCES = {
     "rope": "RoPE",
     "token_loss_sum": "loss (logsumexp)",
     "embed": "embedding scatter-add",
-    "_unit": "unit glue (padding, loss scale)",
     "_body": "unit glue (padding, loss scale)",
     "_head": "unit glue (padding, loss scale)",
     "other": "other",
