@@ -110,6 +110,9 @@ def unit_functions(spec, seg: int, first: bool, last: bool, rows: int = 1, n: in
     """
     body, head = pipeline._body(spec, seg), pipeline._head(spec, seg, 1.0)
 
+    def bound(tokens):
+        return functools.partial(body, tokens=tokens, first=first)
+
     def with_head(outputs, sh, targets):
         return (outputs, pipeline.head_grads(head, sh, outputs[0], targets)) if last else outputs
 
@@ -117,8 +120,7 @@ def unit_functions(spec, seg: int, first: bool, last: bool, rows: int = 1, n: in
         layout = pipeline.residual_layout(spec, rows, seg, first=first, layers=n)
 
         def forward_keep(p, sh, x, k, v, tokens, targets):
-            bound = functools.partial(body, tokens=tokens, first=first)
-            outputs, _, stored = pipeline.residual_forward(bound, (p, sh), x, k, v)
+            outputs, _, stored = pipeline.residual_forward(bound(tokens), (p, sh), x, k, v)
             return with_head(outputs, sh, targets), tuple(stored)
 
         def backward_keep(p, sh, stored, k, v, dy, dk, dv):
@@ -127,11 +129,10 @@ def unit_functions(spec, seg: int, first: bool, last: bool, rows: int = 1, n: in
         return forward_keep, backward_keep
 
     def forward(p, sh, x, k, v, tokens, targets):
-        return with_head(body(p, sh, x, k, v, tokens, first), sh, targets)
+        return with_head(bound(tokens)(p, sh, x, k, v), sh, targets)
 
     def backward(p, sh, x, k, v, tokens, targets, dy, dk, dv, keep_outputs=False):
-        bound = functools.partial(body, tokens=tokens, first=first)
-        outputs, vjp = jax.vjp(bound, p, sh, x, k, v)
+        outputs, vjp = jax.vjp(bound(tokens), p, sh, x, k, v)
         grads = vjp((dy, dk, dv))
         return (outputs, grads) if keep_outputs else grads
 

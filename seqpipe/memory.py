@@ -32,6 +32,7 @@ See docs/memory.md for the measured table and what holds the memory.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -223,10 +224,7 @@ def unit_temp_bytes(spec, rows: int, seg: int) -> int:
     sds = jax.ShapeDtypeStruct
     chunk, shared, x_in, prefix, _, tok, _ = pipeline.unit_avals(spec, rows, seg)
     own = sds((n, rows, spec.lengths[seg], cfg.num_heads, cfg.head_dim), act)
-    head = pipeline._head(spec, seg, 1.0)
-
-    def head_forward(sh, y, targets):
-        return pipeline.head_grads(head, sh, y, targets)
+    head_forward = functools.partial(pipeline.head_grads, pipeline._head(spec, seg, 1.0))
 
     if spec.remat != "full":
         layout = pipeline.residual_layout(spec, rows, seg)

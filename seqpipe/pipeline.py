@@ -301,6 +301,11 @@ def _zeros_like_tree(tree):
     return jax.tree.map(jnp.zeros_like, tree)
 
 
+def _accumulate(acc, d):
+    """acc + d, leaf by leaf, in the accumulator's dtype."""
+    return jax.tree.map(lambda a, x: a + x.astype(a.dtype), acc, d)
+
+
 def _zeros_of(layout: ResidualLayout) -> tuple:
     return tuple(jnp.zeros(a.shape, a.dtype) for a in layout.stored)
 
@@ -496,7 +501,7 @@ def _stage_body(spec: PipelineSpec, layers_VxN: Params, shared: Params, tokens_B
 
         def head_into(acc):
             loss, d_head, dy = head(op, y)
-            return loss, jax.tree.map(lambda a, d: a + d.astype(a.dtype), acc, d_head), dy
+            return loss, _accumulate(acc, d_head), dy
 
         loss, carry["grads_shared"], dy_head = jax.lax.cond(
             head_on,
@@ -544,9 +549,7 @@ def _stage_body(spec: PipelineSpec, layers_VxN: Params, shared: Params, tokens_B
                     grads["grads_layers"],
                     d_chunk,
                 ),
-                "grads_shared": jax.tree.map(
-                    lambda acc, d: acc + d.astype(acc.dtype), grads["grads_shared"], d_shared
-                ),
+                "grads_shared": _accumulate(grads["grads_shared"], d_shared),
             }
             return dx, grads, dk_prefix, dv_prefix
 
