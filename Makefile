@@ -28,7 +28,7 @@ lint: $(STAMP)
 	$(PY) -m ruff format --check seqpipe tests configs train.py
 
 bench: $(STAMP)
-	$(PY) -m seqpipe.bench --json runs/bench.json --png docs/bench.png
+	$(PY) -m seqpipe.tools.bench --json runs/bench.json --png docs/bench.png
 
 clean:
 	rm -rf runs .pytest_cache

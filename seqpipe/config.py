@@ -11,15 +11,15 @@ from pathlib import Path
 
 import ml_collections
 
+from seqpipe import remat
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 SCHEDULES = ("none", "gpipe", "1f1b", "seq1f1b", "interleaved_1f1b", "seq1f1b_interleaved")
 PARTITIONS = ("uniform", "flops")
 DTYPES = ("float32", "bfloat16", "float16")
 SOURCES = ("stdlib", "text", "tokens")
 TOKENIZERS = ("bpe", "byte")
-# full: the stage input (recompute the stage); layer: each layer's input (recompute layer by
-# layer); dots: matmul outputs (recompute element-wise work); none: everything.
-REMAT_POLICIES = ("full", "layer", "dots", "none")
+REMAT_POLICIES = tuple(remat.POLICIES)
 
 
 class ConfigError(ValueError):

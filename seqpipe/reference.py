@@ -5,15 +5,12 @@ import jax
 from seqpipe import model
 from seqpipe.model import GPTConfig, Params
 
-# pipeline.remat -> the whole model's per-layer checkpoint policy. With no stage to
-# recompute, `full` recomputes layer by layer, as `layer` does.
-CHECKPOINT = {"full": "layer", "layer": "layer", "dots": "dots", "none": None}
-
 
 def loss_and_grads(
     params: Params, tokens_BxL1: jax.Array, cfg: GPTConfig, checkpoint: str | None = None
 ) -> tuple[jax.Array, Params]:
     """Mean next-token loss of whole sequences, and its gradient w.r.t. every parameter.
 
-    `checkpoint`: a `model.CHECKPOINT_POLICIES` key applied to every layer, or None."""
+    `checkpoint`: a `model.CHECKPOINT_POLICIES` key applied to every layer, or None
+    (`remat.POLICIES[name].reference` for a `pipeline.remat` setting)."""
     return jax.value_and_grad(model.loss)(params, tokens_BxL1, cfg, None, checkpoint)

@@ -19,7 +19,7 @@ import numpy as np
 import optax
 from ml_collections import ConfigDict
 
-from seqpipe import checkpoint, data, model, optim, pipeline, reference, schedule, sharding
+from seqpipe import checkpoint, data, model, optim, pipeline, reference, remat, schedule, sharding
 from seqpipe import config as config_lib
 from seqpipe.metrics import MetricsError, MetricsLog, Throughput, device_memory_peak, peak_flops
 from seqpipe.model import GPTConfig
@@ -37,7 +37,7 @@ def make_grad_fn(config: ConfigDict, mesh: jax.sharding.Mesh) -> GradFn:
     cfg = GPTConfig.from_config(config.model)
     if config.pipeline.schedule == "none":
         return lambda params, tokens: reference.loss_and_grads(
-            params, tokens, cfg, reference.CHECKPOINT[config.pipeline.remat]
+            params, tokens, cfg, remat.POLICIES[config.pipeline.remat].reference
         )
     spec = pipeline.make_spec(config)
     return lambda params, tokens: pipeline.loss_and_grads(params, tokens, spec, mesh)

@@ -3,8 +3,9 @@
 import json
 import math
 
-from seqpipe import bench, pipeline, schedule
 from seqpipe import config as config_lib
+from seqpipe import pipeline, schedule
+from seqpipe.tools import bench
 
 
 def test_predicted_matches_schedule_stats_with_unit_costs():

@@ -64,7 +64,7 @@ def test_verify_accepts_a_correct_pipeline(tmp_path):
     result = run(
         [
             "-m",
-            "seqpipe.verify",
+            "seqpipe.tools.verify",
             "--config",
             "tiny",
             "--workdir",

@@ -3,8 +3,9 @@
 import pytest
 
 from seqpipe import config as config_lib
-from seqpipe import flops, pipeline
+from seqpipe import pipeline
 from seqpipe.model import GPTConfig
+from seqpipe.tools import flops
 
 # Full rematerialisation runs every layer's forward twice: executed / analytic a little
 # under 4/3 for the matmuls (the head is not recomputed), plus what XLA counts for

@@ -9,8 +9,9 @@ import sys
 import numpy as np
 import pytest
 
+from seqpipe import carry, pipeline, units
 from seqpipe import config as config_lib
-from seqpipe import memory, pipeline
+from seqpipe.tools import memory
 
 TINY = dict(vocab_size=61, num_layers=2, d_model=16, num_heads=2, d_ff=24)
 
@@ -76,12 +77,14 @@ def test_analytic_carry_with_residual_stashes(schedule, segments, virtual):
     avals = memory.carry_avals(config)
     assert sum(nbytes(a) for a in avals) == got["carry"]
     assert got["stash"] == 0 and got["res"] > 0
-    stashes = pipeline.residual_stashes(spec, 2)
-    heads = pipeline.head_stashes(spec, 2)
-    assert len(stashes) == len(heads) == segments
-    slots = [(n, a) for n, stored in stashes for a in stored] + heads
-    for n, a in slots:
-        assert any(b.shape == (max(n, 1),) + a.shape for b in avals), a
+    buffers = carry.of_spec(spec, 2)
+    assert len(buffers.saved) == len(buffers.head_dy) == segments
+    for k, (stash, n) in enumerate(zip(buffers.saved, spec.program.num_res, strict=True)):
+        stored = units.SegmentUnit(spec, k).layout(2).stored  # the probe's residuals
+        assert tuple(b.shape for b in stash) == tuple((max(n, 1),) + a.shape for a in stored)
+    slots = [b for stash in buffers.saved for b in stash] + list(buffers.head_dy)
+    for b in slots:
+        assert any(a.shape == b.shape for a in avals), b
 
 
 @pytest.mark.parametrize(
@@ -95,10 +98,11 @@ def test_head_keeps_only_its_dy_in_last_chunk_slots(schedule, segments, virtual)
     config.pipeline.remat = "none"
     spec = pipeline.make_spec(config)
     cfg, prog = spec.cfg, spec.program
-    for _, body in pipeline.residual_stashes(spec, 2):
-        assert not [a for a in body if cfg.vocab_size in a.shape]  # no weight, no logits
-    for k, (_, dy) in enumerate(pipeline.head_stashes(spec, 2)):
-        assert dy.shape == (2, spec.lengths[k], cfg.d_model) and dy.dtype == cfg.dtype
+    buffers = carry.of_spec(spec, 2)
+    for stash in buffers.saved:
+        assert not [a for a in stash if cfg.vocab_size in a.shape]  # no weight, no logits
+    for k, (dy, n) in enumerate(zip(buffers.head_dy, prog.num_head, strict=True)):
+        assert dy.shape == (max(n, 1), 2, spec.lengths[k], cfg.d_model) and dy.dtype == cfg.dtype
     assert (prog.fwd_head[:, : spec.stages - 1] < 0).all()  # only the last stage fills them
     last_chunk = (prog.fwd_mb[:, -1] >= 0) & (prog.fwd_chunk[:, -1] == virtual - 1)
     assert ((prog.fwd_head[:, -1] >= 0) == last_chunk).all()
@@ -182,7 +186,7 @@ TINY_ARGS = [f"--config.model.{k}={v}" for k, v in TINY.items()] + [
 
 def run_cli(*args):
     return subprocess.run(
-        [sys.executable, "-m", "seqpipe.memory", "--config", "tiny", *args],
+        [sys.executable, "-m", "seqpipe.tools.memory", "--config", "tiny", *args],
         capture_output=True,
         text=True,
         timeout=300,

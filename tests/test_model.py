@@ -8,7 +8,7 @@ import pytest
 from seqpipe import model
 from seqpipe.attention import segment_attention
 from seqpipe.model import GPTConfig
-from seqpipe.verify import GRAD_RTOL, max_relative_error
+from seqpipe.tools.verify import GRAD_RTOL, max_relative_error
 
 CFG = GPTConfig(vocab_size=97, num_layers=3, d_model=32, num_heads=4, d_ff=48)
 SEQ = 24

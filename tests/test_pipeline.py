@@ -12,8 +12,8 @@ import pytest
 from pairwise import all_pairs, full_product
 
 from seqpipe import config as config_lib
-from seqpipe import model, pipeline, reference, sharding
-from seqpipe.verify import GRAD_RTOL, LOSS_RTOL, max_relative_error
+from seqpipe import model, pipeline, reference, remat, sharding
+from seqpipe.tools.verify import GRAD_RTOL, LOSS_RTOL, max_relative_error
 
 SCHEDULES = ("gpipe", "1f1b", "seq1f1b", "interleaved_1f1b", "seq1f1b_interleaved")
 MESHES = ((1, 1), (1, 2), (1, 4), (2, 4), (1, 8))
@@ -127,8 +127,11 @@ def test_every_remat_policy_matches_reference(remat, case):
 
 
 def test_remat_policies_agree_everywhere():
-    """The config's policies are the executor's and the reference's."""
-    assert set(pipeline.REMAT) == set(config_lib.REMAT_POLICIES) == set(reference.CHECKPOINT)
+    """The config offers exactly the table's policies, and each names real checkpoints."""
+    assert config_lib.REMAT_POLICIES == tuple(remat.POLICIES)
+    for policy in remat.POLICIES.values():
+        for checkpoint in (policy.checkpoint, policy.reference):
+            assert checkpoint is None or checkpoint in model.CHECKPOINT_POLICIES
 
 
 def test_broken_kv_gradient_is_caught():

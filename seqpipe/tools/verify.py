@@ -1,6 +1,6 @@
 """Check a config's pipeline against the un-pipelined reference on one real batch.
 
-    python -m seqpipe.verify --config configs/tiny.py [--config.key=value ...]
+    python -m seqpipe.tools.verify --config configs/tiny.py [--config.key=value ...]
 
 Computes loss and gradients with the configured schedule and with the reference, both in
 float32, prints the largest relative differences, and exits 0 only within tolerance.
@@ -62,7 +62,7 @@ def compare(config, tokens_BxL1, mesh) -> dict:
 def main(argv: list[str]) -> int:
     from seqpipe import cli
 
-    config, args = cli.load_or_exit(argv, "python -m seqpipe.verify")
+    config, args = cli.load_or_exit(argv, "python -m seqpipe.tools.verify")
     from seqpipe import data, sharding
 
     if config.pipeline.schedule == "none":

@@ -1,11 +1,11 @@
 """Every schedule on one model and global batch, side by side, in one process.
 
-    python -m seqpipe.bench [--config CONFIG] [--quick] [--json FILE] [--png FILE]
+    python -m seqpipe.tools.bench [--config CONFIG] [--quick] [--json FILE] [--png FILE]
         [--config.key=value ...]
 
 For gpipe, 1f1b, seq1f1b (K = 2, 4, 8; uniform and flops partitions) and the interleaved
 variants, on the config's mesh: XLA's per-device peak temporary memory of the compiled
-step (via `seqpipe.memory`), executed over analytic FLOPs (`seqpipe.flops`), the bubble
+step (via `seqpipe.tools.memory`), executed over analytic FLOPs (`seqpipe.tools.flops`), the bubble
 and step time the schedule table predicts under per-unit costs measured on this machine,
 and the measured step time; then the un-pipelined reference step, the pipelined step on
 a one-stage mesh against it (the machinery's overhead), and the predicted throughput of
@@ -120,7 +120,7 @@ class UnitTimer:
         self.rows, self.repeats, self.seconds = rows, repeats, {}
 
     def one_layer(self, spec, seg, first, last, backward, keep) -> float:
-        from seqpipe import flops
+        from seqpipe.tools import flops
 
         key = flops.unit_key(spec, self.rows, seg, first, last, backward, keep)
         if key not in self.seconds:
@@ -130,7 +130,7 @@ class UnitTimer:
         return self.seconds[key]
 
     def unit(self, spec, seg, first, last, backward, keep_all: bool = False) -> float:
-        from seqpipe import flops
+        from seqpipe.tools import flops
 
         return sum(
             count * self.one_layer(spec, seg, f, la, backward, keep or keep_all)
@@ -165,8 +165,8 @@ def place_params(params, abstract):
 
 
 def compile_step(config) -> dict:
-    """The pipelined step compiled for `config`, from abstract inputs (`seqpipe.memory`)."""
-    from seqpipe import memory
+    """The pipelined step compiled for `config`, from abstract inputs (`seqpipe.tools.memory`)."""
+    from seqpipe.tools import memory
 
     spec, step, p_abs, t_abs = memory.abstract_step(config)
     start = time.perf_counter()
@@ -185,7 +185,8 @@ def run_one(config, step, params, tokens, timer, repeats: int, count_flops: bool
     `step` from `compile_step`."""
     import jax
 
-    from seqpipe import flops, memory, schedule
+    from seqpipe import schedule
+    from seqpipe.tools import flops, memory
 
     spec, compiled, p_abs, t_abs = step["spec"], step["compiled"], step["params"], step["tokens"]
     compile_s = step["compile_s"]
@@ -248,7 +249,7 @@ def policy_rows(config, runs, rows_per_mb: int) -> list[dict]:
     """Every `pipeline.remat` policy for each of `runs`: XLA temp per device, what the
     carry keeps between a forward and its backward, and executed / analytic FLOPs."""
     from seqpipe import config as config_lib
-    from seqpipe import flops, memory
+    from seqpipe.tools import flops, memory
 
     out = []
     for run in runs:
@@ -446,7 +447,8 @@ def bench(config, runs, repeats: int, log=print, quick: bool = False) -> dict:
     import jax
     import numpy as np
 
-    from seqpipe import flops, model, pipeline
+    from seqpipe import model, pipeline
+    from seqpipe.tools import flops
 
     cfg = pipeline.make_spec(config).cfg
     params = model.init_params(cfg, jax.random.key(0))
@@ -455,7 +457,7 @@ def bench(config, runs, repeats: int, log=print, quick: bool = False) -> dict:
     rows_per_mb = batch // (config.mesh.data * config.pipeline.microbatches)
     timer = UnitTimer(rows_per_mb, repeats=5)
     result = {
-        "command": "python -m seqpipe.bench " + " ".join(sys.argv[1:]),
+        "command": "python -m seqpipe.tools.bench " + " ".join(sys.argv[1:]),
         "model": dict(config.model),
         "mesh": f"{config.mesh.data}x{config.mesh.stage}",
         "microbatches": config.pipeline.microbatches,
@@ -504,9 +506,9 @@ def bench(config, runs, repeats: int, log=print, quick: bool = False) -> dict:
         )
     # The machinery alone: the pipelined step on one stage against the reference that
     # checkpoints its layers as the policy does (the same FLOPs), and against none.
-    from seqpipe import reference
+    from seqpipe import remat
 
-    matching = reference.CHECKPOINT[config.pipeline.remat]
+    matching = remat.POLICIES[config.pipeline.remat].reference
     result["reference"] = {
         "checkpoint": matching or "none",
         "seconds": reference_seconds(cfg, params, tokens, matching, repeats),
@@ -579,7 +581,7 @@ def main(argv: list[str]) -> int:
         argv = ["--config", DEFAULT_CONFIG] + argv
     if quick:  # the user's own overrides come later, so they win
         argv = list(QUICK) + argv
-    config, args = cli.load_or_exit(argv, "python -m seqpipe.bench", flags)
+    config, args = cli.load_or_exit(argv, "python -m seqpipe.tools.bench", flags)
     runs = QUICK_RUNS if args.quick else RUNS
 
     def log(msg):

@@ -37,16 +37,11 @@ import math
 
 import jax
 import jax.extend
-import jax.numpy as jnp
 
-from seqpipe import attention, model, pipeline
+from seqpipe import attention, model, units
 from seqpipe.model import GPTConfig
 
 # --------------------------------------------------------------------------- analytic
-
-# Each pipeline.remat policy runs a layer's matmuls this many forward-equivalents per step:
-# forward, backward (2x), and a recomputed forward unless the matmul outputs are kept.
-MATMUL_PASSES = {"full": 4, "layer": 4, "dots": 3, "none": 3}
 
 
 def analytic_forward(cfg: GPTConfig, lengths, rows: int) -> dict:
@@ -86,76 +81,38 @@ def padded_attention_excess(cfg: GPTConfig, lengths, rows: int) -> int:
 # --------------------------------------------------------------------------- executed
 
 
-def _abstract_args(spec, rows: int, seg: int, n: int):
-    """Abstract (chunk params, shared params, x_in, K prefix, V prefix, tokens, targets)
-    of segment `seg` through an n-layer chunk, shaped as in the executor."""
-    return pipeline.unit_avals(spec, rows, seg, n)
-
-
-def keeps_residuals(spec) -> bool:
-    """Whether the forward stashes its vjp's residuals (every policy but `full`)."""
-    return spec.remat != "full"
-
-
 def unit_functions(spec, seg: int, first: bool, last: bool, rows: int = 1, n: int = 1):
-    """(forward, backward) of one unit as the executor runs it, the chunk flags fixed.
+    """(forward, backward) of one unit as the executor runs it (`units.SegmentUnit`), the
+    chunk flags fixed, for a chunk of n layers.
 
-    The forward runs the body (embedding, layers) and, on the last chunk, the head with its
-    backward (`pipeline.head_grads`). Under `full` remat forward(p, shared, x, k, v, tokens,
-    targets) keeps nothing and backward takes the same plus the cotangents (dy, dk_seg,
-    dv_seg), recomputing the body inside. Under the other policies forward also returns
-    the body's residuals it stashes and backward(p, shared, residuals, k, v, dy, dk_seg,
-    dv_seg) rebuilds the body's vjp from them (`rows` and `n`, the chunk's layers, shape
-    that layout).
+    forward(p, shared, x, k, v, tokens, targets) runs the body and, on the last chunk, the
+    head with its backward; it returns those outputs and what the unit saves for its
+    backward (its input under `full` remat, else the body's residuals).
+    backward(saved, p, shared, k, v, tokens, dy, dk_seg, dv_seg) rebuilds or recomputes
+    the body's vjp and pulls the cotangents through; see `unit_args`.
     """
-    body, head = pipeline._body(spec, seg), pipeline._head(spec, seg, 1.0)
-
-    def bound(tokens):
-        return functools.partial(body, tokens=tokens, first=first)
-
-    def with_head(outputs, sh, targets):
-        return (outputs, pipeline.head_grads(head, sh, outputs[0], targets)) if last else outputs
-
-    if keeps_residuals(spec):
-        layout = pipeline.residual_layout(spec, rows, seg, first=first, layers=n)
-
-        def forward_keep(p, sh, x, k, v, tokens, targets):
-            outputs, _, stored = pipeline.residual_forward(bound(tokens), (p, sh), x, k, v)
-            return with_head(outputs, sh, targets), tuple(stored)
-
-        def backward_keep(p, sh, stored, k, v, dy, dk, dv):
-            return layout.rebuild(stored, (p, sh, k, v))((dy, dk, dv))
-
-        return forward_keep, backward_keep
+    unit = units.SegmentUnit(spec, seg, n)
 
     def forward(p, sh, x, k, v, tokens, targets):
-        return with_head(bound(tokens)(p, sh, x, k, v), sh, targets)
+        outputs, saved = unit.forward((p, sh), x, k, v, tokens, first)
+        if last:
+            outputs = (outputs, unit.head(sh, outputs[0], targets))
+        return outputs, saved
 
-    def backward(p, sh, x, k, v, tokens, targets, dy, dk, dv, keep_outputs=False):
-        outputs, vjp = jax.vjp(bound(tokens), p, sh, x, k, v)
-        grads = vjp((dy, dk, dv))
-        return (outputs, grads) if keep_outputs else grads
+    def backward(saved, p, sh, k, v, tokens, dy, dk, dv, keep_outputs=False):
+        return unit.backward(saved, (p, sh), k, v, tokens, first, (dy, dk, dv), keep_outputs)
 
     return forward, backward
 
 
-def _backward_extra(spec, rows: int, seg: int, n: int):
-    sds = jax.ShapeDtypeStruct
-    cfg, act = spec.cfg, jnp.dtype(spec.cfg.dtype)
-    own = sds((n, rows, spec.lengths[seg], cfg.num_heads, cfg.head_dim), act)
-    return sds((rows, max(spec.lengths), cfg.d_model), act), own, own
-
-
 def unit_args(spec, rows: int, seg: int, n: int, backward: bool, flags=(False, False)) -> tuple:
     """Abstract arguments of `unit_functions(spec, seg, *flags, rows, n)[backward]`."""
-    args = _abstract_args(spec, rows, seg, n)
+    unit = units.SegmentUnit(spec, seg, n)
+    p, sh, x, k, v, tokens, targets = unit.avals(rows)
     if not backward:
-        return args
-    if keeps_residuals(spec):
-        p, sh, _, k, v, _, _ = args
-        layout = pipeline.residual_layout(spec, rows, seg, first=flags[0], layers=n)
-        return (p, sh, layout.stored, k, v) + _backward_extra(spec, rows, seg, n)
-    return args + _backward_extra(spec, rows, seg, n)
+        return p, sh, x, k, v, tokens, targets
+    own = unit.kv_avals(rows)
+    return (unit.saved_avals(rows, flags[0]), p, sh, k, v, tokens, x, own, own)
 
 
 def xla_flops(fn, args) -> float:
@@ -171,7 +128,7 @@ def unit_key(spec, rows: int, seg: int, first: bool, last: bool, backward: bool,
     its compilation."""
     off, length = spec.offsets[seg], spec.lengths[seg]
     seg_max = max(spec.lengths)
-    keep = keep and backward and not keeps_residuals(spec)
+    keep = keep and backward and not spec.policy.keeps_residuals
     return (spec.cfg, spec.remat, off, length, seg_max, rows, first, last, backward, keep)
 
 
@@ -226,7 +183,7 @@ def chunk_terms(spec, seg: int, first: bool, last: bool, backward: bool) -> list
     if n == 1:
         return [(1, first, last, False)]
     # Only a recomputed chunk forward carries each layer's output to the next (`keep`).
-    keep = not keeps_residuals(spec)
+    keep = not spec.policy.keeps_residuals
     return [(1, first, last, keep), (n - 1, False, False, keep)]
 
 
@@ -278,7 +235,7 @@ def step_ratio(spec, rows: int, replicas: int = 1) -> dict:
     # Padded keys: the extra attention, forward + backward (2x) + a recomputed forward
     # where the policy recomputes attention's matmuls.
     pad = padded_attention_excess(spec.cfg, spec.lengths, rows)
-    pad *= MATMUL_PASSES[spec.remat] * spec.schedule.microbatches * replicas
+    pad *= spec.policy.matmul_passes * spec.schedule.microbatches * replicas
     return {
         "analytic": analytic,
         "executed": ex["executed"],
@@ -296,8 +253,8 @@ def check_layer_scan(spec, rows: int, seg: int = 0) -> dict:
     n-layer chunk, and the correction `unit_flops` applies (which should match unrolled)."""
     cfg, n = spec.cfg, max(2, spec.cfg.num_layers // (spec.stages * spec.virtual))
     off = spec.offsets[seg]
-    fwd, _ = unit_functions(spec, seg, False, False)
-    args = _abstract_args(spec, rows, seg, n)
+    fwd, _ = unit_functions(spec, seg, False, False, rows, n)
+    args = unit_args(spec, rows, seg, n, backward=False)
 
     def unrolled(p, sh, x, k, v, tokens, targets):
         x = x[:, : spec.lengths[seg]]
@@ -442,7 +399,7 @@ _SOURCES = {
     "rope": "RoPE",
     "token_loss_sum": "loss (logsumexp)",
     "embed": "embedding scatter-add",
-    "_body": "unit glue (padding, loss scale)",
-    "_head": "unit glue (padding, loss scale)",
+    "unit_body": "unit glue (padding, loss scale)",
+    "head_loss": "unit glue (padding, loss scale)",
     "other": "other",
 }

@@ -1,6 +1,6 @@
 """Per-device memory of the compiled pipelined step: XLA's figures against the carry.
 
-    python -m seqpipe.memory --config CONFIG [--config.key=value ...]
+    python -m seqpipe.tools.memory --config CONFIG [--config.key=value ...]
         [--schedules 1f1b,seq1f1b:2,seq1f1b:4,seq1f1b:8] [--depths full,minimal]
         [--json FILE] [--no-unit]
 
@@ -32,7 +32,6 @@ See docs/memory.md for the measured table and what holds the memory.
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import re
@@ -50,38 +49,33 @@ def _nbytes(shape, dtype) -> int:
 
 
 def carry_bytes(spec, rows: int) -> dict:
-    """Analytic bytes of the executor's scan carry on one device (the largest stage).
+    """Bytes of the executor's scan carry on one device (`seqpipe.carry`), by buffer.
 
     `rows` is the number of sequences in one micro-batch on one data replica.
     """
-    import jax.numpy as jnp
+    from seqpipe import carry
 
-    from seqpipe import pipeline
-
-    cfg, prog = spec.cfg, spec.program
-    n = cfg.num_layers // (spec.stages * spec.virtual)  # layers per chunk
-    act = jnp.dtype(cfg.dtype)
-    heads = pipeline.head_stashes(spec, rows)
-    msg = _nbytes((rows, max(spec.lengths), cfg.d_model), act)
-    slot = _nbytes((n, rows, spec.kv_len, cfg.num_heads, cfg.head_dim), act)
-    p_item = jnp.dtype(cfg.param_dtype).itemsize
-    shared, layers = _param_counts(cfg)
+    b = carry.of_spec(spec, rows).nbytes()
+    keeps = spec.policy.keeps_residuals
     out = {
-        "stash": 0 if spec.remat != "full" else max(prog.num_stash, 1) * msg,
-        "res": residual_bytes(spec, rows),
-        "head": sum(max(n, 1) * _nbytes(a.shape, a.dtype) for n, a in heads),
-        "messages": (max(prog.num_recv_fwd, 1) + max(prog.num_recv_bwd, 1)) * msg,
-        "kv": 2 * max(prog.num_kv, 1) * slot,
-        "dkv": 2 * max(prog.num_dkv, 1) * slot,
-        "grads": (shared + layers // spec.stages) * p_item,
-        "loss": 4,
+        "stash": 0 if keeps else b["saved"],
+        "res": b["saved"] if keeps else 0,
+        "head": b["head_dy"],
+        "messages": b["recv_fwd"] + b["recv_bwd"],
+        "kv": b["kv_k"] + b["kv_v"],
+        "dkv": b["dkv_k"] + b["dkv_v"],
+        "grads": b["grads"],
+        "loss": b["loss"],
     }
     out["carry"] = sum(out.values())
     # What the algorithm needs: K/V of prefix positions only (no segment attends to the
     # last segment's K/V, so 1F1B needs none), and a dK/dV accumulator only for the
     # micro-batches whose backward has started but not finished.
-    prefix = spec.offsets[-1]
-    per_slot = _nbytes((n, rows, prefix, cfg.num_heads, cfg.head_dim), act)
+    import jax.numpy as jnp
+
+    cfg, prog = spec.cfg, spec.program
+    shape = (spec.chunk_layers, rows, spec.offsets[-1], cfg.num_heads, cfg.head_dim)
+    per_slot = _nbytes(shape, jnp.dtype(cfg.dtype))
     out["kv_needed"] = 2 * prog.num_kv * per_slot
     out["dkv_needed"] = 2 * prog.num_dkv * per_slot
     return out
@@ -89,14 +83,7 @@ def carry_bytes(spec, rows: int) -> dict:
 
 def residual_bytes(spec, rows: int) -> int:
     """Bytes of the per-segment residual stashes (remat other than `full`; else 0)."""
-    if spec.remat == "full":
-        return 0
-    from seqpipe import pipeline
-
-    return sum(
-        max(n, 1) * sum(_nbytes(a.shape, a.dtype) for a in stored)
-        for n, stored in pipeline.residual_stashes(spec, rows)
-    )
+    return carry_bytes(spec, rows)["res"]
 
 
 def _param_counts(cfg) -> tuple[int, int]:
@@ -216,36 +203,20 @@ def unit_temp_bytes(spec, rows: int, seg: int) -> int:
     import jax
     import jax.numpy as jnp
 
-    from seqpipe import pipeline
+    from seqpipe import units
 
-    cfg = spec.cfg
-    n = cfg.num_layers // spec.stages // spec.virtual
-    act = jnp.dtype(cfg.dtype)
-    sds = jax.ShapeDtypeStruct
-    chunk, shared, x_in, prefix, _, tok, _ = pipeline.unit_avals(spec, rows, seg)
-    own = sds((n, rows, spec.lengths[seg], cfg.num_heads, cfg.head_dim), act)
-    head_forward = functools.partial(pipeline.head_grads, pipeline._head(spec, seg, 1.0))
+    unit = units.SegmentUnit(spec, seg)
+    chunk, shared, x_in, prefix, _, tok, _ = unit.avals(rows)
+    own = unit.kv_avals(rows)
 
-    if spec.remat != "full":
-        layout = pipeline.residual_layout(spec, rows, seg)
+    def backward(saved, p, sh, k, v, tokens, first, dy, dk, dv):
+        return unit.backward(saved, (p, sh), k, v, tokens, first, (dy, dk, dv))
 
-        def backward(p, sh, stored, k, v, dy, dk, dv):
-            return layout.rebuild(stored, (p, sh, k, v))((dy, dk, dv))
-
-        args = (chunk, shared, layout.stored, prefix, prefix, x_in, own, own)
-    else:
-        body = pipeline._body(spec, seg)
-
-        def backward(p, sh, x, k, v, tokens, first, dy, dk, dv):
-            f = lambda p, sh, x, k, v: body(p, sh, x, k, v, tokens, first)  # noqa: E731
-            _, vjp = jax.vjp(f, p, sh, x, k, v)
-            return vjp((dy, dk, dv))
-
-        flag = sds((), jnp.bool_)
-        args = (chunk, shared, x_in, prefix, prefix, tok, flag, x_in, own, own)
+    flag = jax.ShapeDtypeStruct((), jnp.bool_)
+    args = (unit.saved_avals(rows), chunk, shared, prefix, prefix, tok, flag, x_in, own, own)
     return max(
         int(jax.jit(fn).lower(*a).compile().memory_analysis().temp_size_in_bytes)
-        for fn, a in ((backward, args), (head_forward, (shared, x_in, tok)))
+        for fn, a in ((backward, args), (unit.head, (shared, x_in, tok)))
     )
 
 
@@ -380,7 +351,7 @@ def main(argv: list[str]) -> int:
             "--no-unit", action="store_true", help="skip compiling the single-unit working set"
         )
 
-    config, args = cli.load_or_exit(argv, "python -m seqpipe.memory", flags)
+    config, args = cli.load_or_exit(argv, "python -m seqpipe.tools.memory", flags)
     from seqpipe import config as config_lib
 
     try:

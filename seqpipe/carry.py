@@ -1,0 +1,114 @@
+"""The executor's scan carry: every buffer a stage keeps across ticks, with static shapes.
+
+Per device (stage r), each buffer has a leading slot axis; the schedule's `Program` says
+which slot each tick reads and writes (`schedule.lower` allocates them):
+
+  recv_fwd, recv_bwd  [slots, b, Lseg, D]   messages received, not consumed yet
+  saved     per stash group: [slots, ...]   what forwards keep for their backwards: the
+                                            input ([b, Lseg, D], one group) under remat
+                                            `full`, else each segment's body residuals
+  head_dy   per segment k: [slots, b, L_k, D]  the head's dy, from the last chunk's forward
+  kv_k, kv_v     [slots, n, b, Lkv, H, E]   K/V of each (micro-batch, chunk) in flight
+  dkv_k, dkv_v   [slots, n, b, Lkv, H, E]   their cotangents from later segments
+  grads     {"layers": [V, n, ...], "shared": ...}  accumulated in the parameter dtype
+  loss      []                              summed, scaled token losses
+
+Letters: b micro-batch rows, n layers per chunk, Lseg the longest segment, L_k segment k's
+length, Lkv the cached prefix (`PipelineSpec.kv_len`), H heads of width E, V chunks per
+stage. A slot count of 0 still allocates one slot (nothing reads it).
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from seqpipe import model, units
+
+
+@struct.dataclass
+class Carry:
+    recv_fwd: jax.Array
+    recv_bwd: jax.Array
+    saved: tuple  # per group, a tuple of [slots, ...] arrays
+    head_dy: tuple  # per segment, [slots, b, L_k, D]
+    kv_k: jax.Array
+    kv_v: jax.Array
+    dkv_k: jax.Array
+    dkv_v: jax.Array
+    grads: dict
+    loss: jax.Array
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes of each field (the carry may hold arrays or ShapeDtypeStructs)."""
+        return {
+            name: sum(_nbytes(x) for x in jax.tree.leaves(getattr(self, name)))
+            for name in self.__dataclass_fields__
+        }
+
+
+def _nbytes(x) -> int:
+    return math.prod(x.shape) * np.dtype(x.dtype).itemsize
+
+
+def abstract(spec, rows: int, layers_VxN, shared) -> Carry:
+    """The carry's shapes and dtypes for micro-batches of `rows` sequences; the gradients
+    take the shapes and dtypes of the stage's parameters (`layers_VxN`, `shared`)."""
+    cfg, prog, sds = spec.cfg, spec.program, jax.ShapeDtypeStruct
+    act = jnp.dtype(cfg.dtype)
+    segs = [units.SegmentUnit(spec, k) for k in range(spec.segments)]
+
+    def slots(count, aval):
+        return sds((max(count, 1),) + aval.shape, aval.dtype)
+
+    msg = sds((rows, spec.seg_max, cfg.d_model), act)
+    kv = sds((spec.chunk_layers, rows, spec.kv_len, cfg.num_heads, cfg.head_dim), act)
+    groups = {}  # group -> the first segment in it (every member has its shapes)
+    for u in segs:
+        groups.setdefault(u.group, u)
+    saved = tuple(
+        tuple(slots(count, a) for a in groups[g].saved_avals(rows))
+        for g, count in enumerate(units.strategy(spec).slot_counts(prog))
+    )
+    like = lambda tree: jax.tree.map(lambda x: sds(x.shape, x.dtype), tree)  # noqa: E731
+    return Carry(
+        recv_fwd=slots(prog.num_recv_fwd, msg),
+        recv_bwd=slots(prog.num_recv_bwd, msg),
+        saved=saved,
+        head_dy=tuple(
+            slots(n, u.head_dy_aval(rows)) for n, u in zip(prog.num_head, segs, strict=True)
+        ),
+        kv_k=slots(prog.num_kv, kv),
+        kv_v=slots(prog.num_kv, kv),
+        dkv_k=slots(prog.num_dkv, kv),
+        dkv_v=slots(prog.num_dkv, kv),
+        grads={"layers": like(layers_VxN), "shared": like(shared)},
+        loss=sds((), jnp.float32),
+    )
+
+
+def of_spec(spec, rows: int) -> Carry:
+    """The carry of any stage of `spec` (all have the same shapes), from the spec alone."""
+    sds = jax.ShapeDtypeStruct
+    shapes = jax.eval_shape(lambda: model.init_params(spec.cfg, jax.random.key(0)))
+    chunks = (spec.virtual, spec.chunk_layers)
+    layers = jax.tree.map(lambda x: sds(chunks + x.shape[1:], x.dtype), shapes["layers"])
+    shared = {k: x for k, x in shapes.items() if k != "layers"}
+    return abstract(spec, rows, layers, shared)
+
+
+def zeros(avals: Carry) -> Carry:
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), avals)
+
+
+def masked_write(buf: jax.Array, start: tuple, new: jax.Array, active) -> jax.Array:
+    """buf[start : start + new.shape] = new where active; touches only that window."""
+    old = jax.lax.dynamic_slice(buf, start, new.shape)
+    return jax.lax.dynamic_update_slice(buf, jnp.where(active, new, old), start)
+
+
+def write_slot(buf: jax.Array, slot, value: jax.Array, active) -> jax.Array:
+    """buf[slot] = value where active."""
+    return masked_write(buf, (slot,) + (0,) * value.ndim, value[None], active)

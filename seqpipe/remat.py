@@ -1,0 +1,29 @@
+"""What a pipelined forward keeps for its backward: the one table of `pipeline.remat` policies.
+
+Pure data (no jax), so the config can validate against it cheaply. The behaviour behind
+`keeps_residuals` lives in `seqpipe.units` (`RecomputeInput`, `KeepResiduals`).
+"""
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    name: str
+    keeps_residuals: bool  # the forward stashes its vjp's residuals; else only its input
+    checkpoint: str | None  # per-layer policy inside a unit (`model.CHECKPOINT_POLICIES`)
+    reference: str | None  # the un-pipelined oracle's per-layer policy under this setting
+    matmul_passes: int  # forward-equivalents a layer's matmuls run per step (`tools.flops`)
+    doc: str
+
+
+POLICIES = {
+    p.name: p
+    for p in (
+        # With no stage to recompute, the reference recomputes layer by layer.
+        Policy("full", False, None, "layer", 4, "the stage input; the backward re-runs the unit"),
+        Policy("layer", True, "layer", "layer", 4, "each layer's input; recompute one layer"),
+        Policy("dots", True, "dots", "dots", 3, "each layer's matmul outputs"),
+        Policy("none", True, None, None, 3, "every residual (the paper's setting)"),
+    )
+}

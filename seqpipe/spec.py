@@ -1,0 +1,89 @@
+"""Everything static about a pipelined step: the model, the schedule table, the segments."""
+
+import dataclasses
+
+import numpy as np
+
+from seqpipe import partition, schedule
+from seqpipe.model import GPTConfig
+from seqpipe.remat import POLICIES, Policy
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineSpec:
+    cfg: GPTConfig
+    schedule: schedule.Schedule
+    program: schedule.Program
+    lengths: tuple[int, ...]  # segment lengths, summing to the sequence length
+    remat: str = "full"  # a key of `seqpipe.remat.POLICIES`: what a forward keeps for its backward
+
+    @property
+    def policy(self) -> Policy:
+        return POLICIES[self.remat]
+
+    @property
+    def stages(self) -> int:
+        return self.schedule.stages
+
+    @property
+    def virtual(self) -> int:
+        return self.schedule.virtual
+
+    @property
+    def segments(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def chunk_layers(self) -> int:
+        """Layers in one model chunk (a stage holds `virtual` of them)."""
+        return self.cfg.num_layers // (self.stages * self.virtual)
+
+    @property
+    def seg_max(self) -> int:
+        """The longest segment: messages and stashed inputs are padded to it."""
+        return max(self.lengths)
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        return tuple(int(x) for x in np.cumsum((0,) + self.lengths[:-1]))
+
+    @property
+    def kv_len(self) -> int:
+        """Positions the KV cache keeps: only segments before the last are read back as a
+        prefix, and each is written as a window of the longest segment's length."""
+        return max((o + self.seg_max for o in self.offsets[:-1]), default=0)
+
+
+def make_spec(config, seq_len: int | None = None) -> PipelineSpec:
+    """Build the schedule table and segment partition from a config."""
+    cfg = GPTConfig.from_config(config.model)
+    p = config.pipeline
+    lengths = partition.segment_lengths(
+        seq_len or config.train.seq_len,
+        p.segments,
+        p.partition,
+        d_model=cfg.d_model,
+        num_heads=cfg.num_heads,
+        d_ff=cfg.d_ff,
+        vocab_size=cfg.vocab_size,
+        num_layers=cfg.num_layers,
+        multiple=p.partition_multiple,
+    )
+    costs = partition.segment_flops(
+        lengths,
+        d_model=cfg.d_model,
+        num_heads=cfg.num_heads,
+        d_ff=cfg.d_ff,
+        vocab_size=cfg.vocab_size,
+        num_layers=cfg.num_layers,
+    )
+    table = schedule.build(
+        p.schedule,
+        config.mesh.stage,
+        p.microbatches,
+        p.segments,
+        p.virtual_stages,
+        p.inflight,
+        costs,
+    )
+    return PipelineSpec(cfg, table, schedule.lower(table), tuple(lengths), p.remat)

@@ -1,0 +1,1 @@
+"""Analysis tools: FLOPs, memory, benchmarks, the oracle check. The trainer never imports them."""

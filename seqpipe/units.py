@@ -1,0 +1,288 @@
+"""One unit of pipeline work: one segment of one micro-batch through one model chunk.
+
+The executor (`seqpipe.pipeline`), `tools.flops` and `tools.memory` all run units through
+this module, so what they measure is what the executor runs.
+
+A unit is a body (the token embedding on global chunk 0, then the chunk's layers) and, on
+the last global chunk, a head (final norm, logits, loss). The head's backward runs in the
+unit's forward: the loss's cotangent is the constant 1, so only dy [b, L_k, D] waits for
+the body's backward, not the logits. What the body's forward keeps for its backward is the
+remat policy's strategy (`STRATEGIES`): `RecomputeInput` keeps the input and re-runs the
+body under `jax.vjp`; `KeepResiduals` keeps what the body's vjp holds, less what the
+backward re-reads (the parameters and the K/V prefix, which lives in the KV cache).
+
+Letters: b micro-batch rows, n layers per chunk, L_k segment k's length, Lseg the longest
+segment, P the prefix length (segment k's offset), H heads of width E.
+"""
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from seqpipe import model
+from seqpipe.model import Params
+from seqpipe.spec import PipelineSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class ResidualLayout:
+    """How a body's vjp is rebuilt in its backward: its pytree structure, and for each leaf
+    whether it comes from the residual stash (an index into `stored`), from the backward's
+    own inputs (`("input", j)`: parameters and the K/V prefix, re-read rather than stashed)
+    or is a constant of the trace (`("const", value)`)."""
+
+    treedef: Any
+    sources: tuple
+    stored: tuple  # ShapeDtypeStruct of each stashed leaf
+
+    @classmethod
+    def split(cls, vjp, inputs) -> tuple["ResidualLayout", list]:
+        """(layout, the leaves to stash) of a vjp whose re-readable inputs are `inputs`."""
+        leaves, treedef = jax.tree.flatten(vjp)
+        input_at = {id(x): j for j, x in enumerate(jax.tree.leaves(inputs))}
+        stored_at, stored, sources = {}, [], []
+        for leaf in leaves:
+            if id(leaf) in input_at:
+                sources.append(("input", input_at[id(leaf)]))
+            elif not isinstance(leaf, jax.core.Tracer):
+                sources.append(("const", leaf))
+            else:  # a leaf may appear more than once: stash it once
+                if id(leaf) not in stored_at:
+                    stored_at[id(leaf)] = len(stored)
+                    stored.append(leaf)
+                sources.append(stored_at[id(leaf)])
+        avals = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in stored)
+        return cls(treedef, tuple(sources), avals), stored
+
+    def rebuild(self, stored, inputs):
+        """The vjp function from its stashed leaves and the backward's inputs."""
+        inputs = jax.tree.leaves(inputs)
+        leaves = [
+            stored[src] if isinstance(src, int) else inputs[src[1]] if src[0] == "input" else src[1]
+            for src in self.sources
+        ]
+        return jax.tree.unflatten(self.treedef, leaves)
+
+    def same_as(self, other: "ResidualLayout") -> bool:
+        """Same leaves, stash and sources (constants compared by shape)."""
+
+        def kind(src):
+            return src if not isinstance(src, tuple) or src[0] == "input" else jnp.shape(src[1])
+
+        return (
+            self.treedef.num_leaves == other.treedef.num_leaves  # closures differ by trace
+            and self.stored == other.stored
+            and [kind(s) for s in self.sources] == [kind(s) for s in other.sources]
+        )
+
+
+class RecomputeInput:
+    """Keep the unit's input (one message, [b, Lseg, D]); the backward re-runs the body.
+    Every segment's input has the same padded shape, so all share one stash."""
+
+    def forward(self, unit, body, params, x_in, k_prefix, v_prefix, first):
+        return body(*params, x_in, k_prefix, v_prefix), (x_in,)
+
+    def backward(self, unit, body, saved, params, k_prefix, v_prefix, cotangents, first):
+        outputs, vjp = jax.vjp(body, *params, saved[0], k_prefix, v_prefix)
+        return outputs, vjp(cotangents)
+
+    slot_fields = ("fwd_stash", "bwd_stash")  # the `Program` rows naming a unit's slot
+
+    def slot_counts(self, program) -> tuple[int, ...]:
+        return (program.num_stash,)
+
+    def saved_avals(self, unit, rows: int, first=None) -> tuple:
+        return (unit.avals(rows)[2],)
+
+    def group(self, seg: int) -> int:
+        return 0
+
+
+class KeepResiduals:
+    """Keep the body's vjp residuals (what the per-layer checkpoint policy leaves), less
+    what the backward re-reads. Their shapes differ by segment: one stash per segment."""
+
+    def forward(self, unit, body, params, x_in, k_prefix, v_prefix, first):
+        outputs, layout, stored = _split_forward(body, params, x_in, k_prefix, v_prefix)
+        # The backward rebuilds the vjp from the probe's layout: it must be this one.
+        probe = unit.layout(x_in.shape[0], first if isinstance(first, bool) else None)
+        if not layout.same_as(probe):
+            raise AssertionError(
+                f"segment {unit.seg}: the forward's residuals differ from the probe's"
+            )
+        return outputs, tuple(stored)
+
+    def backward(self, unit, body, saved, params, k_prefix, v_prefix, cotangents, first):
+        rows = k_prefix.shape[1]
+        layout = unit.layout(rows, first if isinstance(first, bool) else None)
+        return None, layout.rebuild(saved, (*params, k_prefix, v_prefix))(cotangents)
+
+    slot_fields = ("fwd_res", "bwd_res")
+
+    def slot_counts(self, program) -> tuple[int, ...]:
+        return program.num_res
+
+    def saved_avals(self, unit, rows: int, first=None) -> tuple:
+        return unit.layout(rows, first).stored
+
+    def group(self, seg: int) -> int:
+        return seg
+
+
+STRATEGIES = {False: RecomputeInput(), True: KeepResiduals()}  # by Policy.keeps_residuals
+
+
+def strategy(spec: PipelineSpec):
+    """The remat strategy of a spec's policy."""
+    return STRATEGIES[spec.policy.keeps_residuals]
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentUnit:
+    """Segment `seg` through a chunk of `layers` layers (default: the schedule's)."""
+
+    spec: PipelineSpec
+    seg: int
+    layers: int | None = None
+
+    @property
+    def n(self) -> int:
+        return self.layers or self.spec.chunk_layers
+
+    @property
+    def strategy(self):
+        return strategy(self.spec)
+
+    @property
+    def group(self) -> int:
+        """The stash this unit's saved values go to (`Program` slots of that stash)."""
+        return self.strategy.group(self.seg)
+
+    # ----------------------------------------------------------------- the functions
+
+    def body(self, tokens_bxL, first):
+        """(chunk params, shared, x_in, K prefix, V prefix) -> (y padded to Lseg, K, V) of
+        the segment, embedding `tokens_bxL` first on global chunk 0 (`first`: a run-time
+        flag, or a bool fixed at trace time, when one chunk's unit is measured alone)."""
+        spec, length = self.spec, self.spec.lengths[self.seg]
+        offset, cfg = spec.offsets[self.seg], spec.cfg
+
+        def unit_body(p_chunk, shared, x_in, k_prefix, v_prefix):
+            def embedded():
+                return model.embed(shared, tokens_bxL, cfg)
+
+            x = _choose(first, embedded, lambda: x_in[:, :length])
+            y, k_seg, v_seg = model.layers(
+                p_chunk, x, k_prefix, v_prefix, offset, cfg, spec.policy.checkpoint
+            )
+            return jnp.pad(y, ((0, 0), (0, spec.seg_max - length), (0, 0))), k_seg, v_seg
+
+        return unit_body
+
+    def head_loss(self, shared: Params, y, targets_bxL, scale: float = 1.0):
+        """The head on the segment's rows of y: its summed token loss, scaled."""
+        length, cfg = self.spec.lengths[self.seg], self.spec.cfg
+        return model.token_loss_sum(model.logits(shared, y[:, :length], cfg), targets_bxL) * scale
+
+    def head(self, shared: Params, y, targets_bxL, scale: float = 1.0):
+        """(loss, d shared, dy) of the head on y, its backward run at once."""
+        loss, vjp = jax.vjp(lambda sh, y: self.head_loss(sh, y, targets_bxL, scale), shared, y)
+        d_shared, dy = vjp(jnp.ones((), loss.dtype))
+        return loss, d_shared, dy
+
+    def forward(self, params, x_in, k_prefix, v_prefix, tokens_bxL, first):
+        """((y, K, V), what the backward needs) of the body; `params` = (chunk, shared)."""
+        body = self.body(tokens_bxL, first)
+        return self.strategy.forward(self, body, params, x_in, k_prefix, v_prefix, first)
+
+    def backward(
+        self, saved, params, k_prefix, v_prefix, tokens_bxL, first, cotangents, keep_outputs=False
+    ):
+        """(d chunk, d shared, dx, dK prefix, dV prefix) from what the forward saved and the
+        cotangents (dy, dK, dV) of the body's outputs. `keep_outputs` (measurement only)
+        also returns a recomputed forward's outputs, so XLA cannot drop the work that only
+        they need, as it cannot inside the executor's layer loop."""
+        body = self.body(tokens_bxL, first)
+        outputs, grads = self.strategy.backward(
+            self, body, saved, params, k_prefix, v_prefix, cotangents, first
+        )
+        return (outputs, grads) if keep_outputs else grads
+
+    # ----------------------------------------------------------------- shapes
+
+    def avals(self, rows: int) -> tuple:
+        """Abstract (chunk params, shared params, x_in, K prefix, V prefix, tokens, targets)
+        as the executor passes them (parameters in the compute dtype when residuals are
+        kept: the executor casts them once per step)."""
+        spec, cfg, sds = self.spec, self.spec.cfg, jax.ShapeDtypeStruct
+        act = jnp.dtype(cfg.dtype)
+        shapes = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
+        if spec.policy.keeps_residuals:
+            shapes = jax.tree.map(lambda x: sds(x.shape, act), shapes)
+        chunk = jax.tree.map(lambda x: sds((self.n,) + x.shape[1:], x.dtype), shapes["layers"])
+        shared = {k: x for k, x in shapes.items() if k != "layers"}
+        x_in = sds((rows, spec.seg_max, cfg.d_model), act)
+        prefix = sds((self.n, rows, spec.offsets[self.seg], cfg.num_heads, cfg.head_dim), act)
+        tokens = sds((rows, spec.lengths[self.seg]), jnp.int32)
+        return chunk, shared, x_in, prefix, prefix, tokens, tokens
+
+    def kv_avals(self, rows: int) -> jax.ShapeDtypeStruct:
+        """The segment's own K (or V), or its cotangent: [n, b, L_k, H, E]."""
+        cfg = self.spec.cfg
+        shape = (self.n, rows, self.spec.lengths[self.seg], cfg.num_heads, cfg.head_dim)
+        return jax.ShapeDtypeStruct(shape, cfg.dtype)
+
+    def head_dy_aval(self, rows: int) -> jax.ShapeDtypeStruct:
+        """What a last-chunk unit keeps of its head: dy of its own positions."""
+        cfg = self.spec.cfg
+        return jax.ShapeDtypeStruct((rows, self.spec.lengths[self.seg], cfg.d_model), cfg.dtype)
+
+    def saved_avals(self, rows: int, first=None) -> tuple:
+        """The abstract values one forward keeps for its backward (one stash slot)."""
+        return self.strategy.saved_avals(self, rows, first)
+
+    def layout(self, rows: int, first=None) -> ResidualLayout:
+        """The body's residual layout, from an abstract trace; `first` fixed, or decided at
+        run time (None) as in the executor."""
+        spec = self.spec
+        key = (spec.cfg, spec.remat, spec.lengths, self.seg, self.n, rows, first)
+        if key not in _LAYOUTS:
+            _LAYOUTS[key] = _probe_layout(self, rows, first)
+        return _LAYOUTS[key]
+
+
+_LAYOUTS: dict = {}  # what a layout depends on -> the layout (probes are abstract traces)
+
+
+def _probe_layout(unit: SegmentUnit, rows: int, first) -> ResidualLayout:
+    found = []
+
+    def probe(p, sh, x_in, k_prefix, v_prefix, tokens, *traced):
+        flag = first if first is not None else traced[0]
+        _, layout, stored = _split_forward(
+            unit.body(tokens, flag), (p, sh), x_in, k_prefix, v_prefix
+        )
+        found.append(layout)
+        return stored
+
+    traced = () if first is not None else (jax.ShapeDtypeStruct((), jnp.bool_),)
+    jax.eval_shape(probe, *unit.avals(rows)[:6], *traced)
+    return found[0]
+
+
+def _split_forward(body, params, x_in, k_prefix, v_prefix):
+    """(outputs, layout, leaves to stash) of the body's vjp."""
+    outputs, vjp = jax.vjp(body, *params, x_in, k_prefix, v_prefix)
+    layout, stored = ResidualLayout.split(vjp, (*params, k_prefix, v_prefix))
+    return outputs, layout, stored
+
+
+def _choose(flag, if_true, if_false):
+    """lax.cond on a run-time flag; a Python bool picks its branch at trace time, so
+    neither the other branch nor its residuals exist."""
+    if isinstance(flag, bool):
+        return if_true() if flag else if_false()
+    return jax.lax.cond(flag, if_true, if_false)
