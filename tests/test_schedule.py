@@ -1,16 +1,20 @@
 """Schedule tables: validity, depth bounds, bubble formulas, slot lowering, CLI."""
 
+import dataclasses
+import hashlib
 import json
 import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from seqpipe import partition
 from seqpipe import schedule as sc
-from seqpipe.schedule import B, F, W, Schedule, ScheduleError, Unit, cell_unit, make_cell
+from seqpipe.schedule import B, F, Schedule, ScheduleError, Unit, W, cell_unit, make_cell
 
 # SEQPIPE_EXAMPLES=500 for a thorough sweep; the default keeps the file under ~20 s.
 PROPS = settings(
@@ -359,6 +363,161 @@ def test_hand_made_tables():
     short_row = Schedule("1f1b", 2, 1, 1, 1, "full", ((fb,),))
     with pytest.raises(ScheduleError, match="one per stage"):
         sc.validate(short_row)
+
+
+def test_operations_in_a_cell():
+    u, v = Unit(0, 0, 0), Unit(0, 1, 0)
+    cell = make_cell(u, v)
+    assert cell == (sc.Op(F, u), sc.Op(B, v))
+    assert (cell_unit(cell, F), cell_unit(cell, B), cell_unit(cell, W)) == (u, v, None)
+    assert make_cell() == () and make_cell(None, None, u) == (sc.Op(W, u),)
+    assert [k.value for k in sc.KINDS] == ["F", "B", "W"]
+    s = Schedule("1f1b", 1, 1, 1, 1, "full", (((sc.Op(B, u), sc.Op(F, u)),),))
+    with pytest.raises(ScheduleError, match="at most one per kind"):
+        sc.validate(s)  # out of order
+    s = Schedule("1f1b", 1, 1, 1, 1, "full", (((sc.Op(F, u), sc.Op(F, u)),),))
+    with pytest.raises(ScheduleError, match="at most one per kind"):
+        sc.validate(s)
+    s = Schedule("1f1b", 1, 1, 1, 1, "full", (((u, u),),))  # the old (forward, backward) pair
+    with pytest.raises(ScheduleError, match="tuple of Op"):
+        sc.validate(s)
+
+
+def test_weight_operations():
+    u, v = Unit(0, 0, 0), Unit(1, 0, 0)
+    fb, w = make_cell(u, u), make_cell(None, None, u)
+    split = Schedule("1f1b", 1, 1, 1, 1, "full", ((fb,), (w,)))
+    sc.validate(split)
+    sc.validate(Schedule("1f1b", 1, 1, 1, 1, "full", ((make_cell(u, u, u),),)))  # B then W
+    early = Schedule("1f1b", 1, 1, 1, 1, "full", ((make_cell(u, None, u),), (make_cell(None, u),)))
+    with pytest.raises(ScheduleError, match="weight .* runs before its backward"):
+        sc.validate(early)
+    twice = Schedule("1f1b", 1, 1, 1, 1, "full", ((fb,), (w,), (w,)))
+    with pytest.raises(ScheduleError, match="weight .* runs twice"):
+        sc.validate(twice)
+    # One W in the table: every unit needs its W.
+    half = Schedule("1f1b", 1, 2, 1, 1, "full", ((fb,), (make_cell(v, v, u),)))
+    with pytest.raises(ScheduleError, match=r"weight Unit\(mb=1.* never runs"):
+        sc.validate(half)
+    # F = B = W = 1 with W in the table: F+B (2), then W (1); held until the W.
+    got = sc.stats(split)
+    assert (got["ticks"], got["time"], got["bubble"], got["inflight_peak"]) == (2, 3.0, 0.0, [1])
+    assert got["stash_slots"] is None  # no executor for W yet
+    with pytest.raises(ScheduleError, match="W operations"):
+        sc.lower(split)
+    assert "F0.0/B0.0" in sc.to_text(split) and "W0.0" in sc.to_text(split)
+    assert sc.to_json(split)["ticks"][1][0] == {
+        "stage": 0,
+        "forward": None,
+        "backward": None,
+        "weight": {"mb": 0, "seg": 0, "chunk": 0},
+    }
+
+
+@pytest.mark.parametrize("cfg", [("seq1f1b", 4, 8, 4), ("interleaved_1f1b", 2, 4, 1, 2)])
+def test_a_backward_split_in_place_costs_the_same(cfg):
+    s = sc.build(*cfg)
+    ticks = tuple(
+        tuple(make_cell(cell_unit(c, F), cell_unit(c, B), cell_unit(c, B)) for c in row)
+        for row in s.ticks
+    )
+    split = dataclasses.replace(s, ticks=ticks)
+    sc.validate(split)
+    got, want = sc.stats(split), sc.stats(s)
+    for key in ("ticks", "time", "bubble", "inflight_peak", "activation_fraction"):
+        assert got[key] == want[key]
+
+
+def test_registry():
+    assert (
+        sc.SCHEDULES
+        == tuple(sc.GENERATORS)
+        == (
+            "gpipe",
+            "1f1b",
+            "seq1f1b",
+            "interleaved_1f1b",
+            "seq1f1b_interleaved",
+        )
+    )
+    assert sc.INTERLEAVED == ("interleaved_1f1b", "seq1f1b_interleaved")
+    assert [n for n, g in sc.GENERATORS.items() if g.forwards_first] == ["gpipe"]
+    assert [n for n, g in sc.GENERATORS.items() if g.granularity == "segment"] == [
+        "seq1f1b",
+        "seq1f1b_interleaved",
+    ]
+    assert all(g.granularity in ("microbatch", "segment") for g in sc.GENERATORS.values())
+    with pytest.raises(ScheduleError, match="unknown schedule"):
+        sc.generator("zero_bubble")
+    from seqpipe import config
+
+    assert config.SCHEDULES == ("none", *sc.SCHEDULES)
+
+
+def _digest(p: sc.Program) -> str:
+    h = hashlib.sha256()
+    for f in dataclasses.fields(p):
+        v = getattr(p, f.name)
+        h.update(f.name.encode())
+        h.update(
+            repr(v.shape).encode() + v.tobytes() if isinstance(v, np.ndarray) else repr(v).encode()
+        )
+    return h.hexdigest()[:16]
+
+
+@pytest.mark.parametrize(
+    "cfg, digest",
+    [
+        (("1f1b", 4, 8, 1, 1, "minimal"), "a3e9e6d3c8cae1b2"),
+        (("seq1f1b", 4, 8, 4, 1, "full"), "371005d63faf848a"),
+        (("gpipe", 3, 4, 2, 1, "full"), "a541b3b473cd6d48"),
+        (("seq1f1b_interleaved", 4, 8, 2, 2, "full"), "564a39c5a2f3bbcd"),
+        (("interleaved_1f1b", 2, 4, 1, 2, "minimal"), "b154058edcc63a1f"),
+    ],
+)
+def test_lowering_is_pinned(cfg, digest):
+    # Every Program array, as the (forward, backward) cells of 0952314 lowered them: the
+    # executor reads these; a change here must be deliberate.
+    assert _digest(sc.lower(sc.build(*cfg))) == digest
+
+
+def test_chunk_costs_by_hand():
+    # S=2, M=2, 1F1B; the last stage's forward carries h more (its head). Ticks: F0 | F1,
+    # F0+h+B0 | B0, F1+h+B1 | B1: time 1 + 2*(3+h) + 2; busy 6 and 6+2h.
+    s = sc.build("1f1b", 2, 2)
+    assert sc.stats(s, chunk_costs={}) == sc.stats(s) == sc.stats(s, chunk_costs={"F": [0, 0]})
+    assert sc.stats(s)["bubble"] == pytest.approx(1 / 3, abs=1e-6)
+    for h in (0.5, 1.0, 4.0):
+        got = sc.stats(s, chunk_costs={F: [0, h]})
+        assert got["time"] == pytest.approx(9 + 2 * h)
+        assert got["bubble"] == pytest.approx((3 + h) / (9 + 2 * h), abs=1e-6)
+    # Per-token work follows the tokens: segment lengths [3, 1] put 1.5h and 0.5h on them.
+    one = sc.build("seq1f1b", 1, 1, 2)
+    assert sc.stats(one, lengths=[3, 1], chunk_costs={"F": [2.0]})["time"] == 6.0 + 4.0
+    with pytest.raises(ScheduleError, match="chunk_costs"):
+        sc.stats(s, chunk_costs={"F": [1.0]})  # one number per global chunk (V*S)
+    with pytest.raises(ScheduleError, match="chunk_costs"):
+        sc.stats(s, chunk_costs={"X": [0, 1]})
+    with pytest.raises(ScheduleError, match="costs"):
+        sc.stats(sc.build("seq1f1b", 4, 8, 2), costs=[1.0])
+
+
+def test_the_head_grows_the_bubble():
+    shape = dict(d_model=64, num_heads=4, d_ff=256, vocab_size=512, num_layers=4)
+    extra = partition.chunk_costs(4, 16, **shape)
+    # Per token: a layer's forward 8*64*64 + 4*64*256 + (4*16 + 3)*4 * 16/2 = 100448; the
+    # head's forward and backward 6*64*512; one layer per chunk.
+    assert extra["F"] == (0, 0, 0, pytest.approx(6 * 64 * 512 / 100448))
+    assert extra["B"] == (pytest.approx(64 / 100448), 0, 0, 0)
+    s = sc.build("seq1f1b", 4, 8, 4)
+    plain, head = sc.stats(s), sc.stats(s, chunk_costs=extra)
+    assert round(plain["bubble"], 3) == 0.086  # the README's figure, unchanged by default
+    assert head["bubble"] > plain["bubble"] + 0.05 and head["time"] > plain["time"]
+    # With V = 2 the head sits on chunk 1 of the last stage only.
+    s2 = sc.build("seq1f1b_interleaved", 2, 2, 1, 2)
+    extra2 = partition.chunk_costs(4, 16, **shape)
+    busy = sc.op_costs(s2, chunk_costs=extra2).sum(axis=(0, 2))
+    assert busy[1] - busy[0] == pytest.approx(2 * extra2["F"][3] - 2 * extra2["B"][0])
 
 
 @pytest.mark.parametrize(
