@@ -737,7 +737,7 @@ def to_png(
     ax.set_yticklabels([f"stage {r}" for r in range(s.stages)])
     ax.set_xlabel(
         "time (one micro-batch forward on a stage = 1; light = forward, hatched = backward"
-        + (", dotted = weight gradient)" if has_weight_ops(s) else ")")
+        + (", dotted = W)" if has_weight_ops(s) else ")")
     )
     ax.set_title(
         f"{s.name}  S={s.stages} M={s.microbatches} K={s.segments} V={s.virtual} "
@@ -789,6 +789,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--multiple", type=int, default=1, help="segment lengths multiple")
     for dim in ("d-model", "num-heads", "d-ff", "vocab-size", "num-layers"):
         parser.add_argument(f"--{dim}", type=int, help="model shape: FLOP-weighted costs")
+    parser.add_argument(
+        "--head",
+        action="store_true",
+        help="add the head's and embedding's work to the end chunks (needs --seq-len and "
+        "the model shape with --num-layers)",
+    )
     args = parser.parse_args(argv)
     try:
         costs = lengths = None
@@ -816,13 +822,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.virtual,
             args.inflight,
         )
+        extra = None
+        if args.head:
+            if args.seq_len is None or args.d_model is None or args.num_layers is None:
+                raise ScheduleError("--head needs --seq-len and the model shape (--num-layers too)")
+            extra = partition.chunk_costs(args.stages * args.virtual, args.seq_len, **dims)
         if args.format == "png" and not args.out:
             raise ScheduleError("--format png needs --out FILE")
     except ValueError as e:  # ScheduleError and PartitionError
         fail(str(e))
-    st = stats(sched, costs, lengths)
+    st = stats(sched, costs, lengths, extra)
     if args.format == "png":
-        to_png(sched, args.out, costs)
+        to_png(sched, args.out, costs, lengths, extra)
         return 0
     text = to_text(sched, st) if args.format == "text" else json.dumps(to_json(sched, st)) + "\n"
     if args.out:

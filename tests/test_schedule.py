@@ -618,6 +618,27 @@ def test_cli_png(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_cli_head():
+    base = ["--schedule", "seq1f1b", "--stages", "4", "--microbatches", "8", "--segments", "4"]
+    shape = ["--seq-len", "16", "--d-model", "64", "--num-heads", "4", "--d-ff", "256"]
+    shape += ["--vocab-size", "512", "--num-layers", "4", "--format", "json"]
+    plain, head = cli(*base, *shape), cli(*base, *shape, "--head")
+    assert plain.returncode == head.returncode == 0, plain.stderr + head.stderr
+    # What the CLI computes from the shape: FLOP-weighted segments plus the head.
+    extra = partition.chunk_costs(
+        4, 16, d_model=64, num_heads=4, d_ff=256, vocab_size=512, num_layers=4
+    )
+    costs = partition.segment_flops(
+        (4, 4, 4, 4), d_model=64, num_heads=4, d_ff=256, vocab_size=512, num_layers=4
+    )
+    s = sc.build("seq1f1b", 4, 8, 4)
+    want = sc.stats(s, costs, (4, 4, 4, 4), extra)
+    assert json.loads(head.stdout)["stats"] == want
+    assert want["bubble"] > json.loads(plain.stdout)["stats"]["bubble"]
+    res = cli(*base, "--head")
+    assert res.returncode == 2 and "--head needs" in res.stderr
+
+
 @pytest.mark.parametrize(
     "args",
     [
