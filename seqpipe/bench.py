@@ -154,9 +154,10 @@ def predicted(spec, cost) -> dict:
         tick = np.zeros(S)
         for r, cell in enumerate(row):
             for op in cell:
+                if op.kind == schedule.W:
+                    raise ValueError("predicted: W operations have no measured cost yet")
                 g = op.unit.chunk * S + r
-                backward = op.kind == schedule.B  # no W: the generators emit F and B only
-                tick[r] += cost(spec, op.unit.seg, g == 0, g == last, backward)
+                tick[r] += cost(spec, op.unit.seg, g == 0, g == last, op.kind == schedule.B)
         total += tick.max()
         busy += tick
     return {"time": float(total), "bubble": float(np.mean(1 - busy / total))}
