@@ -11,10 +11,10 @@ from pathlib import Path
 
 import ml_collections
 
-from seqpipe import remat
+from seqpipe import remat, schedule  # pure Python and NumPy: cheap
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
-SCHEDULES = ("none", "gpipe", "1f1b", "seq1f1b", "interleaved_1f1b", "seq1f1b_interleaved")
+SCHEDULES = ("none", *schedule.SCHEDULES)  # "none": no pipeline (mesh.stage = 1)
 PARTITIONS = ("uniform", "flops")
 DTYPES = ("float32", "bfloat16", "float16")
 SOURCES = ("stdlib", "text", "tokens")
@@ -275,7 +275,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
 
 def _validate_pipeline(config: ml_collections.ConfigDict) -> None:
     """The layer split, the segment partition and the schedule table must all be buildable."""
-    from seqpipe import partition, schedule  # pure NumPy, cheap
+    from seqpipe import partition  # pure Python, cheap
 
     m, mesh, p = config.model, config.mesh, config.pipeline
     chunks = mesh.stage * p.virtual_stages

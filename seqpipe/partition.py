@@ -20,7 +20,8 @@ class PartitionError(ValueError):
 def _dense_and_attn(
     d_model: int, num_heads: int, d_ff: int, vocab_size: int, num_layers: int | None
 ) -> tuple[float, int]:
-    """Per-token and per-(query, key) coefficients of the per-layer cost model in seq1f1b.md.
+    """Per-token and per-(query, key) coefficients of the per-layer cost model
+    (docs/schedules.md, Partition).
 
     A segment of length s ending at position P costs a*s + c*(s*P - s*s/2) per layer, with
     a = 8*h*h + 4*h*F (attention projections, MLP; n*d = h) and c = (4*d + 3)*n (scores,
@@ -68,7 +69,7 @@ def segment_lengths(
     Every length is a positive multiple of `multiple`. `uniform` spreads the blocks of
     `multiple` tokens as evenly as possible, giving any extra block to the earliest
     segments (they are the cheapest under causal attention). `flops` equalises the
-    per-layer cost model of seq1f1b.md (the head spread over `num_layers` if given): it
+    per-layer cost model above (the head spread over `num_layers` if given): it
     solves each boundary for an equal share of the cumulative cost (the same as solving
     f(s, P) = T/K from the tail) and rounds it to the nearest multiple.
     """
@@ -123,3 +124,33 @@ def segment_flops(
     ]
     total = sum(costs)
     return tuple(c / total for c in costs)
+
+
+def chunk_costs(
+    chunks: int,
+    seq_len: int,
+    *,
+    d_model: int,
+    num_heads: int,
+    d_ff: int,
+    vocab_size: int,
+    num_layers: int,
+) -> dict[str, tuple[float, ...]]:
+    """Work beyond the layers per global chunk, as `schedule.stats(chunk_costs=...)` takes.
+
+    In units of a mean unit's forward through one chunk (num_layers / chunks layers of
+    the per-layer model above, averaged over a sequence of `seq_len`). The head (final
+    norm, logits [D, V] and loss, forward and backward: 3 * 2*D*V FLOPs per token in its
+    matmuls) runs in the last chunk's forward ("F"); the embedding's gradient (a
+    scatter-add, D per token) in the first chunk's backward ("B"); its forward is a gather.
+    """
+    if chunks < 1 or seq_len < 1:
+        raise PartitionError(f"chunks and seq_len must be >= 1, got {chunks}, {seq_len}")
+    dense, attn = _dense_and_attn(d_model, num_heads, d_ff, vocab_size, None)
+    if num_layers is None or num_layers < 1:
+        raise PartitionError(f"num_layers must be >= 1, got {num_layers}")
+    per_token = num_layers / chunks * _prefix_cost(seq_len, dense, attn) / seq_len
+    head, embed = [0.0] * chunks, [0.0] * chunks
+    head[-1] = 3 * 2 * d_model * vocab_size / per_token
+    embed[0] = d_model / per_token
+    return {"F": tuple(head), "B": tuple(embed)}

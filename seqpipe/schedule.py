@@ -1,10 +1,12 @@
 """Pipeline schedules as data: generate, validate, lower to slot tables, measure, draw.
 
-A schedule is a static table: for every synchronous tick and every stage, at most one
-forward unit and one backward unit. A unit is (micro-batch, segment, local chunk); the
-local chunk c of stage r holds global layer chunk g = c*S + r. Within a tick a stage
-runs its forward, then its backward; then results move one hop (forward outputs to
-stage (r+1) % S, input cotangents to stage (r-1) % S) and can be used from the next tick.
+A schedule is a static table: for every synchronous tick and every stage, a cell of at
+most one operation of each kind: F (forward), B (backward) and W (the weight-gradient
+half of a split backward; no generator emits W yet). An operation acts on a unit
+(micro-batch, segment, local chunk); the local chunk c of stage r holds global layer
+chunk g = c*S + r. Within a tick a stage runs its F, then its B, then its W; then
+results move one hop (forward outputs to stage (r+1) % S, input cotangents to stage
+(r-1) % S) and can be used from the next tick.
 
 Letters: S stages, M micro-batches, K segments per micro-batch, V chunks per stage.
 Pure Python/NumPy; nothing here knows about the model.
@@ -14,19 +16,68 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-SCHEDULES = ("gpipe", "1f1b", "seq1f1b", "interleaved_1f1b", "seq1f1b_interleaved")
-INTERLEAVED = ("interleaved_1f1b", "seq1f1b_interleaved")
 DEPTHS = ("minimal", "full")
 
 
 class ScheduleError(ValueError):
     """Raised, with a one-line message, for bad arguments or an invalid table."""
+
+
+# --------------------------------------------------------------------------- registry
+
+
+@dataclasses.dataclass(frozen=True)
+class Generator:
+    """What distinguishes one schedule's generator from another's."""
+
+    name: str
+    # What an in-flight item (and an integer `inflight`) counts: whole micro-batches
+    # ('microbatch', the 1F1B family) or segments ('segment', Seq1F1B).
+    granularity: str
+    interleaved: bool  # takes virtual > 1: Megatron's rounds of chunks
+    forwards_first: bool  # GPipe: a stage starts its backwards after all its forwards
+
+
+GENERATORS: dict[str, Generator] = {
+    g.name: g
+    for g in (
+        Generator("gpipe", "microbatch", interleaved=False, forwards_first=True),
+        Generator("1f1b", "microbatch", interleaved=False, forwards_first=False),
+        Generator("seq1f1b", "segment", interleaved=False, forwards_first=False),
+        Generator("interleaved_1f1b", "microbatch", interleaved=True, forwards_first=False),
+        Generator("seq1f1b_interleaved", "segment", interleaved=True, forwards_first=False),
+    )
+}
+SCHEDULES = tuple(GENERATORS)
+INTERLEAVED = tuple(n for n, g in GENERATORS.items() if g.interleaved)
+
+
+def generator(name: str) -> Generator:
+    """The registry entry of `name`; ScheduleError if there is none."""
+    if name not in GENERATORS:
+        raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    return GENERATORS[name]
+
+
+# --------------------------------------------------------------------------- tables
+
+
+class Kind(str, enum.Enum):
+    F = "F"  # forward
+    B = "B"  # backward (with a W in the table: its input-gradient half only)
+    W = "W"  # weight-gradient half of a backward
+
+
+F, B, W = Kind.F, Kind.B, Kind.W
+KINDS = (F, B, W)  # the order a stage runs a cell's operations in
+NAMES = {F: "forward", B: "backward", W: "weight"}  # also the JSON keys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +87,31 @@ class Unit:
     chunk: int  # local chunk 0..V-1 on its stage; global chunk = chunk * S + stage
 
 
-Cell = tuple[Unit | None, Unit | None]  # (forward unit, backward unit)
+@dataclasses.dataclass(frozen=True)
+class Op:
+    kind: Kind
+    unit: Unit
+
+
+Cell = tuple[Op, ...]  # what a stage runs in a tick: at most one Op per kind, in KINDS order
+
+
+def make_cell(
+    forward: Unit | None = None, backward: Unit | None = None, weight: Unit | None = None
+) -> Cell:
+    """The cell running these units (None: no operation of that kind)."""
+    units = (forward, backward, weight)
+    return tuple(Op(k, u) for k, u in zip(KINDS, units, strict=True) if u is not None)
+
+
+def cell_unit(cell: Cell, kind: Kind) -> Unit | None:
+    """The unit of the cell's `kind` operation, or None."""
+    return next((op.unit for op in cell if op.kind == kind), None)
+
+
+def has_weight_ops(s: Schedule) -> bool:
+    """Whether the table splits backwards into B and W."""
+    return any(op.kind == W for row in s.ticks for cell in row for op in cell)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,9 +128,8 @@ class Schedule:
 # --------------------------------------------------------------------------- generation
 
 
-def _check_args(name, stages, microbatches, segments, virtual, inflight, costs) -> None:
-    if name not in SCHEDULES:
-        raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+def _check_args(name, stages, microbatches, segments, virtual, inflight) -> None:
+    gen = generator(name)
     for label, value in (
         ("stages", stages),
         ("microbatches", microbatches),
@@ -64,7 +138,7 @@ def _check_args(name, stages, microbatches, segments, virtual, inflight, costs) 
     ):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ScheduleError(f"{label} must be an integer >= 1, got {value!r}")
-    if virtual > 1 and name not in INTERLEAVED:
+    if virtual > 1 and not gen.interleaved:
         raise ScheduleError(f"schedule {name!r} takes virtual=1; use one of {INTERLEAVED}")
     if virtual > 1 and microbatches % stages:
         raise ScheduleError(
@@ -77,13 +151,11 @@ def _check_args(name, stages, microbatches, segments, virtual, inflight, costs) 
         raise ScheduleError(
             f"inflight must be 'minimal', 'full' or an integer >= 1, got {inflight!r}"
         )
-    if costs is not None and (len(costs) != segments or min(costs) <= 0):
-        raise ScheduleError(f"costs must be {segments} positive numbers, got {list(costs)}")
 
 
 def _granularity(name: str, segments: int) -> int:
     """Units per in-flight item: whole micro-batches for the 1F1B family, segments for Seq1F1B."""
-    return 1 if name.startswith("seq1f1b") else segments
+    return 1 if GENERATORS[name].granularity == "segment" else segments
 
 
 def _rounds(name: str, stages: int, microbatches: int, segments: int) -> list[int]:
@@ -95,7 +167,8 @@ def _rounds(name: str, stages: int, microbatches: int, segments: int) -> list[in
     ordered before a later segment of its own micro-batch. The remainder is spread over
     the rounds, since a short round would stall the chunk hand-over.
     """
-    per = stages if name == "interleaved_1f1b" else -(-stages // segments)
+    segment = GENERATORS[name].granularity == "segment"
+    per = -(-stages // segments) if segment else stages
     count = max(1, microbatches // per)
     base, extra = divmod(microbatches, count)
     return [base + (i < extra) for i in range(count)]
@@ -104,7 +177,7 @@ def _rounds(name: str, stages: int, microbatches: int, segments: int) -> list[in
 def _caps(name, stages, microbatches, segments, virtual, inflight) -> list[int]:
     """Most units a stage may hold between a forward and its backward, per stage."""
     total = microbatches * segments * virtual
-    if name == "gpipe":
+    if GENERATORS[name].forwards_first:
         return [total] * stages
     unit = _granularity(name, segments)
     rounds = (virtual - 1) * max(_rounds(name, stages, microbatches, segments)) * segments
@@ -153,7 +226,6 @@ def build(
     segments: int = 1,
     virtual: int = 1,
     inflight: str | int = "full",
-    costs: Sequence[float] | None = None,
 ) -> Schedule:
     """Generate and pack a schedule into synchronous ticks.
 
@@ -162,10 +234,11 @@ def build(
     stage holds fewer than its cap of units in flight. `inflight` sets the cap: an
     integer (in micro-batches for the 1F1B family and GPipe, segments for Seq1F1B),
     'minimal' (the reference warm-up plus one) or 'full' (2*(S-r-1)+K on stage r, one
-    round trip of units, which keeps every tick busy). `costs` (per-segment forward
-    costs) is checked but does not change the packing, which is earliest-tick greedy.
+    round trip of units, which keeps every tick busy). Packing is earliest-tick greedy,
+    so unit costs do not change it; it emits F and B operations (no W).
     """
-    _check_args(name, stages, microbatches, segments, virtual, inflight, costs)
+    _check_args(name, stages, microbatches, segments, virtual, inflight)
+    forwards_first = GENERATORS[name].forwards_first
     S, K, V = stages, segments, virtual
     caps = _caps(name, S, microbatches, K, V, inflight)
     fwd_order, bwd_order = _orders(name, S, microbatches, K, V)
@@ -187,7 +260,7 @@ def build(
                     f, f_next[r], held[r] = u, f_next[r] + 1, held[r] + 1
                     f_tick[r, u.mb, u.seg, u.chunk] = t
             # GPipe: a stage starts its backwards once all its forwards have run.
-            if b_next[r] < n_units and (name != "gpipe" or f_next[r] == n_units):
+            if b_next[r] < n_units and (not forwards_first or f_next[r] == n_units):
                 u = bwd_order[b_next[r]]
                 g = u.chunk * S + r
                 own = f_tick[r, u.mb, u.seg, u.chunk]
@@ -199,11 +272,11 @@ def build(
                 if ready:
                     b, b_next[r] = u, b_next[r] + 1
                     b_tick[r, u.mb, u.seg, u.chunk] = t
-            row.append((f, b))
-        if all(f is None and b is None for f, b in row):
+            row.append(make_cell(f, b))
+        if not any(row):
             raise ScheduleError(f"{name} deadlocks with caps {caps} (S={S}, K={K}, V={V})")
-        for r, (_, b) in enumerate(row):
-            held[r] -= b is not None
+        for r, cell in enumerate(row):
+            held[r] -= cell_unit(cell, B) is not None
         ticks.append(tuple(row))
     return Schedule(name, S, microbatches, K, V, inflight, tuple(ticks))
 
@@ -211,58 +284,81 @@ def build(
 # --------------------------------------------------------------------------- validation
 
 
+def _needs(kind: Kind, r: int, u: Unit, S: int, K: int, last: int) -> list[tuple]:
+    """What must run before `kind` of `u` on stage r: (kind, stage, unit, same tick ok?, why).
+
+    Same tick is fine only on the same stage and for an earlier kind (a cell runs F, B,
+    W in order); a message from another stage arrives from the next tick.
+    """
+    m, k, c = u.mb, u.seg, u.chunk
+    g = c * S + r
+    out = []
+    if kind == F:
+        if g > 0:
+            out.append((F, (r - 1) % S, Unit(m, k, c - (r == 0)), False, "runs before its input"))
+        if k > 0:
+            out.append((F, r, Unit(m, k - 1, c), False, "runs before its KV prefix"))
+    elif kind == B:
+        # The last global chunk's backward starts from the loss, in its forward's tick.
+        out.append((F, r, u, g == last, "runs before its forward"))
+        if g < last:
+            nxt = Unit(m, k, c + (r == S - 1))
+            out.append((B, (r + 1) % S, nxt, False, "runs before its cotangent"))
+        if k < K - 1:
+            why = f"precedes its K/V gradient (segment {k + 1})"
+            out.append((B, r, Unit(m, k + 1, c), False, why))
+    else:  # W reads what its own B computed (the output cotangent)
+        out.append((B, r, u, True, "runs before its backward"))
+    return out
+
+
 def validate(s: Schedule) -> None:
     """Check the table against every rule, independently of the generators.
 
-    Raises ScheduleError naming the first violated rule.
+    Every F and B runs once per (stage, unit), and every W too if the table has any;
+    each runs after what it needs (`_needs`). Raises ScheduleError naming the first
+    violated rule.
     """
     S, M, K, V = s.stages, s.microbatches, s.segments, s.virtual
     last = V * S - 1
-    f_tick: dict[tuple[int, int, int, int], int] = {}  # (stage, mb, seg, chunk) -> tick
-    b_tick: dict[tuple[int, int, int, int], int] = {}
+    at: dict[Kind, dict[tuple[int, Unit], int]] = {k: {} for k in KINDS}  # (stage, unit) -> tick
     for t, row in enumerate(s.ticks):
         if len(row) != S:
             raise ScheduleError(f"tick {t} has {len(row)} cells, expected one per stage ({S})")
         for r, cell in enumerate(row):
-            if len(cell) != 2:
-                raise ScheduleError(f"tick {t} stage {r}: a cell is (forward, backward)")
-            for kind, u, seen in (("forward", cell[0], f_tick), ("backward", cell[1], b_tick)):
-                if u is None:
-                    continue
+            ops = cell if isinstance(cell, tuple) else (None,)
+            kinds = [getattr(op, "kind", None) for op in ops]
+            if not all(isinstance(op, Op) for op in ops) or kinds != sorted(
+                set(kinds), key=KINDS.index
+            ):
+                raise ScheduleError(
+                    f"tick {t} stage {r}: a cell is a tuple of Op, at most one per kind, "
+                    f"in the order F, B, W"
+                )
+            for op in cell:
+                u, name = op.unit, NAMES[op.kind]
                 if not (0 <= u.mb < M and 0 <= u.seg < K and 0 <= u.chunk < V):
-                    raise ScheduleError(f"tick {t} stage {r}: {kind} {u} is out of range")
-                key = (r, u.mb, u.seg, u.chunk)
-                if key in seen:
-                    raise ScheduleError(f"tick {t} stage {r}: {kind} {u} runs twice")
-                seen[key] = t
-    for kind, seen in (("forward", f_tick), ("backward", b_tick)):
-        if len(seen) != S * M * K * V:
+                    raise ScheduleError(f"tick {t} stage {r}: {name} {u} is out of range")
+                if (r, u) in at[op.kind]:
+                    raise ScheduleError(f"tick {t} stage {r}: {name} {u} runs twice")
+                at[op.kind][r, u] = t
+    for kind in KINDS if at[W] else (F, B):
+        if len(at[kind]) != S * M * K * V:
             missing = next(
-                (r, m, k, c)
+                (r, Unit(m, k, c))
                 for r in range(S)
                 for m in range(M)
                 for k in range(K)
                 for c in range(V)
-                if (r, m, k, c) not in seen
+                if (r, Unit(m, k, c)) not in at[kind]
             )
-            raise ScheduleError(f"stage {missing[0]}: {kind} {Unit(*missing[1:])} never runs")
-    for (r, m, k, c), t in f_tick.items():
-        g, u = c * S + r, Unit(m, k, c)
-        if g > 0 and not f_tick[((r - 1) % S, m, k, c - (r == 0))] < t:
-            raise ScheduleError(f"stage {r}: forward {u} at tick {t} runs before its input")
-        if k > 0 and not f_tick[(r, m, k - 1, c)] < t:
-            raise ScheduleError(f"stage {r}: forward {u} at tick {t} runs before its KV prefix")
-    for (r, m, k, c), t in b_tick.items():
-        g, u = c * S + r, Unit(m, k, c)
-        own = f_tick[(r, m, k, c)]
-        if own > t or (own == t and g != last):
-            raise ScheduleError(f"stage {r}: backward {u} at tick {t} runs before its forward")
-        if g < last and not b_tick[((r + 1) % S, m, k, c + (r == S - 1))] < t:
-            raise ScheduleError(f"stage {r}: backward {u} at tick {t} runs before its cotangent")
-        if k < K - 1 and not b_tick[(r, m, k + 1, c)] < t:
-            raise ScheduleError(
-                f"stage {r}: backward {u} at tick {t} precedes its K/V gradient (segment {k + 1})"
-            )
+            raise ScheduleError(f"stage {missing[0]}: {NAMES[kind]} {missing[1]} never runs")
+    for kind in KINDS:
+        for (r, u), t in at[kind].items():
+            for dep, stage, v, same_tick, why in _needs(kind, r, u, S, K, last):
+                before = at[dep][stage, v]
+                if before > t or (before == t and not same_tick):
+                    raise ScheduleError(f"stage {r}: {NAMES[kind]} {u} at tick {t} {why}")
 
 
 # --------------------------------------------------------------------------- lowering
@@ -319,9 +415,12 @@ def lower(s: Schedule) -> Program:
     Slot lifetimes in ticks (inclusive): a stash slot from the forward to the backward;
     a KV slot from the segment-0 forward to the segment-0 backward of (mb, chunk); a
     message slot from the tick after it was sent to the tick that reads it (a slot read
-    at tick t may take a message sent during t, since stores follow reads).
+    at tick t may take a message sent during t, since stores follow reads). The executor
+    runs F and B only: a table with W operations is refused.
     """
     validate(s)
+    if has_weight_ops(s):
+        raise ScheduleError(f"{s.name}: W operations cannot be lowered yet (no executor)")
     S, V, T = s.stages, s.virtual, len(s.ticks)
     last = V * S - 1
     arr = {
@@ -331,7 +430,8 @@ def lower(s: Schedule) -> Program:
     }
     f_at, b_at = {}, {}
     for t, row in enumerate(s.ticks):
-        for r, (f, b) in enumerate(row):
+        for r, cell in enumerate(row):
+            f, b = cell_unit(cell, F), cell_unit(cell, B)
             if f is not None:
                 f_at[r, f] = t
                 arr["fwd_mb"][t, r], arr["fwd_seg"][t, r], arr["fwd_chunk"][t, r] = (
@@ -420,60 +520,110 @@ def _unit_costs(segments: int, costs: Sequence[float] | None) -> np.ndarray:
     return c * segments / c.sum()
 
 
+def _token_shares(segments: int, lengths: Sequence[int] | None) -> np.ndarray:
+    tok = np.ones(segments) / segments if lengths is None else np.asarray(lengths, dtype=float)
+    if tok.shape != (segments,) or (tok <= 0).any():
+        raise ScheduleError(f"lengths must be {segments} positive numbers, got {list(tok)}")
+    return tok / tok.sum()
+
+
+def _chunk_costs(chunks: int, chunk_costs: Mapping | None) -> dict[Kind, np.ndarray]:
+    out = {k: np.zeros(chunks) for k in KINDS}
+    for key, values in (chunk_costs or {}).items():
+        v = np.asarray(values, dtype=float)
+        if key not in out or v.shape != (chunks,) or (v < 0).any():
+            raise ScheduleError(
+                f"chunk_costs maps F, B or W to {chunks} numbers >= 0 (one per global "
+                f"chunk), got {key!r}: {list(np.atleast_1d(v))}"
+            )
+        out[Kind(key)] = v
+    return out
+
+
+def kind_costs(s: Schedule) -> dict[Kind, float]:
+    """Cost of an operation of each kind relative to its forward: F 1, B 2; a table with
+    W operations splits each backward into halves, F = B = W = 1."""
+    return {F: 1.0, B: 1.0, W: 1.0} if has_weight_ops(s) else {F: 1.0, B: 2.0, W: 0.0}
+
+
+def op_costs(
+    s: Schedule,
+    costs: Sequence[float] | None = None,
+    lengths: Sequence[int] | None = None,
+    chunk_costs: Mapping | None = None,
+) -> np.ndarray:
+    """[T, S, len(KINDS)] cost of each operation in the table, 0 where none; see `stats`."""
+    S, K = s.stages, s.segments
+    fc, tok = _unit_costs(K, costs), _token_shares(K, lengths)
+    per_kind, add = kind_costs(s), _chunk_costs(s.virtual * S, chunk_costs)
+    out = np.zeros((len(s.ticks), S, len(KINDS)))
+    for t, row in enumerate(s.ticks):
+        for r, cell in enumerate(row):
+            for op in cell:
+                u = op.unit
+                # Per-token extra work (head, embedding) follows the segment's tokens.
+                extra = add[op.kind][u.chunk * S + r] * tok[u.seg] * K
+                out[t, r, KINDS.index(op.kind)] = per_kind[op.kind] * fc[u.seg] + extra
+    return out
+
+
 def stats(
     s: Schedule,
     costs: Sequence[float] | None = None,
     lengths: Sequence[int] | None = None,
+    chunk_costs: Mapping | None = None,
 ) -> dict:
     """Time, bubble and memory of a table under the synchronous-tick model.
 
     A forward of segment k costs costs[k] (normalised to mean 1; default all 1, pass
-    `partition.segment_flops` for FLOP shares), its backward twice that. A tick lasts as
-    long as its busiest stage: time = sum over ticks of max over stages of (fwd + bwd).
-    bubble = mean over stages of 1 - busy_s / time, where busy_s is the work stage s
-    runs (the same on every stage). `inflight_peak[s]` is the most units stage s holds
-    between a forward and its backward (= its stash slots); `activation_fraction[s]` is
-    the peak of the same, weighted by each unit's share of a micro-batch's tokens
-    (`lengths`, default equal) and divided by V: in units of one micro-batch's
-    activations over all of the stage's layers.
+    `partition.segment_flops` for FLOP shares), its backward twice that (with W
+    operations in the table, B and W once each). `chunk_costs` ({F, B or W: one number
+    per global chunk}, default none) adds work to the operations of a global chunk, in
+    units of a mean unit's forward and scaled by the segment's share of the tokens:
+    `partition.chunk_costs` gives the head (its forward and backward run in the last
+    chunk's F) and the embedding. A tick lasts as long as its busiest stage: time = sum
+    over ticks of max over stages of the cell's cost. bubble = mean over stages of
+    1 - busy_s / time, where busy_s is the work stage s runs. `inflight_peak[s]` is the
+    most units stage s holds between a forward and its backward (W if split) (= its
+    stash slots); `activation_fraction[s]` is the peak of the same, weighted by each
+    unit's share of a micro-batch's tokens (`lengths`, default equal) and divided by V:
+    in units of one micro-batch's activations over all of the stage's layers. Slot
+    counts are None for a table with W operations (`lower` refuses it).
     """
-    S, K, V = s.stages, s.segments, s.virtual
-    fc = _unit_costs(K, costs)
-    tok = np.ones(K) / K if lengths is None else np.asarray(lengths, dtype=float)
-    tok = tok / tok.sum()
-    tick_cost = np.zeros((len(s.ticks), S))
-    held = np.zeros(
-        (len(s.ticks), S)
-    )  # units held during tick t (forward counted, backward not yet freed)
+    S, V = s.stages, s.virtual
+    tick_cost = op_costs(s, costs, lengths, chunk_costs).sum(axis=2)
+    tok = _token_shares(s.segments, lengths)
+    split = has_weight_ops(s)
+    free = W if split else B  # the op after which a unit's stashed input is dropped
+    held = np.zeros((len(s.ticks), S))  # units held during tick t (forward on, not yet freed)
     frac = np.zeros((len(s.ticks), S))
     h, fr = np.zeros(S), np.zeros(S)
     for t, row in enumerate(s.ticks):
-        for r, (f, b) in enumerate(row):
+        for r, cell in enumerate(row):
+            f = cell_unit(cell, F)
             if f is not None:
-                tick_cost[t, r] += fc[f.seg]
                 h[r] += 1
                 fr[r] += tok[f.seg] / V
-            if b is not None:
-                tick_cost[t, r] += 2 * fc[b.seg]
         held[t], frac[t] = h, fr
-        for r, (_, b) in enumerate(row):
-            if b is not None:
+        for r, cell in enumerate(row):
+            u = cell_unit(cell, free)
+            if u is not None:
                 h[r] -= 1
-                fr[r] -= tok[b.seg] / V
+                fr[r] -= tok[u.seg] / V
     time = float(tick_cost.max(axis=1).sum())
     busy = tick_cost.sum(axis=0)
-    prog = lower(s)
+    prog = None if split else lower(s)
     return {
         "ticks": len(s.ticks),
         "time": round(time, 6),
         "bubble": round(float(np.mean(1 - busy / time)), 6),
         "inflight_peak": [int(x) for x in held.max(axis=0)],
         "activation_fraction": [round(float(x), 6) for x in frac.max(axis=0)],
-        "stash_slots": prog.num_stash,
-        "kv_slots": prog.num_kv,
-        "dkv_slots": prog.num_dkv,
-        "recv_fwd_slots": prog.num_recv_fwd,
-        "recv_bwd_slots": prog.num_recv_bwd,
+        "stash_slots": prog and prog.num_stash,
+        "kv_slots": prog and prog.num_kv,
+        "dkv_slots": prog and prog.num_dkv,
+        "recv_fwd_slots": prog and prog.num_recv_fwd,
+        "recv_bwd_slots": prog and prog.num_recv_bwd,
     }
 
 
@@ -485,13 +635,9 @@ def _label(u: Unit, virtual: int) -> str:
 
 
 def to_text(s: Schedule, st: dict | None = None) -> str:
-    """A grid, ticks across and stages down, cells like `F3.1/B2.0`, then the statistics."""
+    """A grid, ticks across and stages down, cells like `F3.1/B2.0/W1.0`, then the statistics."""
     cells = [
-        [
-            "/".join(p + _label(u, s.virtual) for p, u in (("F", f), ("B", b)) if u is not None)
-            or "."
-            for f, b in row
-        ]
+        ["/".join(op.kind.value + _label(op.unit, s.virtual) for op in cell) or "." for cell in row]
         for row in s.ticks
     ]
     width = max(len(c) for row in cells for c in row)
@@ -509,7 +655,8 @@ def to_text(s: Schedule, st: dict | None = None) -> str:
 
 
 def to_json(s: Schedule, st: dict | None = None) -> dict:
-    """The stable JSON form: header, ticks (one entry per stage per tick) and stats."""
+    """The stable JSON form: header, ticks (one entry per stage per tick: its forward,
+    backward and weight unit or null) and stats."""
 
     def unit(u: Unit | None):
         return None if u is None else {"mb": u.mb, "seg": u.seg, "chunk": u.chunk}
@@ -521,20 +668,32 @@ def to_json(s: Schedule, st: dict | None = None) -> dict:
         "segments": s.segments,
         "virtual": s.virtual,
         "ticks": [
-            [{"stage": r, "forward": unit(f), "backward": unit(b)} for r, (f, b) in enumerate(row)]
+            [
+                {"stage": r, **{NAMES[k]: unit(cell_unit(cell, k)) for k in KINDS}}
+                for r, cell in enumerate(row)
+            ]
             for row in s.ticks
         ],
         "stats": stats(s) if st is None else st,
     }
 
 
-def to_png(s: Schedule, path: str, costs: Sequence[float] | None = None) -> None:
+_STYLE = {F: dict(alpha=0.45), B: dict(alpha=1.0, hatch="///"), W: dict(alpha=0.75, hatch="...")}
+
+
+def to_png(
+    s: Schedule,
+    path: str,
+    costs: Sequence[float] | None = None,
+    lengths: Sequence[int] | None = None,
+    chunk_costs: Mapping | None = None,
+) -> None:
     """A timeline: one row per stage, x is synchronous time, boxes coloured by micro-batch.
 
     Time is in units of one whole micro-batch's forward on a stage (a unit costs 1/(K*V)
     of it), so pictures with different K or V share a scale. Forwards are light,
-    backwards dark and hatched; white gaps are bubbles. Ticks are drawn as long as their
-    busiest stage, as the synchronous executor runs them.
+    backwards dark and hatched, weight gradients dotted; white gaps are bubbles. Ticks
+    are drawn as long as their busiest stage, as the synchronous executor runs them.
     """
     import matplotlib
 
@@ -542,20 +701,18 @@ def to_png(s: Schedule, path: str, costs: Sequence[float] | None = None) -> None
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
 
-    fc = _unit_costs(s.segments, costs) / (s.segments * s.virtual)
-    st = stats(s, costs)
+    scale = s.segments * s.virtual
+    width = op_costs(s, costs, lengths, chunk_costs) / scale
+    st = stats(s, costs, lengths, chunk_costs)
     cmap = plt.get_cmap("tab10" if s.microbatches <= 10 else "tab20")
-    total = st["time"] / (s.segments * s.virtual)
+    total = st["time"] / scale
     fig, ax = plt.subplots(figsize=(max(8.0, total * 0.45), 0.55 * s.stages + 1.4))
     x = 0.0
-    for row in s.ticks:
-        for r, (f, b) in enumerate(row):
+    for t, row in enumerate(s.ticks):
+        for r, cell in enumerate(row):
             y, x0 = s.stages - 1 - r, x
-            for u, scale, back in ((f, 1, False), (b, 2, True)):
-                if u is None:
-                    continue
-                w = scale * fc[u.seg]
-                style = dict(alpha=1.0, hatch="///") if back else dict(alpha=0.45)
+            for op in cell:
+                u, w = op.unit, width[t, r, KINDS.index(op.kind)]
                 ax.add_patch(
                     Rectangle(
                         (x0, y + 0.1),
@@ -564,20 +721,23 @@ def to_png(s: Schedule, path: str, costs: Sequence[float] | None = None) -> None
                         facecolor=cmap(u.mb % cmap.N),
                         edgecolor="black",
                         linewidth=0.4,
-                        **style,
+                        **_STYLE[op.kind],
                     )
                 )
                 if w >= 0.2:
                     label = _label(u, s.virtual) if w >= 0.45 else str(u.mb)
+                    if op.kind == W:
+                        label = "W" + label
                     ax.text(x0 + w / 2, y + 0.5, label, ha="center", va="center", fontsize=6)
                 x0 += w
-        x += max((fc[f.seg] if f else 0) + (2 * fc[b.seg] if b else 0) for f, b in row)
+        x += width[t].sum(axis=1).max()
     ax.set_xlim(0, x)
     ax.set_ylim(0, s.stages)
     ax.set_yticks([s.stages - 1 - r + 0.5 for r in range(s.stages)])
     ax.set_yticklabels([f"stage {r}" for r in range(s.stages)])
     ax.set_xlabel(
-        "time (one micro-batch forward on a stage = 1; light = forward, hatched = backward)"
+        "time (one micro-batch forward on a stage = 1; light = forward, hatched = backward"
+        + (", dotted = W)" if has_weight_ops(s) else ")")
     )
     ax.set_title(
         f"{s.name}  S={s.stages} M={s.microbatches} K={s.segments} V={s.virtual} "
@@ -629,6 +789,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--multiple", type=int, default=1, help="segment lengths multiple")
     for dim in ("d-model", "num-heads", "d-ff", "vocab-size", "num-layers"):
         parser.add_argument(f"--{dim}", type=int, help="model shape: FLOP-weighted costs")
+    parser.add_argument(
+        "--head",
+        action="store_true",
+        help="add the head's and embedding's work to the end chunks (needs --seq-len and "
+        "the model shape with --num-layers)",
+    )
     args = parser.parse_args(argv)
     try:
         costs = lengths = None
@@ -655,15 +821,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.segments,
             args.virtual,
             args.inflight,
-            costs,
         )
+        extra = None
+        if args.head:
+            if args.seq_len is None or args.d_model is None or args.num_layers is None:
+                raise ScheduleError("--head needs --seq-len and the model shape (--num-layers too)")
+            extra = partition.chunk_costs(args.stages * args.virtual, args.seq_len, **dims)
         if args.format == "png" and not args.out:
             raise ScheduleError("--format png needs --out FILE")
     except ValueError as e:  # ScheduleError and PartitionError
         fail(str(e))
-    st = stats(sched, costs, lengths)
+    st = stats(sched, costs, lengths, extra)
     if args.format == "png":
-        to_png(sched, args.out, costs)
+        to_png(sched, args.out, costs, lengths, extra)
         return 0
     text = to_text(sched, st) if args.format == "text" else json.dumps(to_json(sched, st)) + "\n"
     if args.out:

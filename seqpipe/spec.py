@@ -69,14 +69,6 @@ def make_spec(config, seq_len: int | None = None) -> PipelineSpec:
         num_layers=cfg.num_layers,
         multiple=p.partition_multiple,
     )
-    costs = partition.segment_flops(
-        lengths,
-        d_model=cfg.d_model,
-        num_heads=cfg.num_heads,
-        d_ff=cfg.d_ff,
-        vocab_size=cfg.vocab_size,
-        num_layers=cfg.num_layers,
-    )
     table = schedule.build(
         p.schedule,
         config.mesh.stage,
@@ -84,6 +76,5 @@ def make_spec(config, seq_len: int | None = None) -> PipelineSpec:
         p.segments,
         p.virtual_stages,
         p.inflight,
-        costs,
     )
     return PipelineSpec(cfg, table, schedule.lower(table), tuple(lengths), p.remat)

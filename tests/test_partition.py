@@ -41,8 +41,8 @@ def test_uniform_examples():
 def test_flops_7b_example_from_the_reference(num_layers):
     lengths = segment_lengths(32768, 4, "flops", num_layers=num_layers, **LLAMA_7B)
     assert sum(lengths) == 32768
-    # seq1f1b.md quotes about [11021, 8421, 7087, 6239]. Its own cost formula, used here,
-    # gives [11661, 8324, 6839, 5944] (head spread over 32 layers: [11553, 8343, 6880,
+    # The Seq1F1B design note quotes about [11021, 8421, 7087, 6239]. Its own cost formula,
+    # used here, gives [11661, 8324, 6839, 5944] (head spread over 32 layers: [11553, 8343, 6880,
     # 5992]); the quoted numbers fit an attention coefficient of about 3*n*d rather than
     # (4d+3)*n. Same shape, within 6 %.
     for got, want in zip(lengths, (11021, 8421, 7087, 6239), strict=True):

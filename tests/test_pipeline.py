@@ -13,9 +13,10 @@ from pairwise import all_pairs, full_product
 
 from seqpipe import config as config_lib
 from seqpipe import model, pipeline, reference, remat, sharding
+from seqpipe import schedule as schedule_lib
 from seqpipe.tools.verify import GRAD_RTOL, LOSS_RTOL, max_relative_error
 
-SCHEDULES = ("gpipe", "1f1b", "seq1f1b", "interleaved_1f1b", "seq1f1b_interleaved")
+SCHEDULES = schedule_lib.SCHEDULES
 MESHES = ((1, 1), (1, 2), (1, 4), (2, 4), (1, 8))
 SEGMENTS = (1, 2, 3, 4)
 PARTITIONS = ("uniform", "flops")
@@ -33,7 +34,7 @@ def microbatch_count(relation: str, stages: int, virtual: int) -> int:
 
 
 def valid(schedule, mesh, segments, part, relation, virtual) -> bool:
-    interleaved = "interleaved" in schedule
+    interleaved = schedule_lib.GENERATORS[schedule].interleaved
     if virtual > 1 and not interleaved:
         return False
     if interleaved and virtual == 1:

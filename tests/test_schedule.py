@@ -1,16 +1,20 @@
 """Schedule tables: validity, depth bounds, bubble formulas, slot lowering, CLI."""
 
+import dataclasses
+import hashlib
 import json
 import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from seqpipe import partition
 from seqpipe import schedule as sc
-from seqpipe.schedule import Schedule, ScheduleError, Unit
+from seqpipe.schedule import B, F, Schedule, ScheduleError, Unit, W, cell_unit, make_cell
 
 # SEQPIPE_EXAMPLES=500 for a thorough sweep; the default keeps the file under ~20 s.
 PROPS = settings(
@@ -47,7 +51,8 @@ def units_by_stage(s: Schedule):
     fwd = [[] for _ in range(s.stages)]
     bwd = [[] for _ in range(s.stages)]
     for row in s.ticks:
-        for r, (f, b) in enumerate(row):
+        for r, cell in enumerate(row):
+            f, b = cell_unit(cell, F), cell_unit(cell, B)
             if f is not None:
                 fwd[r].append(f)
             if b is not None:
@@ -75,8 +80,8 @@ def with_cell(s: Schedule, t: int, r: int, cell) -> Schedule:
     return Schedule(**{**s.__dict__, "ticks": tuple(tuple(row) for row in ticks)})
 
 
-def find(s: Schedule, r: int, u: Unit, side: int) -> int:
-    return next(t for t, row in enumerate(s.ticks) if row[r][side] == u)
+def find(s: Schedule, r: int, u: Unit, kind) -> int:
+    return next(t for t, row in enumerate(s.ticks) if cell_unit(row[r], kind) == u)
 
 
 # --------------------------------------------------------------------------- simulator
@@ -98,7 +103,8 @@ def simulate(s: Schedule, p: sc.Program) -> None:
     for t, row in enumerate(s.ticks):
         sent_f, sent_b = [None] * S, [None] * S  # by receiving stage
         freed_stash = []
-        for r, (f, b) in enumerate(row):
+        for r, cell in enumerate(row):
+            f, b = cell_unit(cell, F), cell_unit(cell, B)
             if f is None:
                 assert p.fwd_mb[t, r] == -1 and p.fwd_stash[t, r] == -1
             else:
@@ -199,35 +205,35 @@ def test_broken_tables_are_rejected(cfg, rnd):
     S, K = s.stages, s.segments
     r = rnd.randrange(S)
     u = rnd.choice(all_units(s))
-    tf, tb = find(s, r, u, 0), find(s, r, u, 1)
+    tf, tb = find(s, r, u, F), find(s, r, u, B)
     # A unit missing.
     with pytest.raises(ScheduleError, match="never runs"):
-        sc.validate(with_cell(s, tb, r, (s.ticks[tb][r][0], None)))
+        sc.validate(with_cell(s, tb, r, make_cell(cell_unit(s.ticks[tb][r], F))))
     # A unit run twice: append a tick repeating it.
-    twice = Schedule(**{**s.__dict__, "ticks": s.ticks + (((u, None),) * S,)})
+    twice = Schedule(**{**s.__dict__, "ticks": s.ticks + ((make_cell(u),) * S,)})
     with pytest.raises(ScheduleError, match="twice"):
         sc.validate(twice)
     if K > 1 and u.seg < K - 1:
         # Two segments of one micro-batch swapped: the KV prefix (forward) or the K/V
         # gradient (backward) comes too late.
         v = Unit(u.mb, u.seg + 1, u.chunk)
-        tv = find(s, r, v, 0)
-        broken = with_cell(s, tf, r, (v, s.ticks[tf][r][1]))
-        broken = with_cell(broken, tv, r, (u, s.ticks[tv][r][1]))
+        tv = find(s, r, v, F)
+        broken = with_cell(s, tf, r, make_cell(v, cell_unit(s.ticks[tf][r], B)))
+        broken = with_cell(broken, tv, r, make_cell(u, cell_unit(s.ticks[tv][r], B)))
         with pytest.raises(ScheduleError, match="KV prefix|input"):
             sc.validate(broken)
-        tv = find(s, r, v, 1)
-        broken = with_cell(s, tb, r, (s.ticks[tb][r][0], v))
-        broken = with_cell(broken, tv, r, (s.ticks[tv][r][0], u))
+        tv = find(s, r, v, B)
+        broken = with_cell(s, tb, r, make_cell(cell_unit(s.ticks[tb][r], F), v))
+        broken = with_cell(broken, tv, r, make_cell(cell_unit(s.ticks[tv][r], F), u))
         with pytest.raises(ScheduleError, match="K/V gradient|cotangent|before its forward"):
             sc.validate(broken)
     # Everything on stage r one tick later: its backwards now meet their cotangents (or
     # the next stage meets its inputs) in the same tick.
     if S > 1:
-        ticks = [list(row) for row in s.ticks] + [[(None, None)] * S]
+        ticks = [list(row) for row in s.ticks] + [[make_cell()] * S]
         for t in reversed(range(1, len(ticks))):
             ticks[t][r] = ticks[t - 1][r]
-        ticks[0][r] = (None, None)
+        ticks[0][r] = make_cell()
         late = Schedule(**{**s.__dict__, "ticks": tuple(tuple(row) for row in ticks)})
         with pytest.raises(ScheduleError, match="input|cotangent"):
             sc.validate(late)
@@ -244,7 +250,7 @@ def test_inflight_bounds(cfg):
     elif V > 1:
         bound = V * M * K
         assert sc.build(*cfg).ticks == sc.build(name, S, M, K, V, "minimal").ticks
-    elif name.startswith("seq1f1b"):
+    elif sc.GENERATORS[name].granularity == "segment":
         bound = min(S + K - 1 if depth == "minimal" else 2 * (S - 1) + K, M * K)
     else:  # whole micro-batches
         bound = min(S if depth == "minimal" else 2 * S - 1, M) * K
@@ -313,8 +319,8 @@ def test_seq1f1b_with_one_segment_is_1f1b(S, M, depth):
 
 def test_gpipe_runs_all_forwards_first():
     s = sc.build("gpipe", 3, 4, 2)
-    fwd_end = max(t for t, row in enumerate(s.ticks) if row[0][0] is not None)
-    bwd_start = min(t for t, row in enumerate(s.ticks) if row[0][1] is not None)
+    fwd_end = max(t for t, row in enumerate(s.ticks) if cell_unit(row[0], F) is not None)
+    bwd_start = min(t for t, row in enumerate(s.ticks) if cell_unit(row[0], B) is not None)
     assert fwd_end < bwd_start
 
 
@@ -339,27 +345,179 @@ def test_time_and_bubble_by_hand():
 
 def test_hand_made_tables():
     u = Unit(0, 0, 0)
-    ok = Schedule("1f1b", 1, 1, 1, 1, "full", (((u, u),),))
+    fb, f, b, none = make_cell(u, u), make_cell(u), make_cell(None, u), make_cell()
+    ok = Schedule("1f1b", 1, 1, 1, 1, "full", ((fb,),))
     sc.validate(ok)
-    early = Schedule("1f1b", 1, 1, 1, 1, "full", (((None, u),), ((u, None),)))
+    early = Schedule("1f1b", 1, 1, 1, 1, "full", ((b,), (f,)))
     with pytest.raises(ScheduleError, match="before its forward"):
         sc.validate(early)
-    same_tick = Schedule(
-        "1f1b", 2, 1, 1, 1, "full", (((u, None), (u, u)), ((None, u), (None, None)))
-    )
+    same_tick = Schedule("1f1b", 2, 1, 1, 1, "full", ((f, fb), (b, none)))
     with pytest.raises(ScheduleError, match="input"):
         sc.validate(same_tick)
-    not_last = Schedule(
-        "1f1b", 2, 1, 1, 1, "full", (((u, u), (None, None)), ((None, None), (u, u)))
-    )
+    not_last = Schedule("1f1b", 2, 1, 1, 1, "full", ((fb, none), (none, fb)))
     with pytest.raises(ScheduleError, match="before its forward"):
         sc.validate(not_last)
-    out_of_range = Schedule("1f1b", 1, 1, 1, 1, "full", (((Unit(0, 0, 1), u),),))
+    out_of_range = Schedule("1f1b", 1, 1, 1, 1, "full", ((make_cell(Unit(0, 0, 1), u),),))
     with pytest.raises(ScheduleError, match="out of range"):
         sc.validate(out_of_range)
-    short_row = Schedule("1f1b", 2, 1, 1, 1, "full", (((u, u),),))
+    short_row = Schedule("1f1b", 2, 1, 1, 1, "full", ((fb,),))
     with pytest.raises(ScheduleError, match="one per stage"):
         sc.validate(short_row)
+
+
+def test_operations_in_a_cell():
+    u, v = Unit(0, 0, 0), Unit(0, 1, 0)
+    cell = make_cell(u, v)
+    assert cell == (sc.Op(F, u), sc.Op(B, v))
+    assert (cell_unit(cell, F), cell_unit(cell, B), cell_unit(cell, W)) == (u, v, None)
+    assert make_cell() == () and make_cell(None, None, u) == (sc.Op(W, u),)
+    assert [k.value for k in sc.KINDS] == ["F", "B", "W"]
+    s = Schedule("1f1b", 1, 1, 1, 1, "full", (((sc.Op(B, u), sc.Op(F, u)),),))
+    with pytest.raises(ScheduleError, match="at most one per kind"):
+        sc.validate(s)  # out of order
+    s = Schedule("1f1b", 1, 1, 1, 1, "full", (((sc.Op(F, u), sc.Op(F, u)),),))
+    with pytest.raises(ScheduleError, match="at most one per kind"):
+        sc.validate(s)
+    s = Schedule("1f1b", 1, 1, 1, 1, "full", (((u, u),),))  # the old (forward, backward) pair
+    with pytest.raises(ScheduleError, match="tuple of Op"):
+        sc.validate(s)
+
+
+def test_weight_operations():
+    u, v = Unit(0, 0, 0), Unit(1, 0, 0)
+    fb, w = make_cell(u, u), make_cell(None, None, u)
+    split = Schedule("1f1b", 1, 1, 1, 1, "full", ((fb,), (w,)))
+    sc.validate(split)
+    sc.validate(Schedule("1f1b", 1, 1, 1, 1, "full", ((make_cell(u, u, u),),)))  # B then W
+    early = Schedule("1f1b", 1, 1, 1, 1, "full", ((make_cell(u, None, u),), (make_cell(None, u),)))
+    with pytest.raises(ScheduleError, match="weight .* runs before its backward"):
+        sc.validate(early)
+    twice = Schedule("1f1b", 1, 1, 1, 1, "full", ((fb,), (w,), (w,)))
+    with pytest.raises(ScheduleError, match="weight .* runs twice"):
+        sc.validate(twice)
+    # One W in the table: every unit needs its W.
+    half = Schedule("1f1b", 1, 2, 1, 1, "full", ((fb,), (make_cell(v, v, u),)))
+    with pytest.raises(ScheduleError, match=r"weight Unit\(mb=1.* never runs"):
+        sc.validate(half)
+    # F = B = W = 1 with W in the table: F+B (2), then W (1); held until the W.
+    got = sc.stats(split)
+    assert (got["ticks"], got["time"], got["bubble"], got["inflight_peak"]) == (2, 3.0, 0.0, [1])
+    assert got["stash_slots"] is None  # no executor for W yet
+    with pytest.raises(ScheduleError, match="W operations"):
+        sc.lower(split)
+    assert "F0.0/B0.0" in sc.to_text(split) and "W0.0" in sc.to_text(split)
+    assert sc.to_json(split)["ticks"][1][0] == {
+        "stage": 0,
+        "forward": None,
+        "backward": None,
+        "weight": {"mb": 0, "seg": 0, "chunk": 0},
+    }
+
+
+@pytest.mark.parametrize("cfg", [("seq1f1b", 4, 8, 4), ("interleaved_1f1b", 2, 4, 1, 2)])
+def test_a_backward_split_in_place_costs_the_same(cfg):
+    s = sc.build(*cfg)
+    ticks = tuple(
+        tuple(make_cell(cell_unit(c, F), cell_unit(c, B), cell_unit(c, B)) for c in row)
+        for row in s.ticks
+    )
+    split = dataclasses.replace(s, ticks=ticks)
+    sc.validate(split)
+    got, want = sc.stats(split), sc.stats(s)
+    for key in ("ticks", "time", "bubble", "inflight_peak", "activation_fraction"):
+        assert got[key] == want[key]
+
+
+def test_registry():
+    assert (
+        sc.SCHEDULES
+        == tuple(sc.GENERATORS)
+        == (
+            "gpipe",
+            "1f1b",
+            "seq1f1b",
+            "interleaved_1f1b",
+            "seq1f1b_interleaved",
+        )
+    )
+    assert sc.INTERLEAVED == ("interleaved_1f1b", "seq1f1b_interleaved")
+    assert [n for n, g in sc.GENERATORS.items() if g.forwards_first] == ["gpipe"]
+    assert [n for n, g in sc.GENERATORS.items() if g.granularity == "segment"] == [
+        "seq1f1b",
+        "seq1f1b_interleaved",
+    ]
+    assert all(g.granularity in ("microbatch", "segment") for g in sc.GENERATORS.values())
+    with pytest.raises(ScheduleError, match="unknown schedule"):
+        sc.generator("zero_bubble")
+    from seqpipe import config
+
+    assert config.SCHEDULES == ("none", *sc.SCHEDULES)
+
+
+def _digest(p: sc.Program) -> str:
+    h = hashlib.sha256()
+    for f in dataclasses.fields(p):
+        v = getattr(p, f.name)
+        h.update(f.name.encode())
+        h.update(
+            repr(v.shape).encode() + v.tobytes() if isinstance(v, np.ndarray) else repr(v).encode()
+        )
+    return h.hexdigest()[:16]
+
+
+@pytest.mark.parametrize(
+    "cfg, digest",
+    [
+        (("1f1b", 4, 8, 1, 1, "minimal"), "a3e9e6d3c8cae1b2"),
+        (("seq1f1b", 4, 8, 4, 1, "full"), "371005d63faf848a"),
+        (("gpipe", 3, 4, 2, 1, "full"), "a541b3b473cd6d48"),
+        (("seq1f1b_interleaved", 4, 8, 2, 2, "full"), "564a39c5a2f3bbcd"),
+        (("interleaved_1f1b", 2, 4, 1, 2, "minimal"), "b154058edcc63a1f"),
+    ],
+)
+def test_lowering_is_pinned(cfg, digest):
+    # Every Program array, as the (forward, backward) cells of 0952314 lowered them: the
+    # executor reads these; a change here must be deliberate.
+    assert _digest(sc.lower(sc.build(*cfg))) == digest
+
+
+def test_chunk_costs_by_hand():
+    # S=2, M=2, 1F1B; the last stage's forward carries h more (its head). Ticks: F0 | F1,
+    # F0+h+B0 | B0, F1+h+B1 | B1: time 1 + 2*(3+h) + 2; busy 6 and 6+2h.
+    s = sc.build("1f1b", 2, 2)
+    assert sc.stats(s, chunk_costs={}) == sc.stats(s) == sc.stats(s, chunk_costs={"F": [0, 0]})
+    assert sc.stats(s)["bubble"] == pytest.approx(1 / 3, abs=1e-6)
+    for h in (0.5, 1.0, 4.0):
+        got = sc.stats(s, chunk_costs={F: [0, h]})
+        assert got["time"] == pytest.approx(9 + 2 * h)
+        assert got["bubble"] == pytest.approx((3 + h) / (9 + 2 * h), abs=1e-6)
+    # Per-token work follows the tokens: segment lengths [3, 1] put 1.5h and 0.5h on them.
+    one = sc.build("seq1f1b", 1, 1, 2)
+    assert sc.stats(one, lengths=[3, 1], chunk_costs={"F": [2.0]})["time"] == 6.0 + 4.0
+    with pytest.raises(ScheduleError, match="chunk_costs"):
+        sc.stats(s, chunk_costs={"F": [1.0]})  # one number per global chunk (V*S)
+    with pytest.raises(ScheduleError, match="chunk_costs"):
+        sc.stats(s, chunk_costs={"X": [0, 1]})
+    with pytest.raises(ScheduleError, match="costs"):
+        sc.stats(sc.build("seq1f1b", 4, 8, 2), costs=[1.0])
+
+
+def test_the_head_grows_the_bubble():
+    shape = dict(d_model=64, num_heads=4, d_ff=256, vocab_size=512, num_layers=4)
+    extra = partition.chunk_costs(4, 16, **shape)
+    # Per token: a layer's forward 8*64*64 + 4*64*256 + (4*16 + 3)*4 * 16/2 = 100448; the
+    # head's forward and backward 6*64*512; one layer per chunk.
+    assert extra["F"] == (0, 0, 0, pytest.approx(6 * 64 * 512 / 100448))
+    assert extra["B"] == (pytest.approx(64 / 100448), 0, 0, 0)
+    s = sc.build("seq1f1b", 4, 8, 4)
+    plain, head = sc.stats(s), sc.stats(s, chunk_costs=extra)
+    assert round(plain["bubble"], 3) == 0.086  # the README's figure, unchanged by default
+    assert head["bubble"] > plain["bubble"] + 0.05 and head["time"] > plain["time"]
+    # With V = 2 the head sits on chunk 1 of the last stage only.
+    s2 = sc.build("seq1f1b_interleaved", 2, 2, 1, 2)
+    extra2 = partition.chunk_costs(4, 16, **shape)
+    busy = sc.op_costs(s2, chunk_costs=extra2).sum(axis=(0, 2))
+    assert busy[1] - busy[0] == pytest.approx(2 * extra2["F"][3] - 2 * extra2["B"][0])
 
 
 @pytest.mark.parametrize(
@@ -373,7 +531,6 @@ def test_hand_made_tables():
         (("interleaved_1f1b", 4, 6, 1, 2), "multiple of"),
         (("seq1f1b", 4, 8, 2, 1, "deep"), "inflight"),
         (("seq1f1b", 4, 8, 4, 1, 2), "too small"),
-        (("seq1f1b", 4, 8, 2, 1, "full", [1.0]), "costs"),
     ],
 )
 def test_bad_arguments(args, match):
@@ -436,6 +593,7 @@ def test_cli_text_and_json(tmp_path):
         "stage": 0,
         "forward": {"mb": 0, "seg": 0, "chunk": 0},
         "backward": None,
+        "weight": None,
     }
     assert len(data["ticks"][0]) == 2 and "bubble" in data["stats"]
 
@@ -458,6 +616,27 @@ def test_cli_png(tmp_path):
     )
     assert res.returncode == 0, res.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_head():
+    base = ["--schedule", "seq1f1b", "--stages", "4", "--microbatches", "8", "--segments", "4"]
+    shape = ["--seq-len", "16", "--d-model", "64", "--num-heads", "4", "--d-ff", "256"]
+    shape += ["--vocab-size", "512", "--num-layers", "4", "--format", "json"]
+    plain, head = cli(*base, *shape), cli(*base, *shape, "--head")
+    assert plain.returncode == head.returncode == 0, plain.stderr + head.stderr
+    # What the CLI computes from the shape: FLOP-weighted segments plus the head.
+    extra = partition.chunk_costs(
+        4, 16, d_model=64, num_heads=4, d_ff=256, vocab_size=512, num_layers=4
+    )
+    costs = partition.segment_flops(
+        (4, 4, 4, 4), d_model=64, num_heads=4, d_ff=256, vocab_size=512, num_layers=4
+    )
+    s = sc.build("seq1f1b", 4, 8, 4)
+    want = sc.stats(s, costs, (4, 4, 4, 4), extra)
+    assert json.loads(head.stdout)["stats"] == want
+    assert want["bubble"] > json.loads(plain.stdout)["stats"]["bubble"]
+    res = cli(*base, "--head")
+    assert res.returncode == 2 and "--head needs" in res.stderr
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from seqpipe import config as config_lib
 from seqpipe import model, pipeline, reference, sharding
+from seqpipe import schedule as schedule_lib
 
 KEYS_MENTIONED = ("model.", "mesh.", "pipeline.", "train.", "data.")
 
@@ -42,7 +43,8 @@ def configs(draw):
     schedule = draw(st.sampled_from(config_lib.SCHEDULES))
     if stage > 1 and schedule == "none":
         schedule = "seq1f1b"
-    virtual = draw(st.sampled_from([1, 2])) if "interleaved" in schedule else 1
+    gen = schedule_lib.GENERATORS.get(schedule)  # None for "none"
+    virtual = draw(st.sampled_from([1, 2])) if gen and gen.interleaved else 1
     microbatches = stage * draw(st.integers(1, 2)) if virtual > 1 else draw(st.integers(1, 5))
     segments = draw(st.integers(1, 4))
     c.mesh.update(data=data, stage=stage)

@@ -78,8 +78,10 @@ def variant(config, name: str, segments: int, part: str, virtual: int, stage: in
 
 
 def label(name: str, segments: int, part: str, virtual: int) -> str:
+    from seqpipe import schedule
+
     out = name
-    if name.startswith("seq1f1b"):
+    if schedule.generator(name).granularity == "segment":
         out += f" K{segments} {part}"
     return out + (f" V{virtual}" if virtual > 1 else "")
 
@@ -143,16 +145,19 @@ def predicted(spec, cost) -> dict:
     stage, a stage's tick costing cost(seg, first, last, backward) of what it runs."""
     import numpy as np
 
+    from seqpipe import schedule
+
     sched = spec.schedule
     S, last = sched.stages, sched.stages * sched.virtual - 1
     total, busy = 0.0, np.zeros(S)
     for row in sched.ticks:
         tick = np.zeros(S)
         for r, cell in enumerate(row):
-            for backward, u in enumerate(cell):
-                if u is not None:
-                    g = u.chunk * S + r
-                    tick[r] += cost(spec, u.seg, g == 0, g == last, bool(backward))
+            for op in cell:
+                if op.kind == schedule.W:
+                    raise ValueError("predicted: W operations have no measured cost yet")
+                g = op.unit.chunk * S + r
+                tick[r] += cost(spec, op.unit.seg, g == 0, g == last, op.kind == schedule.B)
         total += tick.max()
         busy += tick
     return {"time": float(total), "bubble": float(np.mean(1 - busy / total))}

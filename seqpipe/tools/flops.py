@@ -38,7 +38,7 @@ import math
 import jax
 import jax.extend
 
-from seqpipe import attention, model, units
+from seqpipe import attention, model, schedule, units
 from seqpipe.model import GPTConfig
 
 # --------------------------------------------------------------------------- analytic
@@ -207,10 +207,11 @@ def unit_counts(sched) -> collections.Counter:
     counts = collections.Counter()
     for row in sched.ticks:
         for r, cell in enumerate(row):
-            for backward, u in enumerate(cell):
-                if u is not None:
-                    g = u.chunk * S + r
-                    counts[u.seg, g == 0, g == last, bool(backward)] += 1
+            for op in cell:
+                if op.kind == schedule.W:
+                    raise ValueError("unit_counts: W operations have no unit functions yet")
+                g = op.unit.chunk * S + r
+                counts[op.unit.seg, g == 0, g == last, op.kind == schedule.B] += 1
     return counts
 
 

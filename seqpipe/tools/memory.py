@@ -305,7 +305,10 @@ def parse_schedules(text: str) -> list[tuple[str, int]]:
 
 
 def _default_k(config, name: str) -> int:
-    return config.pipeline.segments if name.startswith("seq1f1b") else 1
+    from seqpipe import schedule
+
+    gen = schedule.GENERATORS.get(name)
+    return config.pipeline.segments if gen and gen.granularity == "segment" else 1
 
 
 def _mib(x: int) -> str:
