@@ -215,14 +215,8 @@ class Trainer:
         train_tokens, eval_tokens = data.load_tokens(config, workdir)  # checks the data first
         prepare_workdir(workdir)
         self.batches = data.train_iterator(config, train_tokens)
-        self.eval_set = (
-            [
-                data.to_global(b, self.mesh)
-                for b in data.eval_batches(config, eval_tokens, t.eval_batches)
-            ]
-            if t.eval_every
-            else []
-        )
+        held_out = data.eval_batches(config, eval_tokens, t.eval_batches) if t.eval_every else []
+        self.eval_set = [data.to_global(b, self.mesh) for b in held_out]
         self.tx = optim.make_optimizer(t)
         self.manager = checkpoint.make_manager(workdir, config)
         try:
