@@ -244,7 +244,3 @@ class Throughput:
         elapsed = now - self._time
         self._time, self._step = now, step
         return tokens_per_step * steps / elapsed, elapsed / steps
-
-
-def error(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr, flush=True)

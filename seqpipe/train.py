@@ -6,6 +6,9 @@ step it just launched. Checkpoints (`seqpipe.checkpoint`) are saved every
 SIGTERM or SIGINT finishes the current step, saves, and returns; a second SIGINT aborts.
 """
 
+import contextlib
+import dataclasses
+import os
 import signal
 import threading
 import time
@@ -150,8 +153,6 @@ class StopRequest:
             raise KeyboardInterrupt  # the second Ctrl-C: stop now
         self.signal_name = signal.Signals(signum).name
         if self._multi:
-            import os
-
             os.kill(os.getpid(), signal.SIGTERM)  # to JAX's preemption notifier
 
     def requested(self, step: int) -> bool:
@@ -165,168 +166,225 @@ class StopRequest:
         return self.signal_name is not None
 
 
+@dataclasses.dataclass
+class BadSteps:
+    """Steps skipped for a non-finite loss or gradient norm: in all, and the current run."""
+
+    total: int = 0
+    in_row: int = 0
+
+    def count(self, skipped: bool) -> None:
+        if skipped:
+            self.total += 1
+            self.in_row += 1
+        else:
+            self.in_row = 0
+
+    def record(self) -> dict:
+        return {"bad_steps": self.total, "bad_steps_in_row": self.in_row}
+
+
 def run(config: ConfigDict, workdir: str) -> list[dict]:
     """Train to config.train.steps (or train.stop_at), resuming from the newest checkpoint
     in workdir; returns the records logged by this invocation."""
-    t = config.train
     config_lib.validate(config, jax.device_count())
-    mesh = sharding.make_mesh(config.mesh.data, config.mesh.stage)
-    train_tokens, eval_tokens = data.load_tokens(config, workdir)  # checks the data first
-    prepare_workdir(workdir)
-    batches = data.train_iterator(config, train_tokens)
-    eval_set = (
-        [data.to_global(b, mesh) for b in data.eval_batches(config, eval_tokens, t.eval_batches)]
-        if t.eval_every
-        else []
-    )
-    tx = optim.make_optimizer(t)
-    main = jax.process_index() == 0
-    manager = checkpoint.make_manager(workdir, config)
+    trainer = Trainer(config, workdir)
     try:
-        restored = checkpoint.restore_latest(manager, abstract_state(config, mesh, tx), config)
-    except BaseException:
-        manager.close()
-        raise
-    if restored:
-        start, state, data_state = restored
-        batches.set_state(data_state)
-    else:
-        start, state = 0, init_state(config, mesh, tx)
-    end = min(t.stop_at or t.steps, t.steps)
-    log = MetricsLog(workdir, t.steps, enabled=main, start_step=start)
-    if restored:
-        log.print(f"resumed from {checkpoint.directory(workdir)}/{start}")
-    if start >= end:
-        log.print(f"nothing to do: the checkpoint is at step {start}, the run ends at {end}")
-        log.close()
-        manager.close()
-        return []
+        if trainer.start >= trainer.end:
+            trainer.log.print(
+                f"nothing to do: the checkpoint is at step {trainer.start}, "
+                f"the run ends at {trainer.end}"
+            )
+            return []
+        return trainer.train()
+    finally:
+        trainer.close()
 
-    step_fn = make_train_step(
-        make_grad_fn(config, mesh), tx, optim.lr_schedule(t), tuple(t.inject_nan_at)
-    )
-    eval_fn = make_eval_fn(config)
-    tokens_per_step = t.global_batch_size * t.seq_len
-    flops_per_token = model.flops_per_token(GPTConfig.from_config(config.model), t.seq_len)
-    devices = mesh.devices.flatten().tolist()
-    peak = peak_flops(devices[0].device_kind)
-    constants = {"flops_per_token": flops_per_token, "bubble": bubble_fraction(config)}
-    records, throughput = [], Throughput(start)
-    loop_start = time.perf_counter()
-    first_step_s = None  # compilation plus the first step, kept out of the throughput
-    bad = {"bad_steps": 0, "bad_steps_in_row": 0}  # skipped steps: in all, and the current run
-    saved_step = start if restored else None
 
-    def report(step: int, metrics: dict, eval_losses: list | None, force: bool = False) -> None:
-        # Called one step late so the host never waits on the step it just dispatched.
-        skipped = bad["bad_steps_in_row"] > 0  # counted by finished(step), just before
+class Trainer:
+    """One invocation of `run`: the state restored (or created), stepped, logged and saved.
+
+    The host stays one step ahead: it dispatches step t, then waits for step t-1 and
+    reports it, so it never waits on the step it just launched.
+    """
+
+    def __init__(self, config: ConfigDict, workdir: str):
+        t = config.train
+        self.config, self.workdir = config, workdir
+        self.mesh = sharding.make_mesh(config.mesh.data, config.mesh.stage)
+        train_tokens, eval_tokens = data.load_tokens(config, workdir)  # checks the data first
+        prepare_workdir(workdir)
+        self.batches = data.train_iterator(config, train_tokens)
+        held_out = data.eval_batches(config, eval_tokens, t.eval_batches) if t.eval_every else []
+        self.eval_set = [data.to_global(b, self.mesh) for b in held_out]
+        self.tx = optim.make_optimizer(t)
+        self.manager = checkpoint.make_manager(workdir, config)
+        try:
+            restored = self.restore()
+        except BaseException:
+            self.manager.close()
+            raise
+        self.saved_step = self.start if restored else None  # the newest checkpoint
+        self.end = min(t.stop_at or t.steps, t.steps)
+        main = jax.process_index() == 0
+        self.log = MetricsLog(workdir, t.steps, enabled=main, start_step=self.start)
+        if restored:
+            self.log.print(f"resumed from {checkpoint.directory(workdir)}/{self.start}")
+        self.bad = BadSteps()
+        self.records: list[dict] = []
+
+    def restore(self) -> bool:
+        """The newest checkpoint's state and data position, or a fresh state at step 0."""
+        abstract = abstract_state(self.config, self.mesh, self.tx)
+        restored = checkpoint.restore_latest(self.manager, abstract, self.config)
+        if restored:
+            self.start, self.state, data_state = restored
+            self.batches.set_state(data_state)
+        else:
+            self.start, self.state = 0, init_state(self.config, self.mesh, self.tx)
+        return bool(restored)
+
+    def train(self) -> list[dict]:
+        """Steps start+1 .. end (or until a signal); returns the records logged."""
+        config, t = self.config, self.config.train
+        step_fn = make_train_step(
+            make_grad_fn(config, self.mesh), self.tx, optim.lr_schedule(t), tuple(t.inject_nan_at)
+        )
+        eval_fn = make_eval_fn(config)
+        self._start_reporting()
+        pending = None  # the step dispatched last, not yet waited for
+        with self._as_training_errors(), StopRequest() as stop:
+            for step in range(self.start + 1, self.end + 1):
+                batch = data.to_global(next(self.batches)["tokens"], self.mesh)
+                self.state, metrics = step_fn(self.state, batch)
+                evaluate = bool(self.eval_set) and (step % t.eval_every == 0 or step == self.end)
+                eval_losses = (
+                    [eval_fn(self.state["params"], b) for b in self.eval_set] if evaluate else None
+                )
+                if pending:
+                    self._finished(pending[0], pending[1])
+                    self._report(*pending)
+                pending = (step, metrics, eval_losses)
+                stopping = stop.requested(step)
+                every = config.checkpoint.every
+                if step == self.end or stopping or (every and step % every == 0):
+                    self._finished(step, metrics)
+                    self._report(*pending, force=True)
+                    pending = None
+                    self._save(step)
+                if stopping:
+                    self.log.print(
+                        f"stopped by {stop.signal_name} at step {step}; checkpoint saved in "
+                        f"{checkpoint.directory(self.workdir)}; run again to resume"
+                    )
+                    break
+        return self.records
+
+    def _finished(self, step: int, metrics: dict) -> None:
+        """Wait for `step` (dispatched before the one now running) and count a skip."""
+        jax.block_until_ready(metrics)
+        # One int off a step that is already done: counting skips adds no wait.
+        self.bad.count(bool(int(jax.device_get(metrics["skipped"]))))
+        self.log.step(step)
+        if step == self.start + 1:
+            self.first_step_s = time.perf_counter() - self.loop_start
+            self.throughput.reset(step)
+
+    def _start_reporting(self) -> None:
+        """What every record repeats, and the clocks: started just before the first step."""
+        t = self.config.train
+        self.tokens_per_step = t.global_batch_size * t.seq_len
+        cfg = GPTConfig.from_config(self.config.model)
+        self.flops_per_token = model.flops_per_token(cfg, t.seq_len)
+        self.devices = self.mesh.devices.flatten().tolist()
+        self.peak = peak_flops(self.devices[0].device_kind)
+        self.constants = {
+            "flops_per_token": self.flops_per_token,
+            "bubble": bubble_fraction(self.config),
+        }
+        self.throughput = Throughput(self.start)
+        self.loop_start = time.perf_counter()
+        self.first_step_s = None  # compilation plus the first step, kept out of the throughput
+
+    def _report(self, step: int, metrics: dict, eval_losses: list | None, force=False) -> None:
+        """Log `step` if due (or forced, evaluated, skipped); stop after too many skips."""
         # A run's first step is always logged: its loss and the compile time it includes.
-        due = step % t.log_every == 0 or step in (start + 1, end)
+        due = step % self.config.train.log_every == 0 or step in (self.start + 1, self.end)
+        skipped = self.bad.in_row > 0  # counted by _finished(step), just before
         if not (due or force or eval_losses or skipped):
             return
+        record = self._record(step, metrics, eval_losses)
+        self.records.append(record)
+        self.log.write(record)
+        if self.bad.in_row >= self.config.train.max_bad_steps:
+            raise self._too_many_bad_steps(step, record)
+
+    def _record(self, step: int, metrics: dict, eval_losses: list | None) -> dict:
         values = jax.device_get(metrics)
         record = {"step": step, **{k: float(v) for k, v in values.items() if k != "skipped"}}
-        record.update({k: bad[k] for k in ("bad_steps", "bad_steps_in_row")})
+        record.update(self.bad.record())
         if eval_losses:
             record["eval_loss"] = float(np.mean(jax.device_get(eval_losses)))
-        record.update(constants)
-        if step == start + 1:
-            record["first_step_s"] = first_step_s
+        record.update(self.constants)
+        if step == self.start + 1:
+            record["first_step_s"] = self.first_step_s
         else:
-            tokens_per_s, record["step_time_s"] = throughput.update(step, tokens_per_step)
+            tokens_per_s, record["step_time_s"] = self.throughput.update(step, self.tokens_per_step)
             record["tokens_per_s"] = tokens_per_s
-            record["flops_per_s"] = flops_per_token * tokens_per_s
-            if peak:
-                record["mfu"] = record["flops_per_s"] / (peak * len(devices))
+            record["flops_per_s"] = self.flops_per_token * tokens_per_s
+            if self.peak:
+                record["mfu"] = record["flops_per_s"] / (self.peak * len(self.devices))
         memory = device_memory_peak(jax.local_devices())
         if memory is not None:
             record["peak_memory_bytes"] = memory
-        records.append(record)
-        log.write(record)
-        if bad["bad_steps_in_row"] >= t.max_bad_steps:
-            first = step - bad["bad_steps_in_row"] + 1
+        return record
+
+    def _too_many_bad_steps(self, step: int, record: dict) -> TrainingError:
+        in_row, limit = self.bad.in_row, self.config.train.max_bad_steps
+        kept = (
+            f"the last checkpoint, step {self.saved_step} in "
+            f"{checkpoint.directory(self.workdir)}, is as it was"
+            if self.saved_step is not None
+            else "no checkpoint was saved"
+        )
+        return TrainingError(
+            f"steps {step - in_row + 1}-{step}: {in_row} in a row with a non-finite "
+            f"loss or gradient norm (train.max_bad_steps={limit}; last loss "
+            f"{record['loss']}, grad_norm {record['grad_norm']}); stopped without saving, "
+            f"{kept}; lower train.learning_rate or check the data"
+        )
+
+    def _save(self, step: int) -> None:
+        checkpoint.wait(self.manager, self.saved_step)  # the previous write's failure surfaces here
+        checkpoint.save(self.manager, step, self.state, self.batches.get_state(), self.config)
+        self.saved_step = step
+
+    @contextlib.contextmanager
+    def _as_training_errors(self):
+        """A failed checkpoint or metrics write stops training with one line saying why."""
+        try:
+            yield
+        except checkpoint.SaveError as e:
+            raise TrainingError(str(e)) from None
+        except MetricsError as e:
             kept = (
-                f"the last checkpoint, step {saved_step} in {checkpoint.directory(workdir)}, is "
-                "as it was"
-                if saved_step is not None
+                f"step {self.saved_step} in {checkpoint.directory(self.workdir)} is the newest "
+                "checkpoint"
+                if self.saved_step is not None
                 else "no checkpoint was saved"
             )
             raise TrainingError(
-                f"steps {first}-{step}: {bad['bad_steps_in_row']} in a row with a non-finite "
-                f"loss or gradient norm (train.max_bad_steps={t.max_bad_steps}; last loss "
-                f"{record['loss']}, grad_norm {record['grad_norm']}); stopped without saving, "
-                f"{kept}; lower train.learning_rate or check the data"
-            )
+                f"{e}; stopped, {kept}; free space there and run again to resume"
+            ) from None
 
-    def finished(step: int, metrics: dict) -> None:
-        # Wait for step t-1 while step t runs: the host stays one step ahead, no more.
-        nonlocal first_step_s
-        jax.block_until_ready(metrics)
-        # One int off a step that is already done: counting skips adds no wait.
-        if int(jax.device_get(metrics["skipped"])):
-            bad["bad_steps"] += 1
-            bad["bad_steps_in_row"] += 1
-        else:
-            bad["bad_steps_in_row"] = 0
-        log.step(step)
-        if step == start + 1:
-            first_step_s = time.perf_counter() - loop_start
-            throughput.reset(step)
-
-    def save(step: int) -> None:
-        nonlocal saved_step
-        checkpoint.wait(manager, saved_step)  # the previous write's failure surfaces here
-        checkpoint.save(manager, step, state, batches.get_state(), config)
-        saved_step = step
-
-    pending, step = None, start
-    try:
-        with StopRequest() as stop:
-            for step in range(start + 1, end + 1):
-                batch = data.to_global(next(batches)["tokens"], mesh)
-                state, metrics = step_fn(state, batch)
-                evaluate = bool(eval_set) and (step % t.eval_every == 0 or step == end)
-                eval_losses = [eval_fn(state["params"], b) for b in eval_set] if evaluate else None
-                if pending:
-                    finished(pending[0], pending[1])
-                    report(*pending)
-                pending = (step, metrics, eval_losses)
-                stopping = stop.requested(step)
-                if (
-                    step == end
-                    or stopping
-                    or (config.checkpoint.every and step % config.checkpoint.every == 0)
-                ):
-                    finished(step, metrics)
-                    report(*pending, force=True)
-                    pending = None
-                    save(step)
-                if stopping:
-                    log.print(
-                        f"stopped by {stop.signal_name} at step {step}; checkpoint saved in "
-                        f"{checkpoint.directory(workdir)}; run again to resume"
-                    )
-                    break
-    except checkpoint.SaveError as e:
-        raise TrainingError(str(e)) from None
-    except MetricsError as e:
-        kept = (
-            f"step {saved_step} in {checkpoint.directory(workdir)} is the newest checkpoint"
-            if saved_step is not None
-            else "no checkpoint was saved"
-        )
-        raise TrainingError(
-            f"{e}; stopped, {kept}; free space there and run again to resume"
-        ) from None
-    finally:
+    def close(self) -> None:
+        """Wait for the save in flight (its failure is a TrainingError), then close all."""
         try:
-            checkpoint.wait(manager, saved_step)
-        except checkpoint.SaveError as e:
-            raise TrainingError(str(e)) from None
+            with self._as_training_errors():
+                checkpoint.wait(self.manager, self.saved_step)
         finally:
-            manager.close()
-            log.close()
-    return records
+            self.manager.close()
+            self.log.close()
 
 
 def compile_only(config: ConfigDict) -> dict:
@@ -361,14 +419,13 @@ def compile_only(config: ConfigDict) -> dict:
     )
     cfg = GPTConfig.from_config(config.model)
     flops_per_token = model.flops_per_token(cfg, t.seq_len)
-    num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state["params"]))
     return {
         "mesh": {"data": config.mesh.data, "stage": config.mesh.stage},
         "device_kind": mesh.devices.flat[0].device_kind,
         "schedule": config.pipeline.schedule,
         "microbatches": config.pipeline.microbatches,
         "segments": config.pipeline.segments,
-        "params": num_params,
+        "params": model.num_params(state["params"]),
         "bubble": bubble_fraction(config),
         "memory_per_device_bytes": memory,
         "memory_per_device_gib": round(memory["total"] / 2**30, 3),

@@ -4,6 +4,7 @@ import json
 import os
 import sysconfig
 
+import chex
 import jax
 import ml_collections
 import numpy as np
@@ -192,7 +193,8 @@ def test_windows_are_contiguous_slices_and_an_epoch_covers_each_once(tmp_path):
     config = stream_config(tmp_path)
     batches = take(data.train_iterator(config, STREAM), 8)  # 8 x 8 = one epoch
     for b in batches:
-        assert b.shape == (8, 5) and b.dtype == np.int32
+        chex.assert_shape(b, (8, 5))
+        chex.assert_type(b, np.int32)
         np.testing.assert_array_equal(b, b[:, :1] + np.arange(5))
         assert np.all(b[:, 0] % 4 == 0)
     starts = np.concatenate([b[:, 0] for b in batches])

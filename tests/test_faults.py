@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import chex
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
@@ -56,9 +57,10 @@ def test_nan_steps_are_skipped_counted_and_stop_the_run(tmp_path):
     assert np.isfinite(by_step[4]["loss"])
     s2, s3, s4 = (_restore_step(tmp_path / "every", every, s) for s in (2, 3, 4))
     assert int(s2["step"]) == 2 and int(s3["step"]) == 3
-    assert _same(s2["params"], s3["params"]) and _same(s2["opt_state"], s3["opt_state"])
+    chex.assert_trees_all_equal(s2["params"], s3["params"])
+    chex.assert_trees_all_equal(s2["opt_state"], s3["opt_state"])
     assert not _same(s3["params"], s4["params"])  # and the good step 4 trained again
-    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(s3))
+    chex.assert_tree_all_finite(s3)
     (events,) = (tmp_path / "every").glob("events.out.tfevents.*")
     assert read_events(events)["bad_steps"][-1] == (4, 1.0)
 

@@ -1,5 +1,6 @@
 """The model, and the identity Seq1F1B rests on: segment-by-segment equals whole-sequence."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -65,8 +66,7 @@ def test_segment_attention_gradients_match_autodiff_of_naive_attention():
 
     got = jax.grad(lambda *a: jnp.sum(g * by_segments(*a)), argnums=(0, 1, 2))(q, k, v)
     want = jax.grad(lambda *a: jnp.sum(g * naive_causal_attention(*a)), argnums=(0, 1, 2))(q, k, v)
-    for name, x, y in zip("qkv", got, want, strict=True):
-        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6, err_msg=f"d{name}")
+    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)  # (dq, dk, dv)
 
 
 def test_segment_attention_keeps_its_probabilities_once():

@@ -4,15 +4,13 @@ The default run takes an all-pairs sample of the matrix (schedule x mesh x segme
 partition x micro-batches vs stages x virtual stages); `make test-all` runs all of it.
 """
 
-import re
-
 import jax
 import numpy as np
 import pytest
 from pairwise import all_pairs, full_product
 
 from seqpipe import config as config_lib
-from seqpipe import model, pipeline, reference, remat, sharding
+from seqpipe import hlo, model, pipeline, reference, remat, sharding
 from seqpipe import schedule as schedule_lib
 from seqpipe.tools.verify import GRAD_RTOL, LOSS_RTOL, max_relative_error
 
@@ -159,28 +157,6 @@ def test_broken_kv_gradient_is_caught():
     assert max_relative_error(grads, ref_grads)[1] > 1e-3
 
 
-def _computations(hlo: str) -> dict[str, str]:
-    """HLO module text split into {computation name: body}."""
-    parts = re.split(r"\n(?=(?:ENTRY )?%?[\w.\-]+ [^\n]*\{\n)", hlo)
-    out = {}
-    for part in parts:
-        m = re.match(r"(?:ENTRY )?%?([\w.\-]+) ", part)
-        if m:
-            out[m.group(1)] = part
-    return out
-
-
-def _called(body: str) -> set[str]:
-    names = set()
-    for group in re.findall(
-        r"(?:body|condition|to_apply|calls|branch_computations|true_computation|"
-        r"false_computation)=\{?([^}\n]*?)\}?(?:,\s*\w+=|$|\n|\))",
-        body,
-    ):
-        names.update(n.strip().lstrip("%") for n in group.split(","))
-    return names
-
-
 def test_step_hlo_has_transfers_in_loop_and_no_data_all_reduce():
     config = make_config("seq1f1b", (2, 4), 4, "uniform", "more", 1)
     spec = pipeline.make_spec(config)
@@ -191,22 +167,15 @@ def test_step_hlo_has_transfers_in_loop_and_no_data_all_reduce():
         np.int32,
         sharding=sharding.batch_sharding(mesh),
     )
-    hlo = (
+    text = (
         jax.jit(lambda p, t: pipeline.loss_and_grads(p, t, spec, mesh))
         .lower(params, tokens)
         .compile()
         .as_text()
     )
-    comps = _computations(hlo)
-    bodies = [b for c in comps.values() for b in re.findall(r"while\([^\n]*body=%?([\w.\-]+)", c)]
-    assert bodies, "no while loop in the compiled step"
-    inside, todo = set(), list(bodies)
-    while todo:
-        name = todo.pop()
-        if name in inside or name not in comps:
-            continue
-        inside.add(name)
-        todo.extend(_called(comps[name]))
+    comps = hlo.computations(text)
+    assert hlo.loop_bodies(comps), "no while loop in the compiled step"
+    inside = hlo.inside_loops(comps)
     loop_text = "\n".join(comps[n] for n in inside)
     outside = "\n".join(v for k, v in comps.items() if k not in inside)
     assert "collective-permute" in loop_text

@@ -37,6 +37,8 @@ import math
 import re
 import sys
 
+from seqpipe import hlo
+
 # Nothing imports jax at module level, so `main` can still set the fake CPU device count.
 
 DEFAULT_SCHEDULES = "1f1b,seq1f1b:2,seq1f1b:4,seq1f1b:8"
@@ -155,34 +157,11 @@ def carry_avals(config) -> list:
     raise ValueError("no scan in the pipelined step")
 
 
-def _computations(hlo: str) -> dict[str, str]:
-    """HLO module text split into {computation name: body}."""
-    parts = re.split(r"\n(?=(?:ENTRY )?%?[\w.\-]+ [^\n]*\{\n)", hlo)
-    out = {}
-    for part in parts:
-        m = re.match(r"(?:ENTRY )?%?([\w.\-]+) ", part)
-        if m:
-            out[m.group(1)] = part
-    return out
-
-
-def loop_copies(hlo: str, shapes) -> int:
+def loop_copies(hlo_text: str, shapes) -> int:
     """`copy` instructions inside the compiled while loop (its body and everything it
     calls) whose result has one of `shapes`: XLA copying a whole carry buffer per tick."""
-    comps = _computations(hlo)
-    todo = [b for c in comps.values() for b in re.findall(r"body=%?([\w.\-]+)", c)]
-    inside = set()
-    while todo:
-        name = todo.pop()
-        if name in inside or name not in comps:
-            continue
-        inside.add(name)
-        for group in re.findall(
-            r"(?:body|condition|to_apply|calls|branch_computations|true_computation|"
-            r"false_computation)=\{?([^}\n]*?)\}?(?:,\s*\w+=|$|\n|\))",
-            comps[name],
-        ):
-            todo.extend(n.strip().lstrip("%") for n in group.split(","))
+    comps = hlo.computations(hlo_text)
+    inside = hlo.inside_loops(comps)
     wanted = {tuple(s) for s in shapes}
     count = 0
     for name in inside:

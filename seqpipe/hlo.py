@@ -1,0 +1,50 @@
+"""Reading compiled HLO module text: its computations, and which run inside a while loop.
+
+Used by `seqpipe.tools.memory` (carry copies per tick) and the tests (what the loop sends).
+"""
+
+import re
+
+# Each computation starts on a header line `[ENTRY ]%name (params) -> result {`.
+_HEADER = re.compile(r"\n(?=(?:ENTRY )?%?[\w.\-]+ [^\n]*\{\n)")
+_NAME = re.compile(r"(?:ENTRY )?%?([\w.\-]+) ")
+_WHILE_BODY = re.compile(r"while\([^\n]*body=%?([\w.\-]+)")
+# The attributes that name the computations an instruction calls: one name or a {list}.
+_CALLED = re.compile(
+    r"(?:body|condition|to_apply|calls|branch_computations|true_computation|"
+    r"false_computation)=\{?([^}\n]*?)\}?(?:,\s*\w+=|$|\n|\))"
+)
+
+
+def computations(hlo: str) -> dict[str, str]:
+    """HLO module text split into {computation name: its text}."""
+    out = {}
+    for part in _HEADER.split(hlo):
+        if m := _NAME.match(part):
+            out[m.group(1)] = part
+    return out
+
+
+def called(text: str) -> set[str]:
+    """Names of the computations that the instructions in `text` call."""
+    names = set()
+    for group in _CALLED.findall(text):
+        names.update(n.strip().lstrip("%") for n in group.split(","))
+    return names
+
+
+def loop_bodies(comps: dict[str, str]) -> list[str]:
+    """Names of the while loops' body computations."""
+    return [body for text in comps.values() for body in _WHILE_BODY.findall(text)]
+
+
+def inside_loops(comps: dict[str, str]) -> set[str]:
+    """Names of the computations run inside a while loop: its bodies and all they call."""
+    inside, todo = set(), loop_bodies(comps)
+    while todo:
+        name = todo.pop()
+        if name in inside or name not in comps:
+            continue
+        inside.add(name)
+        todo.extend(called(comps[name]))
+    return inside
