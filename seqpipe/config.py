@@ -20,6 +20,10 @@ DTYPES = ("float32", "bfloat16", "float16")
 SOURCES = ("stdlib", "text", "tokens")
 TOKENIZERS = ("bpe", "byte")
 REMAT_POLICIES = tuple(remat.POLICIES)
+# Keys whose value is a name or an integer: an override is read from its own text (an
+# integer if it is one, else a name), never coerced to the type of the value it replaces,
+# so a file's `inflight=6` can be overridden back to `full`. Their sections are not type-safe.
+NAME_OR_INT = ("pipeline.inflight",)
 
 
 class ConfigError(ValueError):
@@ -115,7 +119,12 @@ def load_file(name: str) -> ml_collections.ConfigDict:
 
 
 def _parse_value(key: str, text: str, default):
-    """Coerce an override string to the type of the key's default."""
+    """Coerce an override string to the type of the key's default (or see NAME_OR_INT)."""
+    if key in NAME_OR_INT:
+        try:
+            return int(text)
+        except ValueError:
+            return text  # a name; validate() says which names are valid
     if isinstance(default, bool):
         if text.lower() in ("true", "1", "yes"):
             return True
@@ -123,7 +132,7 @@ def _parse_value(key: str, text: str, default):
             return False
         raise ConfigError(f"--config.{key}={text}: expected true or false")
     if isinstance(default, str):
-        return int(text) if key == "pipeline.inflight" and text.isdigit() else text
+        return text
     try:
         # float() also reads nan and inf, so validation can say what is wrong with them.
         value = float(text) if isinstance(default, float) else ast.literal_eval(text)

@@ -17,6 +17,22 @@ def lr_schedule(train_cfg: ConfigDict) -> optax.Schedule:
     )
 
 
+def schedule_count(opt_state) -> jax.Array:
+    """The count the learning-rate schedule reads: the updates applied so far.
+
+    Kept by optax's `scale_by_schedule`; a skipped step keeps the old optimizer state, so
+    this stays behind the train state's step. Found by its state's name, not a position
+    in the chain, and an error (not a wrong rate) if the optimizer has no such count."""
+    count = optax.tree_utils.tree_get(
+        opt_state,
+        "count",
+        filtering=lambda path, _: getattr(path[-1], "tuple_name", "") == "ScaleByScheduleState",
+    )
+    if count is None:
+        raise ValueError("the optimizer state holds no ScaleByScheduleState count")
+    return count
+
+
 def _decay_mask(params):
     """Weight decay on matrices only, not on norm gains."""
     return jax.tree_util.tree_map_with_path(

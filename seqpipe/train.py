@@ -102,7 +102,9 @@ def make_train_step(
         metrics = {
             "loss": loss,
             "grad_norm": grad_norm,
-            "learning_rate": lr_fn(state["step"]),
+            # The rate this step's update used: the schedule at the optimizer's own count,
+            # which a skipped step does not advance (the train state's step does).
+            "learning_rate": lr_fn(optim.schedule_count(state["opt_state"])),
             "skipped": (~finite).astype(jnp.int32),
         }
         return new_state, metrics

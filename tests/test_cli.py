@@ -248,3 +248,40 @@ def test_every_invalid_input_is_refused_by_train_py(name, broken_data, tmp_path)
         timeout=300,
     )
     _check_refusal(result.returncode, result.stderr, expected, tmp_path / "run")
+
+
+# A config file that sets an integer depth, as a user tuning memory would.
+DEEP = """from seqpipe.config import base_config
+
+
+def get_config():
+    c = base_config()
+    c.mesh.update(data=2, stage=4)
+    c.pipeline.update(schedule="seq1f1b", microbatches=4, segments=4, inflight={inflight!r})
+    return c
+"""
+
+
+@pytest.mark.parametrize(
+    "in_file, flag, expected",
+    [
+        (6, "full", "full"),
+        (6, "minimal", "minimal"),
+        (6, "9", 9),
+        ("full", "6", 6),
+        ("minimal", "full", "full"),
+    ],
+)
+def test_inflight_overrides_either_way_between_a_name_and_an_integer(
+    tmp_path, in_file, flag, expected
+):
+    """`pipeline.inflight` takes a name or an integer: the flag decides which, not the type
+    of the value in the file (an integer there once made `=full` 'expected a int')."""
+    from seqpipe import cli
+
+    path = tmp_path / "deep.py"
+    path.write_text(DEEP.format(inflight=in_file))
+    argv = ["--config", str(path), f"--config.pipeline.inflight={flag}"]
+    config, _ = cli.load_or_exit(argv, "train.py")
+    assert config.pipeline.inflight == expected
+    assert type(config.pipeline.inflight) is type(expected)

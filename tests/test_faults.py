@@ -21,6 +21,13 @@ from seqpipe import checkpoint, optim, sharding, train
 NAN = {"train.steps": "10", "train.inject_nan_at": "(3, 6, 7, 8)", "train.max_bad_steps": "3"}
 
 
+def _applied_lrs(config, steps, bad) -> list[float]:
+    """The rate each step's update uses: the schedule at the count of updates applied
+    before it (a skipped step applies none; it does not move the schedule on)."""
+    lr = optim.lr_schedule(config.train)
+    return [float(lr(s - 1 - sum(b < s for b in bad))) for s in steps]
+
+
 def _restore_step(workdir, config, step):
     """The train state of checkpoint `step`, on the 8 x 1 mesh."""
     tx = optim.make_optimizer(config.train)
@@ -55,6 +62,10 @@ def test_nan_steps_are_skipped_counted_and_stop_the_run(tmp_path):
         (1, 0),
     ]
     assert np.isfinite(by_step[4]["loss"])
+    # The rate logged is the one the optimizer applied: step 4 reuses step 3's.
+    expected = _applied_lrs(every, range(1, 5), bad=[3])
+    assert [r["learning_rate"] for r in records] == pytest.approx(expected, rel=1e-6)
+    assert expected[2] == expected[3] != expected[1]
     s2, s3, s4 = (_restore_step(tmp_path / "every", every, s) for s in (2, 3, 4))
     assert int(s2["step"]) == 2 and int(s3["step"]) == 3
     chex.assert_trees_all_equal(s2["params"], s3["params"])
@@ -83,6 +94,8 @@ def test_nan_steps_are_skipped_counted_and_stop_the_run(tmp_path):
     assert [r["step"] for r in logged] == list(range(1, 9))
     assert [r["bad_steps_in_row"] for r in logged] == [0, 0, 1, 0, 0, 1, 2, 3]
     assert logged[-1]["bad_steps"] == 4
+    expected = _applied_lrs(every, range(1, 9), bad=[3, 6, 7, 8])
+    assert [r["learning_rate"] for r in logged] == pytest.approx(expected, rel=1e-6)
     assert "skipped 4 (3 in a row)" in proc.stdout.strip().splitlines()[-1]
     # Nothing saved at or after the bad run; the good checkpoint is the one made in process.
     assert sorted(p.name for p in checkpoint.directory(workdir).iterdir()) == ["4"]
