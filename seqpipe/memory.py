@@ -381,6 +381,7 @@ def main(argv: list[str]) -> int:
         )
 
     config, args = cli.load_or_exit(argv, "python -m seqpipe.memory", flags)
+    config = cli.resolve_or_exit(config)  # a mesh axis at -1 gets its size
     from seqpipe import config as config_lib
 
     try:
