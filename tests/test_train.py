@@ -278,6 +278,9 @@ def test_mesh_minus_one_on_cpu_gets_the_devices_the_other_axis_needs(tmp_path):
     assert json.loads(proc.stdout.strip().splitlines()[-1])["mesh"] == {"data": 1, "stage": 4}
 
 
+GPT_1B_TEMPORARIES = 8_512_629_400
+
+
 @pytest.mark.slow
 def test_compile_only_gpt_1b_on_eight_cpu_devices():
     """The 1.3B config, pipelined over 8 stages, compiles on fake CPU devices (~1 min)."""
@@ -302,7 +305,9 @@ def test_compile_only_gpt_1b_on_eight_cpu_devices():
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert 1.3e9 < result["params"] < 1.5e9
-    assert result["memory_per_device_bytes"]["temporaries"] > 0
+    # Measured at 0952314: 8,512,629,400 bytes (7.93 GiB, the README's figure). 3% above it
+    # fails: a memory regression, not noise (the compile is deterministic).
+    assert 0 < result["memory_per_device_bytes"]["temporaries"] <= 1.03 * GPT_1B_TEMPORARIES
 
 
 @pytest.mark.parametrize(
