@@ -75,9 +75,13 @@ def load_or_exit(argv: list[str], prog: str, add_flags: Callable | None = None):
 
 
 def resolve_or_exit(config, num_devices: int | None = None):
-    """The config with its mesh fitted to num_devices (default: all devices jax sees, which
-    imports jax: after `init_distributed`); a split that cannot fit is one line, exit 2."""
+    """The config with its mesh fitted to num_devices; a split that cannot fit is one line,
+    exit 2. Without num_devices (the tools, which take the first devices their mesh needs)
+    a mesh with no -1 is left as it is, and -1 takes all the devices jax sees (importing
+    jax)."""
     if num_devices is None:
+        if -1 not in (config.mesh.data, config.mesh.stage):
+            return config
         import jax
 
         num_devices = jax.device_count()
