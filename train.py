@@ -1,6 +1,7 @@
 """Train a GPT with seqpipe: python train.py --config configs/tiny.py --workdir runs/demo.
 
 --compile_only                 compile the step, print memory and FLOPs as JSON, exit
+--compile_only --topology v5p-16    the same for a Cloud TPU slice, from any machine
 --coordinator HOST:PORT --num_processes N --process_id I    one process of N
 """
 
@@ -10,20 +11,53 @@ import sys
 from seqpipe import cli
 
 
+def summary(result: dict) -> str:
+    """The --compile_only report in one line (the JSON follows it)."""
+    mem = result["memory_per_device_bytes"]
+    gib = lambda key: f"{mem[key] / 2**30:.2f}"
+    where = "per device"
+    if "slice" in result:
+        where = (
+            f"{result['slice']}: {result['chips']} chips ({result['topology']}, "
+            f"{result['chip_config']}), mesh {result['mesh']['data']}x{result['mesh']['stage']}; "
+            "per chip"
+        )
+    line = (
+        f"{where}: arguments {gib('arguments')} GiB, outputs {gib('outputs')} GiB (aliased "
+        f"{gib('aliased')}), temporaries {gib('temporaries')} GiB"
+    )
+    if "slice" in result:
+        verdict = "fits" if result["fits"] else "DOES NOT FIT"
+        line += (
+            f"; total {gib('total')} of {result['hbm_per_chip_bytes'] / 2**30:.0f} GiB HBM "
+            f"({100 * result['hbm_fraction']:.0f}%, {verdict})"
+        )
+    counts = ", ".join(f"{k} {v}" for k, v in result["collectives"].items())
+    return f"{line}; {result['flops_per_step']:.3e} model FLOPs per step; collectives: {counts}"
+
+
 def main(argv: list[str]) -> int:
     config, args = cli.load_or_exit(argv, "train.py", cli.train_flags)
-    cli.init_distributed(args)  # imports jax: only after the device count is set
+    tpu_slice = cli.slice_or_exit(args)  # before jax is imported
+    if tpu_slice is None:
+        cli.init_distributed(args)  # imports jax: only after the device count is set
+    else:
+        config = cli.resolve_or_exit(config, tpu_slice.chips)
     from seqpipe import train
 
     if args.compile_only:
-        result = cli.run_or_exit(lambda: train.compile_only(config))
-        mem = result["memory_per_device_bytes"]
-        print(
-            f"per device: arguments {mem['arguments'] / 2**30:.2f} GiB, outputs "
-            f"{mem['outputs'] / 2**30:.2f} GiB (aliased {mem['aliased'] / 2**30:.2f}), "
-            f"temporaries {mem['temporaries'] / 2**30:.2f} GiB; "
-            f"{result['flops_per_step']:.3e} model FLOPs per step"
-        )
+        if tpu_slice is None:
+            result = cli.run_or_exit(lambda: train.compile_only(config))
+        else:
+            from seqpipe import topology
+
+            try:
+                devices = topology.devices(tpu_slice)
+            except topology.TopologyError as e:
+                cli.fail(str(e))
+            result = cli.run_or_exit(lambda: train.compile_only(config, devices))
+            result.update(topology.report(tpu_slice, result["memory_per_device_bytes"]["total"]))
+        print(summary(result))
         print(json.dumps(result))
         return 0
     try:

@@ -14,7 +14,9 @@ def get_config():
         dtype="bfloat16",
         param_dtype="float32",
     )
-    c.mesh.update(data=1, stage=1)
+    # Data parallel over every device there is: one GPU, eight, or a TPU slice (on CPU,
+    # train.py makes one fake device). Pipelining: --config.mesh.stage=8 and a schedule.
+    c.mesh.update(data=-1, stage=1)
     c.train.update(
         steps=20000,
         global_batch_size=32,

@@ -5,6 +5,7 @@ nothing written. jax is not imported here, so the CPU device count can still be 
 """
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -64,12 +65,49 @@ def load_or_exit(argv: list[str], prog: str, add_flags: Callable | None = None):
         args.workdir = args.workdir or f"runs/{config_lib.resolve_path(args.config).stem}"
     except config_lib.ConfigError as e:
         fail(str(e))
-    devices = config.mesh.data * config.mesh.stage
+    # On CPU the devices are made to fit the mesh: an axis at -1 gets 1.
+    devices = math.prod(n for n in (config.mesh.data, config.mesh.stage) if n != -1)
     processes = getattr(args, "num_processes", None) or 1
     if devices % processes:
         fail(f"--num_processes {processes} does not divide the mesh's {devices} devices")
     fake_cpu_devices(devices // processes)
     return config, args
+
+
+def resolve_or_exit(config, num_devices: int | None = None):
+    """The config with its mesh fitted to num_devices; a split that cannot fit is one line,
+    exit 2. Without num_devices (the tools, which take the first devices their mesh needs)
+    a mesh with no -1 is left as it is, and -1 takes all the devices jax sees (importing
+    jax)."""
+    if num_devices is None:
+        if -1 not in (config.mesh.data, config.mesh.stage):
+            return config
+        import jax
+
+        num_devices = jax.device_count()
+    try:
+        return config_lib.resolve(config, num_devices)
+    except config_lib.ConfigError as e:
+        fail(str(e))
+
+
+def slice_or_exit(args: argparse.Namespace):
+    """The TPU slice of --topology (None without it), with the environment set for
+    compiling for it: before jax is imported. A name that is not supported is one line."""
+    if args.topology is None:
+        return None
+    from seqpipe import topology
+
+    if not args.compile_only:
+        fail(f"--topology {args.topology} needs --compile_only: it compiles for a slice, here")
+    if args.coordinator or args.num_processes or args.process_id is not None:
+        fail("--topology compiles in one process; drop --coordinator/--num_processes/--process_id")
+    try:
+        tpu_slice = topology.parse(args.topology)
+    except ValueError as e:
+        fail(str(e))
+    topology.prepare_env(tpu_slice)
+    return tpu_slice
 
 
 def train_flags(parser: argparse.ArgumentParser) -> None:
@@ -78,6 +116,12 @@ def train_flags(parser: argparse.ArgumentParser) -> None:
         "--compile_only",
         action="store_true",
         help="compile the step without allocating parameters; print memory and FLOPs as JSON",
+    )
+    parser.add_argument(
+        "--topology",
+        default=None,
+        help="with --compile_only: compile for this Cloud TPU slice (v5p-16, v4-8, "
+        "v5litepod-16, v6e-8), from any machine with libtpu",
     )
     parser.add_argument("--coordinator", default=None, help="HOST:PORT of process 0")
     parser.add_argument("--num_processes", type=int, default=None, help="number of processes")

@@ -14,6 +14,7 @@ import ml_collections
 from seqpipe import remat, schedule  # pure Python and NumPy: cheap
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+MESH_AXES = ("data", "stage")
 SCHEDULES = ("none", *schedule.SCHEDULES)  # "none": no pipeline (mesh.stage = 1)
 PARTITIONS = ("uniform", "flops")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -189,7 +190,9 @@ def _choice(config, key: str, choices) -> None:
 
 
 def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
-    """Check everything that can be checked before any device work; raise ConfigError."""
+    """Check everything that can be checked before any device work; raise ConfigError.
+
+    Without num_devices a mesh axis may still be -1; `resolve` fixes it and checks again."""
     m, mesh, p, t, d = config.model, config.mesh, config.pipeline, config.train, config.data
     for key in ("vocab_size", "num_layers", "d_model", "num_heads", "d_ff"):
         _require(m[key] >= 1, f"model.{key}={m[key]} must be at least 1")
@@ -204,20 +207,15 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     )
     _choice(config, "model.dtype", DTYPES)
     _choice(config, "model.param_dtype", DTYPES)
-    for axis in ("data", "stage"):
-        _require(mesh[axis] >= 1, f"mesh.{axis}={mesh[axis]} must be at least 1")
-    if num_devices is not None:
-        _require(
-            mesh.data * mesh.stage == num_devices,
-            f"mesh.data * mesh.stage = {mesh.data * mesh.stage} but {num_devices} devices are "
-            "visible; set mesh.data and mesh.stage so their product matches",
-        )
+    # An axis still at -1 skips the checks that need its size.
+    sizes = mesh_sizes(mesh, num_devices)
+    data, stage = sizes["data"], sizes["stage"]
     _choice(config, "pipeline.schedule", SCHEDULES)
     _choice(config, "pipeline.partition", PARTITIONS)
     _choice(config, "pipeline.remat", REMAT_POLICIES)
     _require(
-        p.schedule != "none" or mesh.stage == 1,
-        f"mesh.stage={mesh.stage} needs a pipeline schedule; set pipeline.schedule "
+        p.schedule != "none" or stage in (1, -1),
+        f"mesh.stage={stage} needs a pipeline schedule; set pipeline.schedule "
         f"(one of {list(SCHEDULES[1:])}) or mesh.stage=1",
     )
     for key in ("microbatches", "segments", "virtual_stages", "partition_multiple"):
@@ -237,13 +235,15 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         p.segments <= t.seq_len,
         f"pipeline.segments={p.segments} exceeds train.seq_len={t.seq_len}; use fewer segments",
     )
-    if p.schedule != "none":
-        _validate_pipeline(config)
-    per_replica = mesh.data * p.microbatches
+    if p.schedule != "none" and stage != -1:
+        _validate_pipeline(config, stage)
+    # With mesh.data still -1 the batch must at least split into micro-batches.
+    replicas, factors = (1, "") if data == -1 else (data, "mesh.data * ")
+    per_replica = replicas * p.microbatches
     _require(
         t.global_batch_size >= 1 and t.global_batch_size % per_replica == 0,
         f"train.global_batch_size={t.global_batch_size} must be a positive multiple of "
-        f"mesh.data * pipeline.microbatches = {per_replica}",
+        f"{factors}pipeline.microbatches = {per_replica}",
     )
     for key in ("learning_rate", "weight_decay", "grad_clip", "min_lr_ratio"):
         value = t[key]
@@ -282,12 +282,62 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     _require(0 < d.eval_fraction < 1, f"data.eval_fraction={d.eval_fraction} must be in (0, 1)")
 
 
-def _validate_pipeline(config: ml_collections.ConfigDict) -> None:
+def mesh_sizes(mesh: ml_collections.ConfigDict, num_devices: int | None = None) -> dict:
+    """{'data': d, 'stage': s} with an axis at -1 given the devices the other leaves, when
+    num_devices is known (else it stays -1); ConfigError if no split of the devices fits."""
+    sizes = {axis: mesh[axis] for axis in MESH_AXES}
+    for axis, size in sizes.items():
+        _require(
+            isinstance(size, int) and (size >= 1 or size == -1),
+            f"mesh.{axis}={size} must be at least 1, or -1 for all the devices the other "
+            "axis leaves",
+        )
+    open_axes = [axis for axis, size in sizes.items() if size == -1]
+    _require(
+        len(open_axes) <= 1,
+        " and ".join(f"mesh.{a}=-1" for a in open_axes)
+        + ": at most one mesh axis can be -1 (all the devices the others leave)",
+    )
+    if num_devices is None:
+        return sizes
+    fixed = math.prod(size for size in sizes.values() if size != -1)
+    if not open_axes:
+        _require(
+            fixed == num_devices,
+            f"mesh.data * mesh.stage = {fixed} but {num_devices} devices are visible; set "
+            "mesh.data and mesh.stage so their product matches, or one of them to -1",
+        )
+        return sizes
+    (open_axis,) = open_axes
+    (other,) = (axis for axis in MESH_AXES if axis != open_axis)
+    _require(
+        num_devices % fixed == 0,
+        f"mesh.{other}={fixed} does not divide the {num_devices} visible devices "
+        f"(mesh.{open_axis}=-1 takes what mesh.{other} leaves); set mesh.{other} to a divisor "
+        f"of {num_devices}",
+    )
+    sizes[open_axis] = num_devices // fixed
+    return sizes
+
+
+def resolve(config: ml_collections.ConfigDict, num_devices: int) -> ml_collections.ConfigDict:
+    """A copy of config with its mesh fitted to num_devices (a -1 axis takes what the other
+    leaves), fully validated; the one place -1 becomes a size."""
+    sizes = mesh_sizes(config.mesh, num_devices)
+    resolved = config.copy_and_resolve_references()
+    with resolved.unlocked():
+        resolved.mesh.update(sizes)
+    validate(resolved, num_devices)
+    resolved.lock()
+    return resolved
+
+
+def _validate_pipeline(config: ml_collections.ConfigDict, stages: int) -> None:
     """The layer split, the segment partition and the schedule table must all be buildable."""
     from seqpipe import partition  # pure Python, cheap
 
-    m, mesh, p = config.model, config.mesh, config.pipeline
-    chunks = mesh.stage * p.virtual_stages
+    m, p = config.model, config.pipeline
+    chunks = stages * p.virtual_stages
     _require(
         m.num_layers % chunks == 0,
         f"model.num_layers={m.num_layers} must be divisible by mesh.stage * "
@@ -313,12 +363,10 @@ def _validate_pipeline(config: ml_collections.ConfigDict) -> None:
         )
         raise ConfigError(f"{setting}: {e}; change one of these keys") from None
     try:
-        schedule.build(
-            p.schedule, mesh.stage, p.microbatches, p.segments, p.virtual_stages, p.inflight
-        )
+        schedule.build(p.schedule, stages, p.microbatches, p.segments, p.virtual_stages, p.inflight)
     except ValueError as e:
         setting = (
-            f"pipeline.schedule={p.schedule}, mesh.stage={mesh.stage}, pipeline.microbatches="
+            f"pipeline.schedule={p.schedule}, mesh.stage={stages}, pipeline.microbatches="
             f"{p.microbatches}, pipeline.segments={p.segments}, pipeline.virtual_stages="
             f"{p.virtual_stages}"
         )

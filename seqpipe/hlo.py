@@ -1,10 +1,15 @@
 """Reading compiled HLO module text: its computations, and which run inside a while loop.
 
-Used by `seqpipe.tools.memory` (carry copies per tick) and the tests (what the loop sends).
+Used by `--compile_only` (the collectives a program holds), `seqpipe.tools.memory` (carry
+copies per tick) and the tests (what the loop sends).
 """
 
 import re
 
+COLLECTIVES = ("all-reduce", "all-gather", "collective-permute", "all-to-all", "reduce-scatter")
+# `%name = shape op(...)`: the op follows a space (the name after `%` never does). An async
+# collective is one `-start` and one `-done`; the start counts it.
+_OP = re.compile(r"\s(" + "|".join(COLLECTIVES) + r")(-start)?\(")
 # Each computation starts on a header line `[ENTRY ]%name (params) -> result {`.
 _HEADER = re.compile(r"\n(?=(?:ENTRY )?%?[\w.\-]+ [^\n]*\{\n)")
 _NAME = re.compile(r"(?:ENTRY )?%?([\w.\-]+) ")
@@ -48,3 +53,12 @@ def inside_loops(comps: dict[str, str]) -> set[str]:
         inside.add(name)
         todo.extend(called(comps[name]))
     return inside
+
+
+def count_collectives(hlo_text: str) -> dict[str, int]:
+    """How many of each collective the program holds: instructions in the text, not
+    executions (one in a loop body counts once)."""
+    counts = dict.fromkeys(COLLECTIVES, 0)
+    for match in _OP.finditer(hlo_text):
+        counts[match[1]] += 1
+    return counts

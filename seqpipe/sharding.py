@@ -1,5 +1,7 @@
 """Mesh axes and shardings, declared in one place."""
 
+from collections.abc import Sequence
+
 import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -8,13 +10,14 @@ DATA = "data"
 STAGE = "stage"
 
 
-def make_mesh(data: int, stage: int) -> Mesh:
-    """A (data, stage) mesh over the first data * stage devices.
+def make_mesh(data: int, stage: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A (data, stage) mesh over the first data * stage of `devices` (default: this
+    process's backend; for a TPU slice without one, `seqpipe.topology.devices`).
 
     Auto axes: outside shard_map XLA propagates shardings (the reference model needs
     no annotations); inside it, the pipeline is explicit anyway.
     """
-    devices = jax.devices()[: data * stage]
+    devices = list(jax.devices() if devices is None else devices)[: data * stage]
     auto = (jax.sharding.AxisType.Auto,) * 2
     return jax.make_mesh((data, stage), (DATA, STAGE), axis_types=auto, devices=devices)
 

@@ -22,7 +22,18 @@ import numpy as np
 import optax
 from ml_collections import ConfigDict
 
-from seqpipe import checkpoint, data, model, optim, pipeline, reference, remat, schedule, sharding
+from seqpipe import (
+    checkpoint,
+    data,
+    hlo,
+    model,
+    optim,
+    pipeline,
+    reference,
+    remat,
+    schedule,
+    sharding,
+)
 from seqpipe import config as config_lib
 from seqpipe.metrics import MetricsError, MetricsLog, Throughput, device_memory_peak, peak_flops
 from seqpipe.model import GPTConfig
@@ -189,7 +200,7 @@ class BadSteps:
 def run(config: ConfigDict, workdir: str) -> list[dict]:
     """Train to config.train.steps (or train.stop_at), resuming from the newest checkpoint
     in workdir; returns the records logged by this invocation."""
-    config_lib.validate(config, jax.device_count())
+    config = config_lib.resolve(config, jax.device_count())
     trainer = Trainer(config, workdir)
     try:
         if trainer.start >= trainer.end:
@@ -389,15 +400,18 @@ class Trainer:
             self.log.close()
 
 
-def compile_only(config: ConfigDict) -> dict:
-    """Compile the training step for the configured mesh without allocating parameters.
+def compile_only(config: ConfigDict, devices: list | None = None) -> dict:
+    """Compile the training step for the configured mesh over `devices` (default: this
+    process's) without allocating parameters.
 
-    Returns per-device memory from XLA's `memory_analysis()` and the model's analytic FLOPs
-    per step (XLA's `cost_analysis` counts a loop body once, whatever its trip count).
+    Returns per-device memory from XLA's `memory_analysis()`, the collectives in the
+    compiled program, and the model's analytic FLOPs per step (XLA's `cost_analysis` counts
+    a loop body once, whatever its trip count).
     """
+    devices = jax.devices() if devices is None else devices
+    config = config_lib.resolve(config, len(devices))
     t = config.train
-    config_lib.validate(config, jax.device_count())
-    mesh = sharding.make_mesh(config.mesh.data, config.mesh.stage)
+    mesh = sharding.make_mesh(config.mesh.data, config.mesh.stage, devices)
     tx = optim.make_optimizer(t)
     state = abstract_state(config, mesh, tx)
     batch = jax.ShapeDtypeStruct(
@@ -431,6 +445,7 @@ def compile_only(config: ConfigDict) -> dict:
         "bubble": bubble_fraction(config),
         "memory_per_device_bytes": memory,
         "memory_per_device_gib": round(memory["total"] / 2**30, 3),
+        "collectives": hlo.count_collectives(compiled.as_text()),
         "flops_per_token": flops_per_token,
         "flops_per_step": flops_per_token * t.global_batch_size * t.seq_len,
         "compile_s": round(seconds, 1),

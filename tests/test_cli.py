@@ -30,6 +30,13 @@ def run(args, cwd):
         (["--config", "tiny", "--config.train.learning_rate=-1"], "train.learning_rate=-1"),
         (["--config", "tiny", "--config.train.global_batch_size=7"], "global_batch_size=7"),
         (["--config", "tiny", "--config.mesh.stage=3"], "mesh.stage"),
+        (["--config", "tiny", "--compile_only", "--topology", "v5p-12"], "counts TensorCores"),
+        (["--config", "tiny", "--compile_only", "--topology", "v9-8"], "not a TPU slice name"),
+        (["--config", "tiny", "--topology", "v5p-16"], "needs --compile_only"),
+        (
+            ["--config", "tiny", "--compile_only", "--topology", "v5p-8"],
+            "mesh.data * mesh.stage = 8 but 4 devices are visible",
+        ),
         (
             ["--config", "tiny", "--config.data.source=text", "--config.data.path=/no/such"],
             "data.path='/no/such'",
@@ -90,6 +97,16 @@ PIPE = "mesh.data=2 mesh.stage=4 pipeline.schedule=seq1f1b pipeline.microbatches
 INVALID = {
     "mesh axis below 1": ("mesh.data=0", "mesh.data=0 must be at least 1"),
     "mesh product not the device count": ("mesh.data=4", "mesh.data * mesh.stage = 4 but 8"),
+    "mesh axis below -1": ("mesh.stage=-2", "mesh.stage=-2 must be at least 1, or -1"),
+    "two mesh axes at -1": (
+        "mesh.data=-1 mesh.stage=-1",
+        "mesh.data=-1 and mesh.stage=-1: at most one mesh axis can be -1",
+    ),
+    "mesh axis -1 and a stage count that does not divide the devices": (
+        "mesh.data=-1 mesh.stage=3 model.num_layers=6 pipeline.schedule=seq1f1b",
+        "mesh.stage=3 does not divide the 8 visible devices (mesh.data=-1 takes what "
+        "mesh.stage leaves); set mesh.stage to a divisor of 8",
+    ),
     "layers not divisible by stages": (f"{PIPE} model.num_layers=3", "model.num_layers=3 must"),
     "layers not divisible by stages * virtual": (
         f"{PIPE} pipeline.schedule=interleaved_1f1b pipeline.virtual_stages=2",
@@ -169,6 +186,7 @@ INVALID = {
 # in-process twins run by default).
 BY_PROCESS = {
     "mesh product not the device count",
+    "mesh axis -1 and a stage count that does not divide the devices",
     "interleaved with fewer micro-batches than stages",
     "learning rate not finite",
     "data unreadable",

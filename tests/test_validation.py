@@ -17,8 +17,8 @@ KEYS_MENTIONED = ("model.", "mesh.", "pipeline.", "train.", "data.")
 # One bad value at a time (or none): each must be caught by name, and every config
 # that passes validation must build a step.
 CORRUPTIONS = {
-    "mesh.data": [0, 3],
-    "mesh.stage": [0, 16],
+    "mesh.data": [0, 3, -2],
+    "mesh.stage": [0, 16, -2],
     "model.vocab_size": [0],
     "model.num_layers": [0, 3],
     "model.num_heads": [0, 3, 16],
@@ -65,6 +65,8 @@ def configs(draw):
         inflight=draw(st.sampled_from(["minimal", "full", 6])),
     )
     c.train.update(seq_len=16, global_batch_size=data * microbatches * draw(st.integers(1, 2)))
+    if draw(st.booleans()):  # -1: the same split, found from the 8 devices
+        c.mesh[draw(st.sampled_from(config_lib.MESH_AXES))] = -1
     if draw(st.booleans()):
         corrupt = draw(st.sampled_from(list(CORRUPTIONS)))
         section, key = corrupt.split(".")
@@ -74,7 +76,8 @@ def configs(draw):
 
 def check(c, run: bool) -> None:
     try:
-        config_lib.validate(c, num_devices=8)
+        config_lib.validate(c)  # before the device count is known, as train.py loads it
+        c = config_lib.resolve(c, num_devices=8)
     except config_lib.ConfigError as e:
         message = str(e)
         assert "\n" not in message and any(k in message for k in KEYS_MENTIONED), message
@@ -113,3 +116,62 @@ def test_every_config_is_refused_in_one_line_or_traces(c):
 @given(configs())
 def test_every_config_is_refused_in_one_line_or_runs_a_step(c):
     check(c, run=True)
+
+
+@pytest.mark.parametrize(
+    "data, stage, devices, expected",
+    [
+        (-1, 1, 1, (1, 1)),  # the design card's command on one GPU
+        (-1, 1, 8, (8, 1)),  # on eight
+        (-1, 8, 8, (1, 8)),
+        (-1, 4, 16, (4, 4)),
+        (-1, 8, 256, (32, 8)),  # a v5p-512
+        (2, -1, 8, (2, 4)),
+        (1, -1, 4, (1, 4)),
+        (2, 4, 8, (2, 4)),  # nothing to resolve
+    ],
+)
+def test_minus_one_takes_the_devices_the_other_axis_leaves(data, stage, devices, expected):
+    c = config_lib.base_config()
+    c.mesh.update(data=data, stage=stage)
+    c.model.update(num_layers=8)
+    c.pipeline.update(schedule="seq1f1b", microbatches=8)
+    c.train.update(global_batch_size=256)
+    config_lib.validate(c)
+    resolved = config_lib.resolve(c, devices)
+    assert (resolved.mesh.data, resolved.mesh.stage) == expected
+    assert (c.mesh.data, c.mesh.stage) == (data, stage)  # a copy: the loaded config stays
+
+
+@pytest.mark.parametrize(
+    "data, stage, devices, expected",
+    [
+        (-1, 3, 8, "mesh.stage=3 does not divide the 8 visible devices"),
+        (5, -1, 8, "mesh.data=5 does not divide the 8 visible devices"),
+        (-1, 16, 8, "mesh.stage=16 does not divide the 8 visible devices"),
+        (-1, -1, 8, "mesh.data=-1 and mesh.stage=-1: at most one mesh axis can be -1"),
+        (2, 2, 8, "mesh.data * mesh.stage = 4 but 8 devices are visible"),
+        (-2, 1, 8, "mesh.data=-2 must be at least 1, or -1"),
+    ],
+)
+def test_impossible_splits_are_refused_in_one_line(data, stage, devices, expected):
+    c = config_lib.base_config()
+    c.mesh.update(data=data, stage=stage)
+    c.model.update(num_layers=48)
+    c.pipeline.update(schedule="seq1f1b", microbatches=16)
+    c.train.update(global_batch_size=256)
+    with pytest.raises(config_lib.ConfigError) as info:
+        config_lib.resolve(c, devices)
+    assert "\n" not in str(info.value) and expected in str(info.value), str(info.value)
+
+
+def test_the_global_batch_is_checked_again_once_data_is_resolved():
+    """Before the device count, batch 8 splits into 8 micro-batches; over 8 replicas it
+    cannot: the message names the resolved mesh.data."""
+    c = config_lib.base_config()
+    c.mesh.update(data=-1, stage=1)
+    c.pipeline.update(microbatches=8)
+    c.train.update(global_batch_size=8)
+    config_lib.validate(c)
+    with pytest.raises(config_lib.ConfigError, match="mesh.data \\* pipeline.microbatches = 64"):
+        config_lib.resolve(c, 8)
