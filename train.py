@@ -24,12 +24,14 @@ def summary(result: dict) -> str:
         )
     line = (
         f"{where}: arguments {gib('arguments')} GiB, outputs {gib('outputs')} GiB (aliased "
-        f"{gib('aliased')}), temporaries {gib('temporaries')} GiB"
+        f"{gib('aliased')}), temporaries {gib('temporaries')} GiB; evaluation temporaries "
+        f"{result['eval_memory_per_device_bytes']['temporaries'] / 2**30:.2f} GiB"
     )
     if "slice" in result:
         verdict = "fits" if result["fits"] else "DOES NOT FIT"
         line += (
-            f"; total {gib('total')} of {result['hbm_per_chip_bytes'] / 2**30:.0f} GiB HBM "
+            f"; peak {result['peak_memory_per_device_bytes'] / 2**30:.2f} of "
+            f"{result['hbm_per_chip_bytes'] / 2**30:.0f} GiB HBM "
             f"({100 * result['hbm_fraction']:.0f}%, {verdict})"
         )
     counts = ", ".join(f"{k} {v}" for k, v in result["collectives"].items())
@@ -56,7 +58,7 @@ def main(argv: list[str]) -> int:
             except topology.TopologyError as e:
                 cli.fail(str(e))
             result = cli.run_or_exit(lambda: train.compile_only(config, devices))
-            result.update(topology.report(tpu_slice, result["memory_per_device_bytes"]["total"]))
+            result.update(topology.report(tpu_slice, result["peak_memory_per_device_bytes"]))
         print(summary(result))
         print(json.dumps(result))
         return 0

@@ -15,7 +15,8 @@ which slot each tick reads and writes (`schedule.lower` allocates them):
 
 Letters: b micro-batch rows, n layers per chunk, Lseg the longest segment, L_k segment k's
 length, Lkv the cached prefix (`PipelineSpec.kv_len`), H heads of width E, V chunks per
-stage. A slot count of 0 still allocates one slot (nothing reads it).
+stage. A slot count of 0 still allocates one slot (an idle phase reads it), except in an
+evaluation's carry, which has no backward buffers at all.
 """
 
 import math
@@ -65,6 +66,21 @@ def abstract(spec, rows: int, layers_VxN, shared) -> Carry:
 
     msg = sds((rows, spec.seg_max, cfg.d_model), act)
     kv = sds((spec.chunk_layers, rows, spec.kv_len, cfg.num_heads, cfg.head_dim), act)
+    like = lambda tree: jax.tree.map(lambda x: sds(x.shape, x.dtype), tree)  # noqa: E731
+    if spec.forward_only:  # an evaluation keeps nothing for a backward
+        none = lambda aval: sds((0,) + aval.shape, aval.dtype)  # noqa: E731
+        return Carry(
+            recv_fwd=slots(prog.num_recv_fwd, msg),
+            recv_bwd=none(msg),
+            saved=(),
+            head_dy=(),
+            kv_k=slots(prog.num_kv, kv),
+            kv_v=slots(prog.num_kv, kv),
+            dkv_k=none(kv),
+            dkv_v=none(kv),
+            grads={},
+            loss=sds((), jnp.float32),
+        )
     groups = {}  # group -> the first segment in it (every member has its shapes)
     for u in segs:
         groups.setdefault(u.group, u)
@@ -72,7 +88,6 @@ def abstract(spec, rows: int, layers_VxN, shared) -> Carry:
         tuple(slots(count, a) for a in groups[g].saved_avals(rows))
         for g, count in enumerate(units.strategy(spec).slot_counts(prog))
     )
-    like = lambda tree: jax.tree.map(lambda x: sds(x.shape, x.dtype), tree)  # noqa: E731
     return Carry(
         recv_fwd=slots(prog.num_recv_fwd, msg),
         recv_bwd=slots(prog.num_recv_bwd, msg),

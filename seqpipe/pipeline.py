@@ -71,11 +71,20 @@ class Context:
 
     @functools.cached_property
     def groups(self) -> tuple[tuple[int, ...], ...]:
-        """Segments by the stash they share (their saved values have one shape)."""
+        """Segments by the stash they share (their saved values have one shape); one group
+        in an evaluation, which saves nothing."""
+        if self.spec.forward_only:
+            return (tuple(range(self.spec.segments)),)
         out: dict[int, list[int]] = {}
         for u in self.units:
             out.setdefault(u.group, []).append(u.seg)
         return tuple(tuple(out[g]) for g in sorted(out))
+
+    def saved_avals(self, group: int) -> tuple:
+        """What one forward of `group` keeps for its backward (nothing in an evaluation)."""
+        if self.spec.forward_only:
+            return ()
+        return self.units[self.groups[group][0]].saved_avals(self.rows)
 
     def zeros(self, kind: str):
         """Zero stand-ins for an idle phase's outputs: a message or a K/V window."""
@@ -139,9 +148,9 @@ def _accumulate(acc, d):
     return jax.tree.map(lambda a, x: a + x.astype(a.dtype), acc, d)
 
 
-def _group_forward(ctx: Context, members: tuple[int, ...], run, on, seg):
-    """`run(k)` for the tick's segment k among `members` where `on`, else zeros."""
-    idle = ctx.units[members[0]].saved_avals(ctx.rows)
+def _group_forward(ctx: Context, group: int, run, on, seg):
+    """`run(k)` for the tick's segment k among the group's members where `on`, else zeros."""
+    members, idle = ctx.groups[group], ctx.saved_avals(group)
     return jax.lax.cond(
         on,
         lambda: _switch(seg - members[0], [functools.partial(run, k) for k in members]),
@@ -177,19 +186,23 @@ def forward(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps) -> tuple[
 
     def run(k):
         tokens, _ = inp.tokens(spec, mb, k)
-        (y, k_seg, v_seg), saved = ctx.units[k].forward(
-            params, x_in, _prefix(k_cache, ctx, k), _prefix(v_cache, ctx, k), tokens, first
-        )
+        args = (x_in, _prefix(k_cache, ctx, k), _prefix(v_cache, ctx, k))
+        if spec.forward_only:  # nothing to keep for a backward
+            (y, k_seg, v_seg), saved = ctx.units[k].body(tokens, first)(*params, *args), ()
+        else:
+            (y, k_seg, v_seg), saved = ctx.units[k].forward(params, *args, tokens, first)
         return y, _pad_kv(k_seg, spec.seg_max), _pad_kv(v_seg, spec.seg_max), saved
 
-    outs, stashes = [], list(carry.saved)
+    outs, stashes = [], []
     for g, members in enumerate(ctx.groups):  # a conditional per saved shape; one runs
         on = op.on("fwd_mb") & (seg >= members[0]) & (seg <= members[-1])
-        y, k_seg, v_seg, saved = _group_forward(ctx, members, run, on, seg)
+        y, k_seg, v_seg, saved = _group_forward(ctx, g, run, on, seg)
         outs.append((y, k_seg, v_seg))
-        stashes[g] = tuple(
-            write_slot(b, slot, s, on) for b, s in zip(stashes[g], saved, strict=True)
-        )
+        if saved:  # an evaluation keeps nothing
+            stash = carry.saved[g]
+            stashes.append(
+                tuple(write_slot(b, slot, x, on) for b, x in zip(stash, saved, strict=True))
+            )
     y, k_seg, v_seg = jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *outs)
     carry = carry.replace(saved=tuple(stashes))
     if spec.segments > 1:  # only segments before the last are ever read back as a prefix
@@ -207,6 +220,10 @@ def head(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps, y: jax.Array
     """On the last global chunk, the head on the forward's y and its backward at once:
     its loss and shared-weight gradients go straight into the carry, dy to a slot."""
     spec, mb = ctx.spec, op["fwd_mb"]
+    if spec.forward_only:  # no head slots: the last global chunk scores what it ran
+        last = op["fwd_chunk"] * spec.stages + inp.stage == spec.stages * spec.virtual - 1
+        on = op.on("fwd_mb") & last
+        return carry.replace(loss=carry.loss + _eval_loss(ctx, inp, op, y, on))
     on = op.on("fwd_mb") & op.on("fwd_head")
 
     def run(k, acc):
@@ -228,6 +245,18 @@ def head(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps, y: jax.Array
     return carry.replace(
         loss=carry.loss + loss, grads={**carry.grads, "shared": grads_shared}, head_dy=head_dy
     )
+
+
+def _eval_loss(ctx: Context, inp: StageInputs, op: TickOps, y: jax.Array, on) -> jax.Array:
+    """The head's scaled loss on y where `on`, else 0 (an evaluation: no gradients)."""
+
+    def run(k):
+        _, targets = inp.tokens(ctx.spec, op["fwd_mb"], k)
+        return ctx.units[k].head_loss(inp.shared, y, targets, ctx.scale)
+
+    branches = [functools.partial(run, k) for k in range(ctx.spec.segments)]
+    zero = jnp.zeros((), jnp.float32)
+    return jax.lax.cond(on, lambda: _switch(op["fwd_seg"], branches), lambda: zero)
 
 
 def _output_cotangent(ctx: Context, carry: Carry, op: TickOps) -> jax.Array:
@@ -316,10 +345,14 @@ def transfer(ctx: Context, carry: Carry, op: TickOps, y: jax.Array, dx: jax.Arra
     slot (if any) keeps what arrives."""
     S = ctx.spec.stages
     y_in = jax.lax.ppermute(y, STAGE, [(i, (i + 1) % S) for i in range(S)])
+    carry = carry.replace(
+        recv_fwd=write_slot(carry.recv_fwd, op["recv_fwd"], y_in, op.on("recv_fwd"))
+    )
+    if dx is None:  # an evaluation sends nothing back
+        return carry
     dx_in = jax.lax.ppermute(dx, STAGE, [(i, (i - 1) % S) for i in range(S)])
     return carry.replace(
-        recv_fwd=write_slot(carry.recv_fwd, op["recv_fwd"], y_in, op.on("recv_fwd")),
-        recv_bwd=write_slot(carry.recv_bwd, op["recv_bwd"], dx_in, op.on("recv_bwd")),
+        recv_bwd=write_slot(carry.recv_bwd, op["recv_bwd"], dx_in, op.on("recv_bwd"))
     )
 
 
@@ -327,16 +360,21 @@ def tick(ctx: Context, inp: StageInputs, carry: Carry, row: dict) -> Carry:
     op = TickOps(row, inp.stage)
     carry, y = forward(ctx, inp, carry, op)
     carry = head(ctx, inp, carry, op, y)
-    carry, dx = backward(ctx, inp, carry, op)
+    dx = None
+    if not ctx.spec.forward_only:
+        carry, dx = backward(ctx, inp, carry, op)
     return transfer(ctx, carry, op, y, dx)
 
 
 # --------------------------------------------------------------------------- the step
 
 
-def reduce(final: Carry) -> tuple[jax.Array, Params, Params]:
-    """The step's only collectives over `stage` and `data`, after the loop."""
+def reduce(final: Carry) -> tuple[jax.Array, Params, Params] | jax.Array:
+    """The step's only collectives over `stage` and `data`, after the loop: the mean
+    loss, and unless this was an evaluation the stage's gradients and the shared ones."""
     loss = jax.lax.pmean(jax.lax.psum(final.loss, STAGE), DATA)
+    if not final.grads:
+        return loss
     grads_shared = jax.lax.pmean(jax.lax.psum(final.grads["shared"], STAGE), DATA)
     grads_layers = jax.lax.pmean(final.grads["layers"], DATA)
     return loss, jax.tree.map(lambda g: g[None], grads_layers), grads_shared
@@ -353,12 +391,13 @@ def program_rows(spec: PipelineSpec) -> dict[str, jax.Array]:
 
 
 def stage_step(spec: PipelineSpec, layers_VxN: Params, shared: Params, tokens_BxL1: jax.Array):
-    """Runs on one (data, stage) device: the replica's loss and this stage's gradients."""
+    """Runs on one (data, stage) device: the replica's loss and this stage's gradients
+    (the loss alone in an evaluation)."""
     M = spec.schedule.microbatches
     rows, seq_len = tokens_BxL1.shape[0] // M, tokens_BxL1.shape[1] - 1
     ctx = Context(spec, rows, 1.0 / (tokens_BxL1.shape[0] * seq_len))
     init = carry_lib.zeros(carry_lib.abstract(spec, rows, layers_VxN, shared))
-    if spec.policy.keeps_residuals:
+    if spec.policy.keeps_residuals and not spec.forward_only:
         # Cast once: a vjp then keeps the compute-dtype weights by reference (re-read in
         # the backward) rather than a cast copy of them per stashed unit.
         act = jnp.dtype(spec.cfg.dtype)
@@ -373,21 +412,37 @@ def stage_step(spec: PipelineSpec, layers_VxN: Params, shared: Params, tokens_Bx
     return reduce(final)
 
 
-def loss_and_grads(
-    params: Params, tokens_BxL1: jax.Array, spec: PipelineSpec, mesh: jax.sharding.Mesh
-) -> tuple[jax.Array, Params]:
-    """Pipelined loss and gradients, equal to `reference.loss_and_grads` up to float rounding."""
+def _on_stages(params: Params, tokens_BxL1, spec: PipelineSpec, mesh, out_specs):
+    """`stage_step` on every (data, stage) device of the mesh."""
     layers = to_stage_layout(params["layers"], spec.stages, spec.virtual)
     shared = {k: v for k, v in params.items() if k != "layers"}
     body = jax.shard_map(
         lambda lay, sh, tok: stage_step(spec, jax.tree.map(lambda w: w[0], lay), sh, tok),
         mesh=mesh,
         in_specs=(P(STAGE), P(), P(DATA)),
-        out_specs=(P(), P(STAGE), P()),
+        out_specs=out_specs,
         # Every value here is per-device and every vjp is local: with no implicit
         # invariant-to-varying casts, no psum can sneak into the tick loop (a test reads
         # the HLO to make sure); the reductions are the explicit ones after it.
         check_vma=False,
     )
-    loss, grads_layers, grads_shared = body(layers, shared, tokens_BxL1)
+    return body(layers, shared, tokens_BxL1)
+
+
+def loss_and_grads(
+    params: Params, tokens_BxL1: jax.Array, spec: PipelineSpec, mesh: jax.sharding.Mesh
+) -> tuple[jax.Array, Params]:
+    """Pipelined loss and gradients, equal to `reference.loss_and_grads` up to float rounding."""
+    loss, grads_layers, grads_shared = _on_stages(
+        params, tokens_BxL1, spec, mesh, (P(), P(STAGE), P())
+    )
     return loss, {**grads_shared, "layers": from_stage_layout(grads_layers)}
+
+
+def eval_loss(
+    params: Params, tokens_BxL1: jax.Array, spec: PipelineSpec, mesh: jax.sharding.Mesh
+) -> jax.Array:
+    """The mean loss through the pipeline's forwards alone: `spec` from
+    `seqpipe.spec.forward_only`, the training step's stages, segments and micro-batches.
+    Each device holds its stage's layers and one micro-batch's logits at a time."""
+    return _on_stages(params, tokens_BxL1, spec, mesh, P())

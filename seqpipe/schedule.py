@@ -281,6 +281,30 @@ def build(
     return Schedule(name, S, microbatches, K, V, inflight, tuple(ticks))
 
 
+def forward_only(s: Schedule) -> Schedule:
+    """The forwards of `s` alone (evaluation): the same stages, units and forward order,
+    each forward in the earliest tick its input and KV prefix allow. Nothing waits for a
+    backward, so no cap applies; a micro-batch's K/V live until its last segment's forward.
+    """
+    S, V = s.stages, s.virtual
+    order, _ = _orders(s.name, S, s.microbatches, s.segments, V)
+    done: dict[tuple[int, Unit], int] = {}  # (stage, unit) -> tick
+    ticks: list[tuple[Cell, ...]] = []
+    nxt = [0] * S
+    while min(nxt) < len(order):
+        t, row = len(ticks), []
+        for r in range(S):
+            u = order[nxt[r]] if nxt[r] < len(order) else None
+            if u is not None and u.chunk * S + r > 0:  # its input must have arrived
+                src = done.get(((r - 1) % S, Unit(u.mb, u.seg, u.chunk - (r == 0))), t)
+                u = u if src < t else None
+            if u is not None:
+                done[r, u], nxt[r] = t, nxt[r] + 1
+            row.append(make_cell(u))
+        ticks.append(tuple(row))
+    return dataclasses.replace(s, name=f"{s.name} (forward only)", ticks=tuple(ticks))
+
+
 # --------------------------------------------------------------------------- validation
 
 
@@ -315,9 +339,9 @@ def _needs(kind: Kind, r: int, u: Unit, S: int, K: int, last: int) -> list[tuple
 def validate(s: Schedule) -> None:
     """Check the table against every rule, independently of the generators.
 
-    Every F and B runs once per (stage, unit), and every W too if the table has any;
-    each runs after what it needs (`_needs`). Raises ScheduleError naming the first
-    violated rule.
+    Every F runs once per (stage, unit); every B too unless the table is forward-only,
+    and every W if the table has any; each runs after what it needs (`_needs`). Raises
+    ScheduleError naming the first violated rule.
     """
     S, M, K, V = s.stages, s.microbatches, s.segments, s.virtual
     last = V * S - 1
@@ -342,7 +366,10 @@ def validate(s: Schedule) -> None:
                 if (r, u) in at[op.kind]:
                     raise ScheduleError(f"tick {t} stage {r}: {name} {u} runs twice")
                 at[op.kind][r, u] = t
-    for kind in KINDS if at[W] else (F, B):
+    # Every F runs; a table with backwards (any but an evaluation's) runs every B, and one
+    # that splits them runs every W.
+    required = [F] + ([B] if at[B] or at[W] else []) + ([W] if at[W] else [])
+    for kind in required:
         if len(at[kind]) != S * M * K * V:
             missing = next(
                 (r, Unit(m, k, c))
@@ -448,12 +475,22 @@ def lower(s: Schedule) -> Program:
                 )
     counts = {}
     num_res, num_head = [0] * s.segments, [0] * s.segments
+    forward_only = not b_at  # an evaluation: nothing is kept for a backward
     for r in range(S):
         stash, kv, dkv, rf, rb = [], [], [], [], []
         for (rr, u), tf in f_at.items():
             if rr != r:
                 continue
-            g, tb = u.chunk * S + r, b_at[r, u]
+            g = u.chunk * S + r
+            if forward_only:  # K/V until the last segment's forward reads them
+                if u.seg == 0:
+                    end = f_at[r, Unit(u.mb, s.segments - 1, u.chunk)]
+                    kv.append((tf, end, (u.mb, u.chunk)))
+                if g > 0:
+                    sent = f_at[(r - 1) % S, Unit(u.mb, u.seg, u.chunk - (r == 0))]
+                    rf.append((sent + 1, tf, u))
+                continue
+            tb = b_at[r, u]
             stash.append((tf, tb, u))
             if u.seg == 0:
                 kv.append((tf, b_at[r, u], (u.mb, u.chunk)))
@@ -486,7 +523,9 @@ def lower(s: Schedule) -> Program:
         for (m, c), slot in kv_of.items():
             for k in range(s.segments):
                 u = Unit(m, k, c)
-                arr["fwd_kv"][f_at[r, u], r] = arr["bwd_kv"][b_at[r, u], r] = slot
+                arr["fwd_kv"][f_at[r, u], r] = slot
+                if not forward_only:
+                    arr["bwd_kv"][b_at[r, u], r] = slot
         for (m, c), slot in dkv_of.items():
             for k in range(s.segments):
                 arr["bwd_dkv"][b_at[r, Unit(m, k, c)], r] = slot

@@ -18,6 +18,11 @@ class PipelineSpec:
     remat: str = "full"  # a key of `seqpipe.remat.POLICIES`: what a forward keeps for its backward
 
     @property
+    def forward_only(self) -> bool:
+        """An evaluation's table: forwards and the loss, nothing kept for a backward."""
+        return not (self.program.bwd_mb >= 0).any()
+
+    @property
     def policy(self) -> Policy:
         return POLICIES[self.remat]
 
@@ -78,3 +83,9 @@ def make_spec(config, seq_len: int | None = None) -> PipelineSpec:
         p.inflight,
     )
     return PipelineSpec(cfg, table, schedule.lower(table), tuple(lengths), p.remat)
+
+
+def forward_only(spec: PipelineSpec) -> PipelineSpec:
+    """The same stages, segments and forward order, without backwards (evaluation)."""
+    table = schedule.forward_only(spec.schedule)
+    return dataclasses.replace(spec, schedule=table, program=schedule.lower(table))

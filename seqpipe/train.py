@@ -35,6 +35,7 @@ from seqpipe import (
     sharding,
 )
 from seqpipe import config as config_lib
+from seqpipe import spec as spec_lib
 from seqpipe.metrics import MetricsError, MetricsLog, Throughput, device_memory_peak, peak_flops
 from seqpipe.model import GPTConfig
 
@@ -123,9 +124,14 @@ def make_train_step(
     return jax.jit(train_step, donate_argnums=0)
 
 
-def make_eval_fn(config: ConfigDict) -> Callable:
-    cfg = GPTConfig.from_config(config.model)
-    return jax.jit(lambda params, tokens: model.loss(params, tokens, cfg))
+def make_eval_fn(config: ConfigDict, mesh: jax.sharding.Mesh) -> Callable:
+    """Mean loss of a [B, L+1] batch, no gradients: through the pipeline's forwards alone
+    (the training step's stages, segments and micro-batches) when there is a pipeline."""
+    if config.pipeline.schedule == "none":
+        cfg = GPTConfig.from_config(config.model)
+        return jax.jit(lambda params, tokens: model.loss(params, tokens, cfg))
+    spec = spec_lib.forward_only(pipeline.make_spec(config))
+    return jax.jit(lambda params, tokens: pipeline.eval_loss(params, tokens, spec, mesh))
 
 
 def bubble_fraction(config: ConfigDict) -> float:
@@ -263,7 +269,7 @@ class Trainer:
         step_fn = make_train_step(
             make_grad_fn(config, self.mesh), self.tx, optim.lr_schedule(t), tuple(t.inject_nan_at)
         )
-        eval_fn = make_eval_fn(config)
+        eval_fn = make_eval_fn(config, self.mesh)
         self._start_reporting()
         pending = None  # the step dispatched last, not yet waited for
         with self._as_training_errors(), StopRequest() as stop:
@@ -404,10 +410,10 @@ def compile_only(config: ConfigDict, devices: list | None = None) -> dict:
     """Compile the training step for the configured mesh over `devices` (default: this
     process's) without allocating parameters.
 
-    Returns per-device memory from XLA's `memory_analysis()`, the collectives in the
-    compiled program, and the model's analytic FLOPs per step (XLA's `cost_analysis` counts
-    a loop body once, whatever its trip count).
-    """
+    Returns per-device memory from XLA's `memory_analysis()` (of the step, and of the
+    evaluation beside the train state), the collectives in each compiled program, and the
+    model's analytic FLOPs per step (XLA's `cost_analysis` counts a loop body once,
+    whatever its trip count)."""
     devices = jax.devices() if devices is None else devices
     config = config_lib.resolve(config, len(devices))
     t = config.train
@@ -421,18 +427,13 @@ def compile_only(config: ConfigDict, devices: list | None = None) -> dict:
     start = time.perf_counter()
     compiled = step_fn.lower(state, batch).compile()
     seconds = time.perf_counter() - start
-    mem = compiled.memory_analysis()
-    memory = {
-        "arguments": mem.argument_size_in_bytes,
-        "outputs": mem.output_size_in_bytes,
-        "temporaries": mem.temp_size_in_bytes,
-        "aliased": mem.alias_size_in_bytes,
-        "generated_code": mem.generated_code_size_in_bytes,
-    }
-    # Donated state is aliased to the outputs, so it is counted once.
-    memory["total"] = (
-        memory["arguments"] + memory["outputs"] - memory["aliased"] + memory["temporaries"]
-    )
+    memory = _memory(compiled)
+    # The evaluation runs while the whole train state (the step's arguments) stays on the
+    # device; its own arguments (parameters, a batch) are among them.
+    eval_compiled = make_eval_fn(config, mesh).lower(state["params"], batch).compile()
+    evaluation = _memory(eval_compiled)
+    evaluation["total"] = memory["arguments"] + evaluation["outputs"] + evaluation["temporaries"]
+    peak = max(memory["total"], evaluation["total"])
     cfg = GPTConfig.from_config(config.model)
     flops_per_token = model.flops_per_token(cfg, t.seq_len)
     return {
@@ -444,12 +445,30 @@ def compile_only(config: ConfigDict, devices: list | None = None) -> dict:
         "params": model.num_params(state["params"]),
         "bubble": bubble_fraction(config),
         "memory_per_device_bytes": memory,
-        "memory_per_device_gib": round(memory["total"] / 2**30, 3),
+        "eval_memory_per_device_bytes": evaluation,
+        "peak_memory_per_device_bytes": peak,  # the larger of the two totals
+        "memory_per_device_gib": round(peak / 2**30, 3),
         "collectives": hlo.count_collectives(compiled.as_text()),
+        "eval_collectives": hlo.count_collectives(eval_compiled.as_text()),
         "flops_per_token": flops_per_token,
         "flops_per_step": flops_per_token * t.global_batch_size * t.seq_len,
         "compile_s": round(seconds, 1),
     }
+
+
+def _memory(compiled) -> dict[str, int]:
+    """XLA's per-device memory of a compiled program; `total` counts donated (aliased)
+    arguments once."""
+    mem = compiled.memory_analysis()
+    out = {
+        "arguments": mem.argument_size_in_bytes,
+        "outputs": mem.output_size_in_bytes,
+        "temporaries": mem.temp_size_in_bytes,
+        "aliased": mem.alias_size_in_bytes,
+        "generated_code": mem.generated_code_size_in_bytes,
+    }
+    out["total"] = out["arguments"] + out["outputs"] - out["aliased"] + out["temporaries"]
+    return out
 
 
 def prepare_workdir(workdir: str) -> Path:

@@ -12,6 +12,7 @@ from pairwise import all_pairs, full_product
 from seqpipe import config as config_lib
 from seqpipe import hlo, model, pipeline, reference, remat, sharding
 from seqpipe import schedule as schedule_lib
+from seqpipe import spec as spec_lib
 from seqpipe.tools.verify import GRAD_RTOL, LOSS_RTOL, max_relative_error
 
 SCHEDULES = schedule_lib.SCHEDULES
@@ -212,3 +213,34 @@ def test_step_hlo_has_transfers_in_loop_and_no_data_all_reduce():
     assert "collective-permute" in loop_text
     assert "all-reduce" not in loop_text
     assert "all-reduce" in outside  # the one pmean over data, after the loop
+
+
+# One case per schedule, several meshes and segment counts, unequal segments among them.
+EVAL_CASES = [
+    ("gpipe", (1, 2), 2, "uniform", "equal", 1),
+    ("1f1b", (2, 2), 1, "uniform", "more", 1),
+    ("seq1f1b", (1, 4), 3, "flops", "fewer", 1),
+    ("interleaved_1f1b", (1, 2), 1, "uniform", "equal", 2),
+    ("seq1f1b_interleaved", (2, 2), 2, "flops", "more", 2),
+]
+
+
+@pytest.mark.parametrize("case", EVAL_CASES, ids=case_id)
+def test_pipelined_eval_matches_the_model(case):
+    """Evaluation runs the training table's forwards alone on the same stages and
+    segments: its loss equals the un-pipelined model's, and the compiled program moves
+    activations between stages instead of gathering the layer stack onto every device."""
+    config = make_config(*case)
+    spec = spec_lib.forward_only(pipeline.make_spec(config))
+    mesh = sharding.make_mesh(*case[1])
+    params = model.init_params(spec.cfg, jax.random.key(0))
+    tokens = jax.random.randint(
+        jax.random.key(1), (config.train.global_batch_size, SEQ_LEN + 1), 0, spec.cfg.vocab_size
+    )
+    want = float(jax.jit(model.loss, static_argnums=2)(params, tokens, spec.cfg))
+    tokens = jax.device_put(tokens, sharding.batch_sharding(mesh))
+    step = jax.jit(lambda p, t: pipeline.eval_loss(p, t, spec, mesh))
+    np.testing.assert_allclose(float(step(params, tokens)), want, rtol=LOSS_RTOL)
+    collectives = hlo.count_collectives(step.lower(params, tokens).compile().as_text())
+    assert collectives["all-gather"] == collectives["all-to-all"] == 0
+    assert (collectives["collective-permute"] > 0) == (case[1][1] > 1)

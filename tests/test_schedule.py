@@ -197,6 +197,30 @@ def test_every_generator_is_valid_and_runs_every_unit_once(cfg):
 
 
 @PROPS
+@given(configs())
+def test_forward_only_tables_run_every_forward_once_and_keep_nothing(cfg):
+    """An evaluation's table: the training table's forwards in order, no backward, each
+    forward as early as its input allows; its program keeps K/V only while the micro-batch's
+    later segments need them, and nothing for a backward."""
+    s = build_or_skip(*cfg)
+    if s is None:
+        return
+    e = sc.forward_only(s)
+    sc.validate(e)
+    fwd, bwd = units_by_stage(e)
+    for r in range(e.stages):
+        assert sorted(fwd[r], key=key) == all_units(e) and not bwd[r]
+        assert fwd[r] == units_by_stage(s)[0][r]  # the training order
+    p = sc.lower(e)
+    assert p.num_stash == p.num_dkv == p.num_recv_bwd == 0
+    assert sum(p.num_res) == sum(p.num_head) == 0
+    assert (p.bwd_mb < 0).all() and (p.fwd_head < 0).all()
+    assert len(e.ticks) <= len(s.ticks)
+    # Stage 0 never waits: its forwards fill the first M*K*V ticks.
+    assert all(cell_unit(e.ticks[t][0], F) is not None for t in range(len(fwd[0])))
+
+
+@PROPS
 @given(configs(), st.randoms(use_true_random=False))
 def test_broken_tables_are_rejected(cfg, rnd):
     s = build_or_skip(*cfg)
