@@ -173,9 +173,13 @@ def run(config: ConfigDict, workdir: str) -> list[dict]:
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.stage)
     train_tokens, eval_tokens = data.load_tokens(config, workdir)  # checks the data first
     prepare_workdir(workdir)
-    batches = data.train_iterator(config, train_tokens)
+    rows = data.local_rows(config, mesh)
+    batches = data.train_iterator(config, train_tokens, rows)
     eval_set = (
-        [data.to_global(b, mesh) for b in data.eval_batches(config, eval_tokens, t.eval_batches)]
+        [
+            data.to_global(b, mesh, t.global_batch_size)
+            for b in data.eval_batches(config, eval_tokens, t.eval_batches, rows)
+        ]
         if t.eval_every
         else []
     )
@@ -283,7 +287,7 @@ def run(config: ConfigDict, workdir: str) -> list[dict]:
     try:
         with StopRequest() as stop:
             for step in range(start + 1, end + 1):
-                batch = data.to_global(next(batches)["tokens"], mesh)
+                batch = data.to_global(next(batches)["tokens"], mesh, t.global_batch_size)
                 state, metrics = step_fn(state, batch)
                 evaluate = bool(eval_set) and (step % t.eval_every == 0 or step == end)
                 eval_losses = [eval_fn(state["params"], b) for b in eval_set] if evaluate else None

@@ -1,6 +1,6 @@
-"""Two real processes on 127.0.0.1, 4 fake CPU devices each (gloo collectives), train on a
-2 x 4 mesh and reach the losses one process with 8 devices reaches; both write checkpoints
-and only process 0 logs."""
+"""Two real processes on 127.0.0.1, 4 fake CPU devices each (gloo collectives), train on
+1 x 8, 2 x 4 and 4 x 2 meshes (data x stage) and reach, step by step, the losses one
+process with 8 devices reaches; both write checkpoints and only process 0 logs."""
 
 import json
 import signal
@@ -29,8 +29,18 @@ def _losses(workdir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, lines)}
 
 
-def test_two_processes_match_one(tmp_path):
-    overrides = {**PIPELINED, "train.steps": str(STEPS), "checkpoint.every": "2"}
+# 1 x 8: both processes hold every row (stages spread over hosts, as on a pod);
+# 2 x 4: each holds one data replica; 4 x 2: each holds two.
+@pytest.mark.parametrize("data_size, stages", [(1, 8), (2, 4), (4, 2)], ids=["1x8", "2x4", "4x2"])
+def test_two_processes_match_one(tmp_path, data_size, stages):
+    overrides = {
+        **PIPELINED,
+        "mesh.data": str(data_size),
+        "mesh.stage": str(stages),
+        "model.num_layers": "8",  # one per stage on 1 x 8
+        "train.steps": str(STEPS),
+        "checkpoint.every": "2",
+    }
     args = [sys.executable, "train.py"] + tiny_args(**overrides)
     port = _free_port()
     multi = tmp_path / "multi"
