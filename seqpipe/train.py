@@ -171,9 +171,9 @@ def run(config: ConfigDict, workdir: str) -> list[dict]:
     t = config.train
     config_lib.validate(config, jax.device_count())
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.stage)
+    rows = data.local_rows(config, mesh)  # before anything is written: a refusal leaves none
     train_tokens, eval_tokens = data.load_tokens(config, workdir)  # checks the data first
     prepare_workdir(workdir)
-    rows = data.local_rows(config, mesh)
     batches = data.train_iterator(config, train_tokens, rows)
     eval_set = (
         [
