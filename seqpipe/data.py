@@ -18,8 +18,11 @@ is held out for evaluation; training never sees it.
 
 Batches. Windows of `seq_len + 1` tokens, stride `seq_len`, are shuffled with
 `config.train.seed` (reshuffled each epoch, repeated forever) and grouped into global
-batches of `global_batch_size` windows. Process i of n reads only rows
-[i*B/n, (i+1)*B/n) of each global batch, so the global batch does not depend on n.
+batches of `global_batch_size` windows; neither depends on the number of processes, so
+an iterator's state restores under any. Each process reads only the rows its devices
+hold under `sharding.batch_sharding(mesh)` (`local_rows`): one contiguous range, the
+same for processes that share a `data` index (all rows on a 1 x N mesh whose stages
+span hosts), and `to_global` assembles the global batch from those parts.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import json
 import math
 import os
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grain
@@ -328,18 +331,64 @@ def _num_windows(tokens: np.ndarray, seq_len: int) -> int:
     return n
 
 
-def _local_rows(config, process_index: int | None, process_count: int | None) -> slice:
-    """The rows of every global batch that this process reads."""
-    index = jax.process_index() if process_index is None else process_index
-    count = jax.process_count() if process_count is None else process_count
-    batch = config.train.global_batch_size
-    if batch % count:
+def rows_by_process(
+    mesh: jax.sharding.Mesh,
+    batch_size: int,
+    process_of: Callable[[jax.Device], int] = lambda device: device.process_index,
+) -> dict[int, slice]:
+    """The rows of every global batch each process reads: the union of its devices' rows
+    under the batch sharding. `process_of` maps a device to its process; tests pass one
+    to simulate hosts.
+
+    Every process computes every process's rows, so a layout the loader cannot serve is
+    refused by all of them at once, not by one while the others wait in a collective.
+    """
+    replicas = mesh.shape[sharding.DATA]
+    if batch_size % replicas:
         raise DataError(
-            f"train.global_batch_size={batch} does not split over {count} processes; "
+            f"train.global_batch_size={batch_size} does not split over mesh.data={replicas}; "
             "make it a multiple"
         )
-    local = batch // count
-    return slice(index * local, (index + 1) * local)
+    indices = sharding.batch_sharding(mesh).devices_indices_map((batch_size,))
+    rows: dict[int, set[int]] = {}
+    for device, (index,) in indices.items():
+        rows.setdefault(process_of(device), set()).update(range(batch_size)[index])
+    by_process = {}
+    for process, held in sorted(rows.items()):
+        runs = _runs(sorted(held))
+        if len(runs) > 1:
+            where = ", ".join(f"[{a}, {b})" for a, b in runs)
+            raise DataError(
+                f"process {process} holds rows {where} of each global batch of {batch_size} "
+                f"under the {replicas} x {mesh.shape[sharding.STAGE]} mesh: not one contiguous "
+                "range, which the data loader cannot read; choose mesh.data and mesh.stage so "
+                "each process's devices hold adjacent data indices"
+            )
+        by_process[process] = slice(*runs[0])
+    return by_process
+
+
+def _runs(ascending: list[int]) -> list[tuple[int, int]]:
+    """Maximal ranges [start, stop) of consecutive ints in a sorted list."""
+    runs = []
+    for i in ascending:
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
+
+
+def local_rows(config, mesh: jax.sharding.Mesh) -> slice:
+    """The rows of every global batch that this process reads."""
+    rows = rows_by_process(mesh, config.train.global_batch_size)
+    if jax.process_index() not in rows:
+        raise DataError(
+            f"process {jax.process_index()} holds no device of the {mesh.shape[sharding.DATA]} "
+            f"x {mesh.shape[sharding.STAGE]} mesh; make mesh.data * mesh.stage the global "
+            "device count"
+        )
+    return rows[jax.process_index()]
 
 
 def _gather(tokens: np.ndarray, seq_len: int, window_ids: np.ndarray) -> np.ndarray:
@@ -348,19 +397,10 @@ def _gather(tokens: np.ndarray, seq_len: int, window_ids: np.ndarray) -> np.ndar
     return tokens[starts + np.arange(seq_len + 1)].astype(np.int32)
 
 
-def train_iterator(
-    config,
-    tokens: np.ndarray,
-    *,
-    process_index: int | None = None,
-    process_count: int | None = None,
-) -> Iterator[dict[str, np.ndarray]]:
-    """An endless grain iterator of {"tokens": int32 [B_local, L+1]}; has get/set_state.
-
-    `process_index`/`process_count` default to jax's; tests pass them to simulate hosts.
-    """
+def train_iterator(config, tokens: np.ndarray, rows: slice) -> Iterator[dict[str, np.ndarray]]:
+    """An endless grain iterator of {"tokens": int32 [B_local, L+1]}, `rows` of every global
+    batch (`local_rows`); has get/set_state."""
     seq_len = config.train.seq_len
-    rows = _local_rows(config, process_index, process_count)
     ds = (
         grain.MapDataset.range(_num_windows(tokens, seq_len))
         .shuffle(seed=config.train.seed)
@@ -373,23 +413,21 @@ def train_iterator(
     return iter(ds.to_iter_dataset(options))
 
 
-def eval_batches(
-    config,
-    tokens: np.ndarray,
-    num_batches: int,
-    *,
-    process_index: int | None = None,
-    process_count: int | None = None,
-) -> list[np.ndarray]:
-    """The first `num_batches` global batches of eval windows in order (wrapping around)."""
+def eval_batches(config, tokens: np.ndarray, num_batches: int, rows: slice) -> list[np.ndarray]:
+    """`rows` of the first `num_batches` global batches of eval windows, in order (wrapping
+    around)."""
     seq_len = config.train.seq_len
     batch = config.train.global_batch_size
-    rows = _local_rows(config, process_index, process_count)
     n = _num_windows(tokens, seq_len)
-    ids = np.arange(rows.start, rows.stop)
+    ids = np.arange(batch)[rows]
     return [_gather(tokens, seq_len, (b * batch + ids) % n) for b in range(num_batches)]
 
 
-def to_global(batch: np.ndarray, mesh: jax.sharding.Mesh) -> jax.Array:
-    """Assembles the processes' local batches into one global array, split over 'data'."""
-    return jax.make_array_from_process_local_data(sharding.batch_sharding(mesh), batch)
+def to_global(local_batch: np.ndarray, mesh: jax.sharding.Mesh, batch_size: int) -> jax.Array:
+    """Assembles the processes' `local_rows` of a batch into one global [batch_size, L+1]
+    array, split over 'data'."""
+    # Given the global shape, jax checks each process's part against it.
+    global_shape = (batch_size, *local_batch.shape[1:])
+    return jax.make_array_from_process_local_data(
+        sharding.batch_sharding(mesh), local_batch, global_shape
+    )

@@ -231,11 +231,16 @@ class Trainer:
         t = config.train
         self.config, self.workdir = config, workdir
         self.mesh = sharding.make_mesh(config.mesh.data, config.mesh.stage)
+        rows = data.local_rows(
+            config, self.mesh
+        )  # before anything is written: a refusal leaves none
         train_tokens, eval_tokens = data.load_tokens(config, workdir)  # checks the data first
         prepare_workdir(workdir)
-        self.batches = data.train_iterator(config, train_tokens)
-        held_out = data.eval_batches(config, eval_tokens, t.eval_batches) if t.eval_every else []
-        self.eval_set = [data.to_global(b, self.mesh) for b in held_out]
+        self.batches = data.train_iterator(config, train_tokens, rows)
+        held_out = (
+            data.eval_batches(config, eval_tokens, t.eval_batches, rows) if t.eval_every else []
+        )
+        self.eval_set = [data.to_global(b, self.mesh, t.global_batch_size) for b in held_out]
         self.tx = optim.make_optimizer(t)
         self.manager = checkpoint.make_manager(workdir, config)
         try:
@@ -274,7 +279,7 @@ class Trainer:
         pending = None  # the step dispatched last, not yet waited for
         with self._as_training_errors(), StopRequest() as stop:
             for step in range(self.start + 1, self.end + 1):
-                batch = data.to_global(next(self.batches)["tokens"], self.mesh)
+                batch = data.to_global(next(self.batches)["tokens"], self.mesh, t.global_batch_size)
                 self.state, metrics = step_fn(self.state, batch)
                 evaluate = bool(self.eval_set) and (step % t.eval_every == 0 or step == self.end)
                 eval_losses = (

@@ -187,11 +187,12 @@ def test_empty_and_too_small_corpora_are_errors(tmp_path):
 
 # A stream whose tokens are their own positions makes every window checkable.
 STREAM = np.arange(4 * 64 + 1, dtype=np.uint32)  # 64 windows of 4 (+1)
+EVERY_ROW = slice(None)  # what a lone process reads
 
 
 def test_windows_are_contiguous_slices_and_an_epoch_covers_each_once(tmp_path):
     config = stream_config(tmp_path)
-    batches = take(data.train_iterator(config, STREAM), 8)  # 8 x 8 = one epoch
+    batches = take(data.train_iterator(config, STREAM, EVERY_ROW), 8)  # 8 x 8 = one epoch
     for b in batches:
         chex.assert_shape(b, (8, 5))
         chex.assert_type(b, np.int32)
@@ -203,9 +204,9 @@ def test_windows_are_contiguous_slices_and_an_epoch_covers_each_once(tmp_path):
 
 
 def test_same_seed_same_batches_other_seed_other_order(tmp_path):
-    a = take(data.train_iterator(stream_config(tmp_path, seed=1), STREAM), 20)
-    b = take(data.train_iterator(stream_config(tmp_path, seed=1), STREAM), 20)
-    c = take(data.train_iterator(stream_config(tmp_path, seed=2), STREAM), 20)
+    a = take(data.train_iterator(stream_config(tmp_path, seed=1), STREAM, EVERY_ROW), 20)
+    b = take(data.train_iterator(stream_config(tmp_path, seed=1), STREAM, EVERY_ROW), 20)
+    c = take(data.train_iterator(stream_config(tmp_path, seed=2), STREAM, EVERY_ROW), 20)
     np.testing.assert_array_equal(np.stack(a), np.stack(b))
     assert not np.array_equal(np.stack(a), np.stack(c))
     # Each epoch is reshuffled, not replayed.
@@ -214,33 +215,87 @@ def test_same_seed_same_batches_other_seed_other_order(tmp_path):
 
 def test_iterator_state_restores_exactly(tmp_path):
     config = stream_config(tmp_path)
-    it = data.train_iterator(config, STREAM)
+    it = data.train_iterator(config, STREAM, EVERY_ROW)
     take(it, 5)
     state = json.loads(json.dumps(it.get_state()))  # survives a trip through a checkpoint
     expected = take(it, 12)  # crosses an epoch boundary
-    restored = data.train_iterator(config, STREAM)
+    restored = data.train_iterator(config, STREAM, EVERY_ROW)
     take(restored, 2)  # wherever it was, set_state wins
     restored.set_state(state)
     np.testing.assert_array_equal(np.stack(take(restored, 12)), np.stack(expected))
 
 
-def test_process_shares_are_disjoint_and_cover_the_global_batch(tmp_path):
+def process_of(devices_per_process):
+    """Fake hosts: the 8 local devices, in id order, split into processes."""
+    return lambda device: device.id // devices_per_process
+
+
+# (mesh.data, mesh.stage, devices per process) -> the rows of a batch of 8 each process reads.
+ROWS = {
+    # Stages spread over the hosts: every process holds every row.
+    (1, 8, 4): [slice(0, 8)] * 2,
+    (1, 8, 2): [slice(0, 8)] * 4,
+    (2, 4, 4): [slice(0, 4), slice(4, 8)],
+    (2, 4, 2): [slice(0, 4)] * 2 + [slice(4, 8)] * 2,
+    (4, 2, 4): [slice(0, 4), slice(4, 8)],
+    (4, 2, 2): [slice(0, 2), slice(2, 4), slice(4, 6), slice(6, 8)],
+}
+
+
+@pytest.mark.parametrize("layout", list(ROWS), ids=lambda k: "{}x{}-{}-per-process".format(*k))
+def test_each_process_reads_the_rows_its_devices_hold(layout):
+    data_size, stages, per_process = layout
+    mesh = sharding.make_mesh(data_size, stages)
+    rows = data.rows_by_process(mesh, 8, process_of(per_process))
+    assert list(rows) == list(range(8 // per_process))
+    assert list(rows.values()) == ROWS[layout]
+    # Processes whose devices share a data index (a row of the mesh) read the same rows.
+    for replica in mesh.devices:
+        sharing = {process_of(per_process)(d) for d in replica}
+        assert len({(rows[p].start, rows[p].stop) for p in sharing}) == 1
+
+
+def test_process_rows_serve_the_same_global_batches_in_any_layout(tmp_path):
     config = stream_config(tmp_path)
-    whole = take(data.train_iterator(config, STREAM, process_index=0, process_count=1), 10)
-    shares = [
-        take(data.train_iterator(config, STREAM, process_index=i, process_count=2), 10)
-        for i in range(2)
-    ]
+    whole = take(data.train_iterator(config, STREAM, EVERY_ROW), 10)
+    halves = [take(data.train_iterator(config, STREAM, r), 10) for r in ROWS[(2, 4, 4)]]
+    both = [take(data.train_iterator(config, STREAM, r), 10) for r in ROWS[(1, 8, 4)]]
     for step, full in enumerate(whole):
-        first, second = shares[0][step], shares[1][step]
+        first, second = halves[0][step], halves[1][step]
         assert first.shape == second.shape == (4, 5)
-        assert not set(first[:, 0]) & set(second[:, 0])
         np.testing.assert_array_equal(np.concatenate([first, second]), full)
+        np.testing.assert_array_equal(both[0][step], full)
+        np.testing.assert_array_equal(both[1][step], full)
+    # A checkpointed iterator state means the same global batch under any other layout.
+    second_half = data.train_iterator(config, STREAM, slice(4, 8))
+    take(second_half, 3)
+    restored = data.train_iterator(config, STREAM, EVERY_ROW)
+    restored.set_state(json.loads(json.dumps(second_half.get_state())))
+    np.testing.assert_array_equal(take(restored, 1)[0], whole[3])
 
 
-def test_global_batch_must_split_over_processes(tmp_path):
-    with pytest.raises(data.DataError, match="multiple"):
-        data.train_iterator(stream_config(tmp_path), STREAM, process_index=0, process_count=3)
+def test_rows_a_process_cannot_read_in_one_range_are_refused():
+    # Process 0 (devices 0-3) sits at data indices 0 and 2 of this 4 x 2 mesh.
+    devices = np.array(jax.devices())[[0, 1, 4, 5, 2, 3, 6, 7]].reshape(4, 2)
+    mesh = jax.sharding.Mesh(devices, (sharding.DATA, sharding.STAGE))
+    with pytest.raises(data.DataError) as refused:
+        data.rows_by_process(mesh, 8, process_of(4))
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message.startswith(
+        "process 0 holds rows [0, 2), [4, 6) of each global batch of 8 under the 4 x 2 mesh: "
+        "not one contiguous range"
+    )
+    assert "choose mesh.data and mesh.stage" in message
+
+
+def test_global_batch_must_split_over_data_replicas():
+    with pytest.raises(data.DataError, match="global_batch_size=6 does not split over mesh.data=4"):
+        data.rows_by_process(sharding.make_mesh(4, 2), 6)
+
+
+def test_a_lone_process_reads_every_row(tmp_path):
+    assert data.local_rows(stream_config(tmp_path), sharding.make_mesh(2, 4)) == slice(0, 8)
 
 
 def test_eval_batches_are_deterministic_sharded_and_from_the_held_out_tail(tmp_path):
@@ -251,25 +306,25 @@ def test_eval_batches_are_deterministic_sharded_and_from_the_held_out_tail(tmp_p
     config.data.path = str(path)
     config.model.vocab_size = 2000
     train, held_out = data.load_tokens(config, "")
-    evals = data.eval_batches(config, held_out, 5)
-    assert data.eval_batches(config, held_out, 5)[4].tolist() == evals[4].tolist()
+    evals = data.eval_batches(config, held_out, 5, EVERY_ROW)
+    assert data.eval_batches(config, held_out, 5, EVERY_ROW)[4].tolist() == evals[4].tolist()
     for b in evals:
         assert b.shape == (4, 17) and b.min() >= train.size  # never a training token
         np.testing.assert_array_equal(b, b[:, :1] + np.arange(17))
     assert [b[0, 0] for b in evals[:3]] == [1800, 1864, 1928]  # in order, windows wrap at 12
-    halves = [
-        data.eval_batches(config, held_out, 5, process_index=i, process_count=2) for i in (0, 1)
-    ]
+    halves = [data.eval_batches(config, held_out, 5, rows) for rows in (slice(0, 2), slice(2, 4))]
     for b, x, y in zip(evals, *halves, strict=True):
         np.testing.assert_array_equal(np.concatenate([x, y]), b)
-    train_starts = {int(s) for b in take(data.train_iterator(config, train), 30) for s in b[:, 0]}
+    train_starts = {
+        int(s) for b in take(data.train_iterator(config, train, EVERY_ROW), 30) for s in b[:, 0]
+    }
     assert max(train_starts) + 17 <= train.size
 
 
 def test_to_global_shards_the_batch_over_data(tmp_path):
     mesh = sharding.make_mesh(4, 2)
     batch = np.arange(8 * 5, dtype=np.int32).reshape(8, 5)
-    x = data.to_global(batch, mesh)
+    x = data.to_global(batch, mesh, 8)
     assert x.shape == (8, 5) and x.sharding.spec == jax.sharding.PartitionSpec("data")
     np.testing.assert_array_equal(np.asarray(x), batch)
     # Each device holds two rows; the two stages of a data replica hold the same ones.

@@ -1,6 +1,6 @@
-"""Two real processes on 127.0.0.1, 4 fake CPU devices each (gloo collectives), train on a
-2 x 4 mesh and reach the losses one process with 8 devices reaches; both write checkpoints
-and only process 0 logs."""
+"""Two real processes on 127.0.0.1, 4 fake CPU devices each (gloo collectives), train on
+1 x 8, 2 x 4 and 4 x 2 meshes (data x stage) and reach, step by step, the losses one
+process with 8 devices reaches; both write checkpoints and only process 0 logs."""
 
 import json
 import signal
@@ -11,9 +11,9 @@ import time
 
 import numpy as np
 import pytest
-from test_train import PIPELINED, REPO, subprocess_env, tiny_args
+from test_train import PIPELINED, REPO, subprocess_env, tiny_args, tiny_config
 
-from seqpipe import checkpoint
+from seqpipe import checkpoint, train
 
 STEPS = 4
 
@@ -24,13 +24,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _process_env() -> dict:
+    """The environment of each of the two processes: 4 devices, no persistent compile cache.
+
+    Only process 0 writes that cache and process 1's keys differ, so with it process 0 would
+    reach the first collective a whole compile ahead of process 1, and gloo gives up on a
+    peer after 30 s: on a loaded machine the run failed. Without it both compile at once.
+    """
+    return {**subprocess_env(devices=4), "JAX_ENABLE_COMPILATION_CACHE": "false"}
+
+
 def _losses(workdir) -> dict[int, float]:
     lines = (workdir / "metrics.jsonl").read_text().splitlines()
     return {r["step"]: r["loss"] for r in map(json.loads, lines)}
 
 
-def test_two_processes_match_one(tmp_path):
-    overrides = {**PIPELINED, "train.steps": str(STEPS), "checkpoint.every": "2"}
+# 1 x 8: both processes hold every row (stages spread over hosts, as on a pod);
+# 2 x 4: each holds one data replica; 4 x 2: each holds two.
+@pytest.mark.parametrize("data_size, stages", [(1, 8), (2, 4), (4, 2)], ids=["1x8", "2x4", "4x2"])
+def test_two_processes_match_one(tmp_path, data_size, stages):
+    overrides = {
+        **PIPELINED,
+        "mesh.data": str(data_size),
+        "mesh.stage": str(stages),
+        "model.num_layers": "8",  # one per stage on 1 x 8
+        "train.steps": str(STEPS),
+        "checkpoint.every": "2",
+    }
     args = [sys.executable, "train.py"] + tiny_args(**overrides)
     port = _free_port()
     multi = tmp_path / "multi"
@@ -48,7 +68,7 @@ def test_two_processes_match_one(tmp_path):
                 str(i),
             ],
             cwd=REPO,
-            env=subprocess_env(devices=4),
+            env=_process_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -67,21 +87,15 @@ def test_two_processes_match_one(tmp_path):
         assert p.returncode == 0, err[-3000:]
     # Only process 0 logs.
     assert "loss" in outs[0][0] and "loss" not in outs[1][0]
-    single = tmp_path / "single"
-    proc = subprocess.run(
-        args + ["--workdir", str(single)],
-        cwd=REPO,
-        env=subprocess_env(devices=8),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    multi_losses, single_losses = _losses(multi), _losses(single)
-    assert sorted(multi_losses) == list(range(1, STEPS + 1))
+    # The same run in this process, on its 8 devices.
+    single = {
+        r["step"]: r["loss"] for r in train.run(tiny_config(**overrides), str(tmp_path / "single"))
+    }
+    multi_losses = _losses(multi)
+    assert sorted(multi_losses) == sorted(single) == list(range(1, STEPS + 1))
     np.testing.assert_allclose(
         [multi_losses[s] for s in sorted(multi_losses)],
-        [single_losses[s] for s in sorted(multi_losses)],
+        [single[s] for s in sorted(multi_losses)],
         rtol=1e-6,
     )
     # Both processes wrote their shards of the checkpoints, every 2 steps.
@@ -113,7 +127,7 @@ def test_a_signal_to_one_process_stops_both_at_the_same_step(tmp_path, sig, targ
                 str(i),
             ],
             cwd=REPO,
-            env=subprocess_env(devices=4),
+            env=_process_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

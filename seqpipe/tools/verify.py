@@ -71,8 +71,9 @@ def main(argv: list[str]) -> int:
         return 2
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.stage)
     train_tokens, _ = cli.run_or_exit(lambda: data.load_tokens(config, args.workdir))
-    batch = next(data.train_iterator(config, train_tokens))["tokens"]
-    r = compare(config, data.to_global(batch, mesh), mesh)
+    rows = cli.run_or_exit(lambda: data.local_rows(config, mesh))
+    batch = next(data.train_iterator(config, train_tokens, rows))["tokens"]
+    r = compare(config, data.to_global(batch, mesh, config.train.global_batch_size), mesh)
     print(
         f"schedule {config.pipeline.schedule}  loss {r['loss']:.6f} (reference "
         f"{r['reference_loss']:.6f}, rel err {r['loss_rel_err']:.1e} <= {LOSS_RTOL:.0e})  "
