@@ -28,6 +28,7 @@ from seqpipe import (
     hlo,
     model,
     optim,
+    partition,
     pipeline,
     reference,
     remat,
@@ -134,12 +135,27 @@ def make_eval_fn(config: ConfigDict, mesh: jax.sharding.Mesh) -> Callable:
     return jax.jit(lambda params, tokens: pipeline.eval_loss(params, tokens, spec, mesh))
 
 
-def bubble_fraction(config: ConfigDict) -> float:
-    """The schedule's idle fraction under the synchronous-tick model (0 without a pipeline)."""
+def bubble_fractions(config: ConfigDict) -> dict[str, float]:
+    """The schedule's idle fraction under the synchronous-tick model (0 without a
+    pipeline): `bubble` with the unit model (forward 1, backward 2 for every unit), and
+    `bubble_head` with each segment's FLOP share and the head's and embedding's work on
+    their chunks: the last stage runs the head in its forward ticks, and every stage waits
+    for it."""
     if config.pipeline.schedule == "none":
-        return 0.0
+        return {"bubble": 0.0, "bubble_head": 0.0}
     spec = pipeline.make_spec(config)
-    return schedule.stats(spec.schedule)["bubble"]
+    cfg = spec.cfg
+    dims = dict(
+        d_model=cfg.d_model,
+        num_heads=cfg.num_heads,
+        d_ff=cfg.d_ff,
+        vocab_size=cfg.vocab_size,
+        num_layers=cfg.num_layers,
+    )
+    costs = partition.segment_flops(spec.lengths, **dims)
+    chunks = partition.chunk_costs(spec.stages * spec.virtual, sum(spec.lengths), **dims)
+    with_head = schedule.stats(spec.schedule, costs, spec.lengths, chunks)
+    return {"bubble": schedule.stats(spec.schedule)["bubble"], "bubble_head": with_head["bubble"]}
 
 
 class StopRequest:
@@ -324,7 +340,7 @@ class Trainer:
         self.peak = peak_flops(self.devices[0].device_kind)
         self.constants = {
             "flops_per_token": self.flops_per_token,
-            "bubble": bubble_fraction(self.config),
+            **bubble_fractions(self.config),
         }
         self.throughput = Throughput(self.start)
         self.loop_start = time.perf_counter()
@@ -448,7 +464,7 @@ def compile_only(config: ConfigDict, devices: list | None = None) -> dict:
         "microbatches": config.pipeline.microbatches,
         "segments": config.pipeline.segments,
         "params": model.num_params(state["params"]),
-        "bubble": bubble_fraction(config),
+        **bubble_fractions(config),
         "memory_per_device_bytes": memory,
         "eval_memory_per_device_bytes": evaluation,
         "peak_memory_per_device_bytes": peak,  # the larger of the two totals

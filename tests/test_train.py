@@ -83,6 +83,7 @@ FIELDS = {
     "flops_per_token",
     "flops_per_s",
     "bubble",
+    "bubble_head",
 }
 
 
@@ -118,7 +119,11 @@ def test_metrics_jsonl_tensorboard_and_eval(tmp_path):
     assert records[0]["first_step_s"] > 0 and "tokens_per_s" not in records[0]
     for r in records[1:]:
         assert FIELDS <= set(r), FIELDS - set(r)
-        assert r["flops_per_token"] > 0 and r["tokens_per_s"] > 0 and r["bubble"] == 0.0
+        assert (
+            r["flops_per_token"] > 0
+            and r["tokens_per_s"] > 0
+            and r["bubble"] == r["bubble_head"] == 0.0
+        )
         assert "mfu" not in r  # CPU: no peak FLOP/s, so achieved FLOP/s only
     assert {r["step"] for r in records if "eval_loss" in r} == {3, 6}
     (events,) = list(tmp_path.glob("events.out.tfevents.*"))
@@ -142,6 +147,9 @@ def test_pipelined_metrics_report_the_bubble(tmp_path):
         int(PIPELINED[k]) for k in ("mesh.stage", "pipeline.microbatches", "pipeline.segments")
     )
     assert records[-1]["bubble"] == pytest.approx((S - 1) / (M * K + S - 1), abs=1e-6)
+    # The head (256 words over d_model 32: more than a one-layer stage's matmuls) runs on
+    # the last stage, in its forward ticks: every tick with it waits longer.
+    assert records[-1]["bubble_head"] > records[-1]["bubble"] + 0.05
 
 
 def test_peak_flops_table_and_formatting():
