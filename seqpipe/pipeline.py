@@ -269,15 +269,36 @@ def _output_cotangent(ctx: Context, carry: Carry, op: TickOps) -> jax.Array:
     return dy
 
 
+def _backward_unit(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps, k: int, saved, dy):
+    """Segment k's backward on the tick's unit: (dx, parameter cotangents of the chunk and
+    the shared weights, prefix dK and dV padded to the cache)."""
+    spec, unit, chunk = ctx.spec, ctx.units[k], op["bwd_chunk"]
+    dk_cache, dv_cache = carry.dkv_k[op["bwd_dkv"]], carry.dkv_v[op["bwd_dkv"]]
+    off, length = spec.offsets[k], spec.lengths[k]
+    if k < spec.segments - 1:  # K/V cotangents that later segments left for this one
+        dk_own, dv_own = dk_cache[:, :, off : off + length], dv_cache[:, :, off : off + length]
+    else:  # no segment attends to the last one
+        dk_own = dv_own = jnp.zeros(unit.kv_avals(ctx.rows).shape, spec.cfg.dtype)
+    tokens, _ = inp.tokens(spec, op["bwd_mb"], k)
+    d_chunk, d_shared, dx, dk_prefix, dv_prefix = unit.backward(
+        tuple(saved),
+        (inp.chunk(chunk), inp.shared),
+        _prefix(carry.kv_k[op["bwd_kv"]], ctx, k),
+        _prefix(carry.kv_v[op["bwd_kv"]], ctx, k),
+        tokens,
+        inp.first(chunk, spec.stages),
+        (dy, dk_own, dv_own),
+    )
+    act = jnp.dtype(spec.cfg.dtype)
+    pad = lambda d: _pad_kv(d.astype(act), spec.kv_len)  # noqa: E731
+    return dx.astype(act), d_chunk, d_shared, pad(dk_prefix), pad(dv_prefix)
+
+
 def backward(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps) -> tuple[Carry, jax.Array]:
     """The tick's backward unit: dx for the previous stage (zeros if none), its parameter
     gradients accumulated, its prefix K/V cotangents kept for the earlier segments."""
-    spec = ctx.spec
+    spec, chunk = ctx.spec, op["bwd_chunk"]
     dy = _output_cotangent(ctx, carry, op)
-    k_cache, v_cache = carry.kv_k[op["bwd_kv"]], carry.kv_v[op["bwd_kv"]]
-    dk_cache, dv_cache = carry.dkv_k[op["bwd_dkv"]], carry.dkv_v[op["bwd_dkv"]]
-    mb, chunk = op["bwd_mb"], op["bwd_chunk"]
-    params = (inp.chunk(chunk), inp.shared)
     slot = op[units.strategy(spec).slot_fields[1]]
 
     def read(group):
@@ -288,32 +309,15 @@ def backward(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps) -> tuple
     shared_stash = read(0) if len(ctx.groups) == 1 else None
 
     def run(k, grads):
-        unit = ctx.units[k]
-        saved = shared_stash if shared_stash is not None else read(unit.group)
-        off, length = spec.offsets[k], spec.lengths[k]
-        if k < spec.segments - 1:  # K/V cotangents that later segments left for this one
-            dk_own, dv_own = dk_cache[:, :, off : off + length], dv_cache[:, :, off : off + length]
-        else:  # no segment attends to the last one
-            dk_own = dv_own = jnp.zeros(unit.kv_avals(ctx.rows).shape, spec.cfg.dtype)
-        tokens, _ = inp.tokens(spec, mb, k)
-        d_chunk, d_shared, dx, dk_prefix, dv_prefix = unit.backward(
-            tuple(saved),
-            params,
-            _prefix(k_cache, ctx, k),
-            _prefix(v_cache, ctx, k),
-            tokens,
-            inp.first(chunk, spec.stages),
-            (dy, dk_own, dv_own),
-        )
+        saved = shared_stash if shared_stash is not None else read(ctx.units[k].group)
+        dx, d_chunk, d_shared, dk, dv = _backward_unit(ctx, inp, carry, op, k, saved, dy)
         grads = {
             "layers": jax.tree.map(
                 lambda acc, d: acc.at[chunk].add(d.astype(acc.dtype)), grads["layers"], d_chunk
             ),
             "shared": _accumulate(grads["shared"], d_shared),
         }
-        act = jnp.dtype(spec.cfg.dtype)
-        pad = lambda d: _pad_kv(d.astype(act), spec.kv_len)  # noqa: E731
-        return dx.astype(act), grads, pad(dk_prefix), pad(dv_prefix)
+        return dx, grads, dk, dv
 
     # Gradients accumulate inside the branch: returned apart, a parameter-sized
     # cotangent tree would be one more temporary.
@@ -326,18 +330,22 @@ def backward(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps) -> tuple
     )
     carry = carry.replace(grads=grads)
     if spec.segments > 1:
-        # Prefix cotangents wait for the earlier segments; this segment's own (and any
-        # later ones) are spent, so they are cleared for the slot's next micro-batch.
-        offsets = jnp.asarray(spec.offsets, jnp.int32)
-        before = (jnp.arange(spec.kv_len) < offsets[op["bwd_seg"]])[None, None, :, None, None]
-        on = op.on("bwd_mb")
-        dkv_k = jnp.where(before, dk_cache + dk_prefix, 0)
-        dkv_v = jnp.where(before, dv_cache + dv_prefix, 0)
-        carry = carry.replace(
-            dkv_k=write_slot(carry.dkv_k, op["bwd_dkv"], dkv_k, on),
-            dkv_v=write_slot(carry.dkv_v, op["bwd_dkv"], dkv_v, on),
-        )
+        carry = _keep_prefix_cotangents(ctx, carry, op, dk_prefix, dv_prefix)
     return carry, dx
+
+
+def _keep_prefix_cotangents(ctx: Context, carry: Carry, op: TickOps, dk_prefix, dv_prefix):
+    """Prefix cotangents wait for the earlier segments; this segment's own (and any later
+    ones) are spent, so they are cleared for the slot's next micro-batch."""
+    offsets = jnp.asarray(ctx.spec.offsets, jnp.int32)
+    before = (jnp.arange(ctx.spec.kv_len) < offsets[op["bwd_seg"]])[None, None, :, None, None]
+    on, slot = op.on("bwd_mb"), op["bwd_dkv"]
+    dkv_k = jnp.where(before, carry.dkv_k[slot] + dk_prefix, 0)
+    dkv_v = jnp.where(before, carry.dkv_v[slot] + dv_prefix, 0)
+    return carry.replace(
+        dkv_k=write_slot(carry.dkv_k, slot, dkv_k, on),
+        dkv_v=write_slot(carry.dkv_v, slot, dkv_v, on),
+    )
 
 
 def transfer(ctx: Context, carry: Carry, op: TickOps, y: jax.Array, dx: jax.Array) -> Carry:
