@@ -269,11 +269,13 @@ def _output_cotangent(ctx: Context, carry: Carry, op: TickOps) -> jax.Array:
     return dy
 
 
-def _backward_unit(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps, k: int, saved, dy):
+def _backward_unit(ctx: Context, inp: StageInputs, op: TickOps, k: int, saved, dy, caches):
     """Segment k's backward on the tick's unit: (dx, parameter cotangents of the chunk and
-    the shared weights, prefix dK and dV padded to the cache)."""
+    the shared weights, prefix dK and dV padded to the cache). `caches`: the micro-batch's
+    K, V and their cotangents so far, read once per tick outside the branches (read in
+    each, XLA copied them)."""
     spec, unit, chunk = ctx.spec, ctx.units[k], op["bwd_chunk"]
-    dk_cache, dv_cache = carry.dkv_k[op["bwd_dkv"]], carry.dkv_v[op["bwd_dkv"]]
+    k_cache, v_cache, dk_cache, dv_cache = caches
     off, length = spec.offsets[k], spec.lengths[k]
     if k < spec.segments - 1:  # K/V cotangents that later segments left for this one
         dk_own, dv_own = dk_cache[:, :, off : off + length], dv_cache[:, :, off : off + length]
@@ -283,8 +285,8 @@ def _backward_unit(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps, k:
     d_chunk, d_shared, dx, dk_prefix, dv_prefix = unit.backward(
         tuple(saved),
         (inp.chunk(chunk), inp.shared),
-        _prefix(carry.kv_k[op["bwd_kv"]], ctx, k),
-        _prefix(carry.kv_v[op["bwd_kv"]], ctx, k),
+        _prefix(k_cache, ctx, k),
+        _prefix(v_cache, ctx, k),
         tokens,
         inp.first(chunk, spec.stages),
         (dy, dk_own, dv_own),
@@ -300,6 +302,8 @@ def backward(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps) -> tuple
     spec, chunk = ctx.spec, op["bwd_chunk"]
     dy = _output_cotangent(ctx, carry, op)
     slot = op[units.strategy(spec).slot_fields[1]]
+    kv, dkv = op["bwd_kv"], op["bwd_dkv"]
+    caches = (carry.kv_k[kv], carry.kv_v[kv], carry.dkv_k[dkv], carry.dkv_v[dkv])
 
     def read(group):
         return [jax.lax.dynamic_index_in_dim(b, slot, keepdims=False) for b in carry.saved[group]]
@@ -310,7 +314,7 @@ def backward(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps) -> tuple
 
     def run(k, grads):
         saved = shared_stash if shared_stash is not None else read(ctx.units[k].group)
-        dx, d_chunk, d_shared, dk, dv = _backward_unit(ctx, inp, carry, op, k, saved, dy)
+        dx, d_chunk, d_shared, dk, dv = _backward_unit(ctx, inp, op, k, saved, dy, caches)
         grads = {
             "layers": jax.tree.map(
                 lambda acc, d: acc.at[chunk].add(d.astype(acc.dtype)), grads["layers"], d_chunk
@@ -330,18 +334,21 @@ def backward(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps) -> tuple
     )
     carry = carry.replace(grads=grads)
     if spec.segments > 1:
-        carry = _keep_prefix_cotangents(ctx, carry, op, dk_prefix, dv_prefix)
+        carry = _keep_prefix_cotangents(
+            ctx, carry, op, caches[2] + dk_prefix, caches[3] + dv_prefix
+        )
     return carry, dx
 
 
-def _keep_prefix_cotangents(ctx: Context, carry: Carry, op: TickOps, dk_prefix, dv_prefix):
-    """Prefix cotangents wait for the earlier segments; this segment's own (and any later
-    ones) are spent, so they are cleared for the slot's next micro-batch."""
+def _keep_prefix_cotangents(ctx: Context, carry: Carry, op: TickOps, dk_sum, dv_sum):
+    """The micro-batch's prefix cotangents so far (`dk_sum`, `dv_sum`) wait for the earlier
+    segments; this segment's own (and any later ones) are spent, so they are cleared for
+    the slot's next micro-batch."""
     offsets = jnp.asarray(ctx.spec.offsets, jnp.int32)
     before = (jnp.arange(ctx.spec.kv_len) < offsets[op["bwd_seg"]])[None, None, :, None, None]
     on, slot = op.on("bwd_mb"), op["bwd_dkv"]
-    dkv_k = jnp.where(before, carry.dkv_k[slot] + dk_prefix, 0)
-    dkv_v = jnp.where(before, carry.dkv_v[slot] + dv_prefix, 0)
+    dkv_k = jnp.where(before, dk_sum, 0)
+    dkv_v = jnp.where(before, dv_sum, 0)
     return carry.replace(
         dkv_k=write_slot(carry.dkv_k, slot, dkv_k, on),
         dkv_v=write_slot(carry.dkv_v, slot, dkv_v, on),
