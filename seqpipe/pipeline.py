@@ -32,28 +32,6 @@ from seqpipe.model import Params
 from seqpipe.sharding import DATA, STAGE
 from seqpipe.spec import PipelineSpec, make_spec  # noqa: F401 (make_spec: the entry point)
 
-# Parameter layout. Canonical layers are [N, ...]; global chunk g = c * S + r holds layers
-# [g * n, (g + 1) * n). The stage layout is [S, V, n, ...], sharded over `stage` on axis 0.
-# With V = 1 both layouts put stage r's layers in the same place, so conversion is free.
-
-
-def to_stage_layout(layers: Params, stages: int, virtual: int) -> Params:
-    def f(w):
-        n = w.shape[0] // (stages * virtual)
-        w = w.reshape(virtual, stages, n, *w.shape[1:])
-        return jnp.swapaxes(w, 0, 1)
-
-    return jax.tree.map(f, layers)
-
-
-def from_stage_layout(layers: Params) -> Params:
-    def f(w):
-        s, v, n = w.shape[:3]
-        return jnp.swapaxes(w, 0, 1).reshape(v * s * n, *w.shape[3:])
-
-    return jax.tree.map(f, layers)
-
-
 # --------------------------------------------------------------------------- context
 
 
@@ -376,11 +354,19 @@ def stage_step(spec: PipelineSpec, layers_VxN: Params, shared: Params, tokens_Bx
 def loss_and_grads(
     params: Params, tokens_BxL1: jax.Array, spec: PipelineSpec, mesh: jax.sharding.Mesh
 ) -> tuple[jax.Array, Params]:
-    """Pipelined loss and gradients, equal to `reference.loss_and_grads` up to float rounding."""
-    layers = to_stage_layout(params["layers"], spec.stages, spec.virtual)
+    """Pipelined loss and gradients, equal to `reference.loss_and_grads` up to float rounding
+    once both are in one order: `params["layers"]` and the returned gradients of them are
+    in stage order (`seqpipe.layout`), so each stage's block is its V chunks."""
+    V, n = spec.virtual, spec.chunk_layers
     shared = {k: v for k, v in params.items() if k != "layers"}
+
+    def local(layers, sh, tok):  # this stage's [V * n] layers, as V chunks and back
+        chunks = jax.tree.map(lambda w: w.reshape(V, n, *w.shape[1:]), layers)
+        loss, grads, grads_shared = stage_step(spec, chunks, sh, tok)
+        return loss, jax.tree.map(lambda g: g.reshape(V * n, *g.shape[3:]), grads), grads_shared
+
     body = jax.shard_map(
-        lambda lay, sh, tok: stage_step(spec, jax.tree.map(lambda w: w[0], lay), sh, tok),
+        local,
         mesh=mesh,
         in_specs=(P(STAGE), P(), P(DATA)),
         out_specs=(P(), P(STAGE), P()),
@@ -389,5 +375,5 @@ def loss_and_grads(
         # the HLO to make sure); the reductions are the explicit ones after it.
         check_vma=False,
     )
-    loss, grads_layers, grads_shared = body(layers, shared, tokens_BxL1)
-    return loss, {**grads_shared, "layers": from_stage_layout(grads_layers)}
+    loss, grads_layers, grads_shared = body(params["layers"], shared, tokens_BxL1)
+    return loss, {**grads_shared, "layers": grads_layers}

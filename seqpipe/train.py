@@ -26,6 +26,7 @@ from seqpipe import (
     checkpoint,
     data,
     hlo,
+    layout,
     model,
     optim,
     pipeline,
@@ -62,7 +63,9 @@ def _init_fn(config: ConfigDict, tx: optax.GradientTransformation) -> Callable:
 
     def init(key):
         params = model.init_params(cfg, key)
-        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+        state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+        # Born in the order the step reads, as the state stays (checkpoints excepted).
+        return layout.to_stage_order(state, *layout.of_config(config))
 
     return init
 
@@ -125,7 +128,8 @@ def make_train_step(
 
 def make_eval_fn(config: ConfigDict) -> Callable:
     cfg = GPTConfig.from_config(config.model)
-    return jax.jit(lambda params, tokens: model.loss(params, tokens, cfg))
+    order = layout.of_config(config)  # the state's layers are in stage order
+    return jax.jit(lambda p, tokens: model.loss(layout.to_canonical(p, *order), tokens, cfg))
 
 
 def bubble_fraction(config: ConfigDict) -> float:

@@ -12,7 +12,12 @@ from pairwise import all_pairs, full_product
 from seqpipe import config as config_lib
 from seqpipe import hlo, model, pipeline, reference, remat, sharding
 from seqpipe import schedule as schedule_lib
-from seqpipe.tools.verify import GRAD_RTOL, LOSS_RTOL, max_relative_error
+from seqpipe.tools.verify import (
+    GRAD_RTOL,
+    LOSS_RTOL,
+    canonical_loss_and_grads,
+    max_relative_error,
+)
 
 SCHEDULES = schedule_lib.SCHEDULES
 MESHES = ((1, 1), (1, 2), (1, 4), (2, 4), (1, 8))
@@ -70,7 +75,7 @@ def check_against_reference(case, config=None, loss_rtol=LOSS_RTOL, grad_rtol=GR
     )
     ref_loss, ref_grads = reference_loss_and_grads(params, tokens, spec.cfg)
     tokens = jax.device_put(tokens, sharding.batch_sharding(mesh))
-    loss, grads = jax.jit(lambda p, t: pipeline.loss_and_grads(p, t, spec, mesh))(params, tokens)
+    loss, grads = jax.jit(lambda p, t: canonical_loss_and_grads(p, t, spec, mesh))(params, tokens)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=loss_rtol)
     leaf, err = max_relative_error(grads, ref_grads)
     assert err <= grad_rtol, f"{case}: gradient {leaf} off by {err:.2e} (relative)"
@@ -182,7 +187,7 @@ def test_broken_kv_gradient_is_caught():
 
     model.layer = detached
     try:
-        _, grads = jax.jit(lambda p, t: pipeline.loss_and_grads(p, t, spec, mesh))(params, tokens)
+        _, grads = jax.jit(lambda p, t: canonical_loss_and_grads(p, t, spec, mesh))(params, tokens)
     finally:
         model.layer = original
     assert max_relative_error(grads, ref_grads)[1] > 1e-3
