@@ -6,12 +6,16 @@ off the device, then training goes on while a background thread writes them). A 
 directory appears only once complete, so `latest_step()` is always a restorable one.
 
 - `state`: step, parameters and optimizer state, as sharded arrays (every process writes
-  its own shards). Restored straight into the shardings of the *current* mesh, so a
-  checkpoint written data-parallel on 8 x 1 restores on 2 x 4 (layers split over stages).
+  its own shards), layers in canonical order (the train state keeps them in stage order,
+  `seqpipe.layout`: reordered on save and on restore). Restored straight into the
+  shardings of the *current* mesh, so a checkpoint written data-parallel on 8 x 1
+  restores on 2 x 4 (layers split over stages), and one written with interleaved stages
+  (pipeline.virtual_stages=2) restores with any other V or stage count.
 - `data`: the grain iterator's state. Every process reads the same global batch index
   (only its rows differ), so one JSON state serves any process count.
 - `meta`: the model config, and the batch size, sequence length and seed that fix the
   batch order; checked on restore so a checkpoint never loads into a different model.
+  The mesh and the pipeline are not in it: canonical order makes them free to change.
   Training has no random state beyond the seed (no dropout), so there is no RNG to save.
 """
 
@@ -24,6 +28,7 @@ import jax
 import orbax.checkpoint as ocp
 from ml_collections import ConfigDict
 
+from seqpipe import layout
 from seqpipe.config import ConfigError
 
 ITEMS = ("state", "data", "meta")
@@ -69,6 +74,8 @@ def save(
     free = shutil.disk_usage(manager.directory).free
     if free < need:
         raise SaveError(_failed(manager, step, f"{need:,} bytes needed, {free:,} free"))
+    # A copy of the layers in canonical order (none with V = 1), freed once on the host.
+    state = layout.on_arrays(layout.to_canonical, state, *layout.of_config(config))
     args = ocp.args.Composite(
         state=ocp.args.StandardSave(state),
         data=ocp.args.JsonSave(data_state),
@@ -123,7 +130,8 @@ def restore_latest(
     """(step, state, data_state) of the newest complete checkpoint, or None if there is none.
 
     `abstract_state` is a tree of `jax.ShapeDtypeStruct` carrying the target shardings;
-    arrays are read directly into them, whatever mesh wrote the checkpoint.
+    arrays are read directly into them, whatever mesh wrote the checkpoint, then their
+    layers put in this config's stage order.
     """
     step = manager.latest_step()
     if step is None:
@@ -146,7 +154,10 @@ def restore_latest(
             state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()
         ),
     )
-    return step, restored["state"], restored["data"]
+    state = layout.on_arrays(
+        layout.to_stage_order, restored["state"], *layout.of_config(config), donate=True
+    )
+    return step, state, restored["data"]
 
 
 def _differences(saved: dict, expected: dict, section: str) -> str:

@@ -32,28 +32,6 @@ from seqpipe.model import Params
 from seqpipe.sharding import DATA, STAGE
 from seqpipe.spec import PipelineSpec, make_spec  # noqa: F401 (make_spec: the entry point)
 
-# Parameter layout. Canonical layers are [N, ...]; global chunk g = c * S + r holds layers
-# [g * n, (g + 1) * n). The stage layout is [S, V, n, ...], sharded over `stage` on axis 0.
-# With V = 1 both layouts put stage r's layers in the same place, so conversion is free.
-
-
-def to_stage_layout(layers: Params, stages: int, virtual: int) -> Params:
-    def f(w):
-        n = w.shape[0] // (stages * virtual)
-        w = w.reshape(virtual, stages, n, *w.shape[1:])
-        return jnp.swapaxes(w, 0, 1)
-
-    return jax.tree.map(f, layers)
-
-
-def from_stage_layout(layers: Params) -> Params:
-    def f(w):
-        s, v, n = w.shape[:3]
-        return jnp.swapaxes(w, 0, 1).reshape(v * s * n, *w.shape[3:])
-
-    return jax.tree.map(f, layers)
-
-
 # --------------------------------------------------------------------------- context
 
 
@@ -428,11 +406,21 @@ def stage_step(spec: PipelineSpec, layers_VxN: Params, shared: Params, tokens_Bx
 
 
 def _on_stages(params: Params, tokens_BxL1, spec: PipelineSpec, mesh, out_specs):
-    """`stage_step` on every (data, stage) device of the mesh."""
-    layers = to_stage_layout(params["layers"], spec.stages, spec.virtual)
+    """`stage_step` on every (data, stage) device of the mesh. `params["layers"]` is in
+    stage order (`seqpipe.layout`): each stage's block is its V chunks, viewed as
+    [V, n, ...] where it lies; the layer gradients return in the same order."""
+    V, n = spec.virtual, spec.chunk_layers
     shared = {k: v for k, v in params.items() if k != "layers"}
+
+    def local(layers, sh, tok):  # this stage's [V * n] layers, as V chunks and back
+        chunks = jax.tree.map(lambda w: w.reshape(V, n, *w.shape[1:]), layers)
+        if spec.forward_only:
+            return stage_step(spec, chunks, sh, tok)
+        loss, grads, grads_shared = stage_step(spec, chunks, sh, tok)
+        return loss, jax.tree.map(lambda g: g.reshape(V * n, *g.shape[3:]), grads), grads_shared
+
     body = jax.shard_map(
-        lambda lay, sh, tok: stage_step(spec, jax.tree.map(lambda w: w[0], lay), sh, tok),
+        local,
         mesh=mesh,
         in_specs=(P(STAGE), P(), P(DATA)),
         out_specs=out_specs,
@@ -441,23 +429,26 @@ def _on_stages(params: Params, tokens_BxL1, spec: PipelineSpec, mesh, out_specs)
         # the HLO to make sure); the reductions are the explicit ones after it.
         check_vma=False,
     )
-    return body(layers, shared, tokens_BxL1)
+    return body(params["layers"], shared, tokens_BxL1)
 
 
 def loss_and_grads(
     params: Params, tokens_BxL1: jax.Array, spec: PipelineSpec, mesh: jax.sharding.Mesh
 ) -> tuple[jax.Array, Params]:
-    """Pipelined loss and gradients, equal to `reference.loss_and_grads` up to float rounding."""
+    """Pipelined loss and gradients, equal to `reference.loss_and_grads` up to float rounding
+    once both are in one order: `params["layers"]` and the returned gradients of them are
+    in stage order (`seqpipe.layout`), so each stage's block is its V chunks."""
     loss, grads_layers, grads_shared = _on_stages(
         params, tokens_BxL1, spec, mesh, (P(), P(STAGE), P())
     )
-    return loss, {**grads_shared, "layers": from_stage_layout(grads_layers)}
+    return loss, {**grads_shared, "layers": grads_layers}
 
 
 def eval_loss(
     params: Params, tokens_BxL1: jax.Array, spec: PipelineSpec, mesh: jax.sharding.Mesh
 ) -> jax.Array:
     """The mean loss through the pipeline's forwards alone: `spec` from
-    `seqpipe.spec.forward_only`, the training step's stages, segments and micro-batches.
-    Each device holds its stage's layers and one micro-batch's logits at a time."""
+    `seqpipe.spec.forward_only`, the training step's stages, segments and micro-batches,
+    `params["layers"]` in stage order. Each device holds its stage's layers and one
+    micro-batch's logits at a time."""
     return _on_stages(params, tokens_BxL1, spec, mesh, P())

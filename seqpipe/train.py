@@ -26,6 +26,7 @@ from seqpipe import (
     checkpoint,
     data,
     hlo,
+    layout,
     model,
     optim,
     partition,
@@ -64,7 +65,9 @@ def _init_fn(config: ConfigDict, tx: optax.GradientTransformation) -> Callable:
 
     def init(key):
         params = model.init_params(cfg, key)
-        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+        state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+        # Born in the order the step reads, as the state stays (checkpoints excepted).
+        return layout.to_stage_order(state, *layout.of_config(config))
 
     return init
 

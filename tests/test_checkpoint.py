@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 from test_train import PIPELINED, REPO, read_event_protos, subprocess_env, tiny_args, tiny_config
 
-from seqpipe import checkpoint, optim, sharding, train
+from seqpipe import checkpoint, layout, optim, sharding, train
 from seqpipe.config import ConfigError
 from seqpipe.data import DataError
 
@@ -171,3 +171,48 @@ def test_checkpoint_dir_layout(tmp_path):
     train.run(tiny_config(**{"train.stop_at": "2"}), str(tmp_path))
     step_dir = Path(checkpoint.directory(tmp_path)) / "2"
     assert {"state", "data", "meta"} <= {p.name for p in step_dir.iterdir()}
+
+
+# Interleaved Seq1F1B on 2 x 4 with two chunks per stage: the train state's layers are in
+# stage order (`seqpipe.layout`), not the canonical order checkpoints keep.
+INTERLEAVED = {
+    **PIPELINED,
+    "pipeline.schedule": "seq1f1b_interleaved",
+    "pipeline.virtual_stages": "2",
+    "pipeline.microbatches": "4",
+    "model.num_layers": "8",
+}
+
+
+def test_checkpoints_are_canonical_whatever_the_layout(tmp_path):
+    """A V = 2 run's state (stage order) is saved canonically: restored on 8 x 1 and with
+    V = 1 it is the canonical state, with V = 2 the state as it was. Training on from
+    V = 2 to V = 1 and back to V = 2 gives the losses (and held-out loss) of V = 2."""
+    layers8 = {"model.num_layers": "8", "train.eval_every": "1"}
+
+    def v2(stop):
+        return tiny_config(**{**INTERLEAVED, **layers8, "train.stop_at": stop})
+
+    def v1(stop):
+        return tiny_config(**{**PIPELINED, **layers8, "train.stop_at": stop})
+
+    straight = train.run(v2("4"), str(tmp_path / "straight"))
+    run = str(tmp_path / "run")
+    trainer = train.Trainer(v2("2"), run)
+    try:
+        assert [r["step"] for r in trainer.train()] == [1, 2]
+    finally:
+        trainer.close()
+    live = trainer.state
+    canonical = layout.to_canonical(live, 4, 2)
+    wq = [np.asarray(s["params"]["layers"]["wq"]) for s in (live, canonical)]
+    assert not np.array_equal(*wq)  # V = 2 really holds another order
+    chex.assert_trees_all_equal(_restore(run, tiny_config(**layers8), 8, 1)[1], canonical)
+    chex.assert_trees_all_equal(_restore(run, v1("2"), 2, 4)[1], canonical)
+    chex.assert_trees_all_equal(_restore(run, v2("2"), 2, 4)[1], live)
+    resumed = train.run(v1("3"), run) + train.run(v2("4"), run)
+    assert [r["step"] for r in resumed] == [3, 4]
+    for key in ("loss", "eval_loss"):
+        np.testing.assert_allclose(
+            [r[key] for r in resumed], [r[key] for r in straight[2:]], rtol=1e-5
+        )

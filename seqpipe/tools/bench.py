@@ -190,7 +190,7 @@ def run_one(config, step, params, tokens, timer, repeats: int, count_flops: bool
     `step` from `compile_step`."""
     import jax
 
-    from seqpipe import schedule
+    from seqpipe import layout, schedule
     from seqpipe.tools import flops, memory
 
     spec, compiled, p_abs, t_abs = step["spec"], step["compiled"], step["params"], step["tokens"]
@@ -231,7 +231,7 @@ def run_one(config, step, params, tokens, timer, repeats: int, count_flops: bool
     if timer is not None:
         pred = predicted(spec, timer.unit)
         out["predicted_s"], out["bubble_measured_costs"] = pred["time"], pred["bubble"]
-    placed = place_params(params, p_abs)
+    placed = place_params(layout.to_stage_order(params, spec.stages, spec.virtual), p_abs)
     toks = jax.device_put(tokens, t_abs.sharding)
     out["measured_s"] = median_seconds(compiled, (placed, toks), repeats)
     return out

@@ -102,8 +102,8 @@ def _param_counts(cfg) -> tuple[int, int]:
 
 def abstract_step(config):
     """(spec, step, params, tokens): the jitted pipelined loss-and-gradients step and
-    abstract inputs, sharded as in training (layers split over `stage`, the rest
-    replicated, the batch split over `data`). Nothing is allocated."""
+    abstract inputs, sharded as in training (layers in stage order split over `stage`,
+    the rest replicated, the batch split over `data`). Nothing is allocated."""
     import jax
     import numpy as np
     from jax.sharding import NamedSharding

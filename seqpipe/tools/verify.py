@@ -31,6 +31,17 @@ def max_relative_error(actual, expected) -> tuple[str, float]:
     return worst
 
 
+def canonical_loss_and_grads(params, tokens_BxL1, spec, mesh):
+    """`pipeline.loss_and_grads` on and for canonical layers, as the reference has them."""
+    from seqpipe import layout, pipeline
+
+    order = (spec.stages, spec.virtual)
+    loss, grads = pipeline.loss_and_grads(
+        layout.to_stage_order(params, *order), tokens_BxL1, spec, mesh
+    )
+    return loss, layout.to_canonical(grads, *order)
+
+
 def compare(config, tokens_BxL1, mesh) -> dict:
     """Loss and gradient differences between the configured pipeline and the reference."""
     from seqpipe import model, pipeline, reference
@@ -44,7 +55,7 @@ def compare(config, tokens_BxL1, mesh) -> dict:
     ref_loss, ref_grads = jax.jit(reference.loss_and_grads, static_argnums=2)(
         params, tokens_BxL1, spec.cfg
     )
-    loss, grads = jax.jit(lambda p, t: pipeline.loss_and_grads(p, t, spec, mesh))(
+    loss, grads = jax.jit(lambda p, t: canonical_loss_and_grads(p, t, spec, mesh))(
         params, tokens_BxL1
     )
     leaf, grad_err = max_relative_error(grads, ref_grads)

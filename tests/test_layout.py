@@ -1,0 +1,62 @@
+"""Stage order: each stage's block of the layers is its own V chunks, so the step moves no
+parameters or gradients between stages; V = 1 changes nothing."""
+
+import jax
+import numpy as np
+from test_pipeline import make_config
+
+from seqpipe import hlo, layout, optim, sharding, train
+
+
+def test_stage_order_puts_each_stages_chunks_in_its_block():
+    S, V, n = 4, 2, 3
+    perm = layout.stage_order(S * V * n, S, V)
+    for r in range(S):
+        for c in range(V):
+            for i in range(n):
+                assert perm[(r * V + c) * n + i] == (c * S + r) * n + i
+    tree = {"layers": {"w": np.arange(S * V * n * 2).reshape(S * V * n, 2)}, "count": 7}
+    staged = layout.to_stage_order(tree, S, V)
+    np.testing.assert_array_equal(staged["layers"]["w"], tree["layers"]["w"][perm])
+    assert staged["count"] == 7  # not under "layers": left alone
+    back = layout.to_canonical(staged, S, V)
+    np.testing.assert_array_equal(back["layers"]["w"], tree["layers"]["w"])
+
+
+def test_one_virtual_stage_is_the_canonical_order():
+    np.testing.assert_array_equal(layout.stage_order(12, 4, 1), np.arange(12))
+    tree = {"layers": {"w": np.arange(12)}}
+    assert layout.to_stage_order(tree, 4, 1) is tree
+    assert layout.to_canonical(tree, 4, 1) is tree
+
+
+def _step_collectives(config) -> tuple[dict, dict]:
+    """Collectives of the compiled train step: inside the tick loop, and outside it."""
+    mesh = sharding.make_mesh(config.mesh.data, config.mesh.stage)
+    tx = optim.make_optimizer(config.train)
+    state = train.abstract_state(config, mesh, tx)
+    batch = jax.ShapeDtypeStruct(
+        (config.train.global_batch_size, config.train.seq_len + 1),
+        np.int32,
+        sharding=sharding.batch_sharding(mesh),
+    )
+    step = train.make_train_step(
+        train.make_grad_fn(config, mesh), tx, optim.lr_schedule(config.train)
+    )
+    comps = hlo.computations(step.lower(state, batch).compile().as_text())
+    inside = hlo.inside_loops(comps)
+    count = lambda names: hlo.count_collectives("\n".join(comps[k] for k in names))  # noqa: E731
+    return count(inside), count(set(comps) - inside)
+
+
+def test_interleaved_step_sends_only_the_tick_loops_messages():
+    """With V = 2 the step's collectives are those of V = 1: parameters and gradients stay
+    on their stage (in canonical order, the step resharded them both ways: all-to-all)."""
+    interleaved = make_config("seq1f1b_interleaved", (1, 4), 2, "uniform", "equal", 2)
+    plain = make_config("seq1f1b", (1, 4), 2, "uniform", "equal", 1)
+    plain.model.num_layers = interleaved.model.num_layers
+    loop2, outside2 = _step_collectives(interleaved)
+    loop1, outside1 = _step_collectives(plain)
+    assert outside2["all-to-all"] == loop2["all-to-all"] == 0
+    assert outside2["collective-permute"] == 0 and loop2["collective-permute"] > 0
+    assert (loop2, outside2) == (loop1, outside1)
