@@ -279,16 +279,15 @@ def backward(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps) -> tuple
     gradients accumulated, its prefix K/V cotangents kept for the earlier segments."""
     spec, chunk = ctx.spec, op["bwd_chunk"]
     dy = _output_cotangent(ctx, carry, op)
-    slot = op[units.strategy(spec).slot_fields[1]]
+    strategy = units.strategy(spec)
+    slot = op[strategy.slot_fields[1]]
     kv, dkv = op["bwd_kv"], op["bwd_dkv"]
     caches = (carry.kv_k[kv], carry.kv_v[kv], carry.dkv_k[dkv], carry.dkv_v[dkv])
 
     def read(group):
         return [jax.lax.dynamic_index_in_dim(b, slot, keepdims=False) for b in carry.saved[group]]
 
-    # One stash for every segment (the inputs, remat `full`): read it before branching, as
-    # XLA then needs no copy of it per branch; per-segment stashes are read in their branch.
-    shared_stash = read(0) if len(ctx.groups) == 1 else None
+    shared_stash = read(0) if strategy.read_before_branching else None
 
     def run(k, grads):
         saved = shared_stash if shared_stash is not None else read(ctx.units[k].group)

@@ -90,6 +90,9 @@ class RecomputeInput:
         return outputs, vjp(cotangents)
 
     slot_fields = ("fwd_stash", "bwd_stash")  # the `Program` rows naming a unit's slot
+    # Every backward reads one message from the one stash: read before branching, XLA
+    # needs no copy of it per branch.
+    read_before_branching = True
 
     def slot_counts(self, program) -> tuple[int, ...]:
         return (program.num_stash,)
@@ -121,6 +124,9 @@ class KeepResiduals:
         return None, layout.rebuild(saved, (*params, k_prefix, v_prefix))(cotangents)
 
     slot_fields = ("fwd_res", "bwd_res")
+    # Only the running segment's residuals are read, inside its branch: read outside,
+    # each tick would copy a slot of them.
+    read_before_branching = False
 
     def slot_counts(self, program) -> tuple[int, ...]:
         return program.num_res
