@@ -42,6 +42,7 @@ def main(argv: list[str]) -> int:
     config, args = cli.load_or_exit(argv, "train.py", cli.train_flags)
     tpu_slice = cli.slice_or_exit(args)  # before jax is imported
     if tpu_slice is None:
+        cli.quiet_libtpu()
         cli.init_distributed(args)  # imports jax: only after the device count is set
     else:
         config = cli.resolve_or_exit(config, tpu_slice.chips)

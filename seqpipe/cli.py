@@ -5,6 +5,7 @@ nothing written. jax is not imported here, so the CPU device count can still be 
 """
 
 import argparse
+import glob
 import math
 import os
 import sys
@@ -34,6 +35,18 @@ def fake_cpu_devices(count: int) -> None:
     flag = "--xla_force_host_platform_device_count"
     if flag not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}={count}".strip()
+
+
+def quiet_libtpu() -> None:
+    """On a machine with no TPU, keep libtpu (installed with the dev extras, to compile for
+    TPU slices) from printing half a dozen errors while jax starts: it reads the TPU's type
+    and hosts from the environment before probing, finds nothing, and jax falls back to the
+    other backends as it would anyway. A TPU VM has /dev/accel* or /dev/vfio and keeps its
+    own settings. Call before jax is imported."""
+    if glob.glob("/dev/accel*") or os.path.exists("/dev/vfio"):
+        return
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5p-8")  # any known type: it finds no chip
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")  # one host: no cluster
 
 
 def fail(message: str, code: int = 2, at_once: bool = False) -> None:

@@ -301,6 +301,23 @@ def test_mesh_minus_one_on_cpu_gets_the_devices_the_other_axis_needs(tmp_path):
     assert json.loads(proc.stdout.strip().splitlines()[-1])["mesh"] == {"data": 1, "stage": 4}
 
 
+def test_no_libtpu_noise_on_a_machine_without_a_tpu(tmp_path):
+    """libtpu (dev extras) probes for a TPU when jax starts; with no TPU here, train.py keeps
+    it quiet: nothing on stderr, the step compiled on the CPU."""
+    env = {k: v for k, v in subprocess_env().items() if not k.startswith(("JAX_PLAT", "TPU_"))}
+    proc = subprocess.run(
+        [sys.executable, "train.py", "--compile_only", "--workdir", str(tmp_path / "w")]
+        + tiny_args(),
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-2000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["device_kind"] == "cpu"
+
+
 GPT_1B_TEMPORARIES = 8_302_906_520
 GPT_1B_EVAL_TEMPORARIES = 1_289_227_744
 

@@ -334,6 +334,7 @@ def main(argv: list[str]) -> int:
         )
 
     config, args = cli.load_or_exit(argv, "python -m seqpipe.tools.memory", flags)
+    cli.quiet_libtpu()
     config = cli.resolve_or_exit(config)  # a mesh axis at -1 gets its size
     from seqpipe import config as config_lib
 

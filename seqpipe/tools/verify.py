@@ -74,6 +74,7 @@ def main(argv: list[str]) -> int:
     from seqpipe import cli
 
     config, args = cli.load_or_exit(argv, "python -m seqpipe.tools.verify")
+    cli.quiet_libtpu()
     config = cli.resolve_or_exit(config)  # a mesh axis at -1 gets its size
     from seqpipe import data, sharding
 
