@@ -123,6 +123,7 @@ class Schedule:
     virtual: int
     inflight: str | int
     ticks: tuple[tuple[Cell, ...], ...]  # ticks[t][stage]
+    forward_only: bool = False  # an evaluation's table (`forward_only`): no backwards
 
 
 # --------------------------------------------------------------------------- generation
@@ -302,7 +303,8 @@ def forward_only(s: Schedule) -> Schedule:
                 done[r, u], nxt[r] = t, nxt[r] + 1
             row.append(make_cell(u))
         ticks.append(tuple(row))
-    return dataclasses.replace(s, name=f"{s.name} (forward only)", ticks=tuple(ticks))
+    name = f"{s.name} (forward only)"
+    return dataclasses.replace(s, name=name, ticks=tuple(ticks), forward_only=True)
 
 
 # --------------------------------------------------------------------------- validation
@@ -366,9 +368,10 @@ def validate(s: Schedule) -> None:
                 if (r, u) in at[op.kind]:
                     raise ScheduleError(f"tick {t} stage {r}: {name} {u} runs twice")
                 at[op.kind][r, u] = t
-    # Every F runs; a table with backwards (any but an evaluation's) runs every B, and one
-    # that splits them runs every W.
-    required = [F] + ([B] if at[B] or at[W] else []) + ([W] if at[W] else [])
+    if s.forward_only and (at[B] or at[W]):
+        raise ScheduleError(f"{s.name}: a forward-only table has backward operations")
+    # Every F runs; every B unless the table is an evaluation's; every W if any runs.
+    required = [F] + ([] if s.forward_only else [B]) + ([W] if at[W] else [])
     for kind in required:
         if len(at[kind]) != S * M * K * V:
             missing = next(
@@ -475,7 +478,7 @@ def lower(s: Schedule) -> Program:
                 )
     counts = {}
     num_res, num_head = [0] * s.segments, [0] * s.segments
-    forward_only = not b_at  # an evaluation: nothing is kept for a backward
+    forward_only = s.forward_only  # an evaluation: nothing is kept for a backward
     for r in range(S):
         stash, kv, dkv, rf, rb = [], [], [], [], []
         for (rr, u), tf in f_at.items():

@@ -20,7 +20,7 @@ class PipelineSpec:
     @property
     def forward_only(self) -> bool:
         """An evaluation's table: forwards and the loss, nothing kept for a backward."""
-        return not (self.program.bwd_mb >= 0).any()
+        return self.schedule.forward_only
 
     @property
     def policy(self) -> Policy:

@@ -207,6 +207,10 @@ def test_forward_only_tables_run_every_forward_once_and_keep_nothing(cfg):
         return
     e = sc.forward_only(s)
     sc.validate(e)
+    with pytest.raises(ScheduleError, match="forward-only table has backward"):
+        sc.validate(dataclasses.replace(s, forward_only=True))
+    with pytest.raises(ScheduleError, match="never runs"):  # only an evaluation skips them
+        sc.validate(dataclasses.replace(e, forward_only=False))
     fwd, bwd = units_by_stage(e)
     for r in range(e.stages):
         assert sorted(fwd[r], key=key) == all_units(e) and not bwd[r]
