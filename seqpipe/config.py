@@ -348,12 +348,8 @@ def _validate_pipeline(config: ml_collections.ConfigDict, stages: int) -> None:
             config.train.seq_len,
             p.segments,
             p.partition,
-            d_model=m.d_model,
-            num_heads=m.num_heads,
-            d_ff=m.d_ff,
-            vocab_size=m.vocab_size,
-            num_layers=m.num_layers,
             multiple=p.partition_multiple,
+            **partition.model_dims(m),
         )
     except ValueError as e:
         setting = (

@@ -52,6 +52,12 @@ def _prefix_cost(pos: float, dense: int, attn: int) -> float:
     return dense * pos + attn * pos * pos / 2
 
 
+def model_dims(model) -> dict[str, int]:
+    """The model shape the cost model reads, from `config.model` or a `GPTConfig`."""
+    names = ("d_model", "num_heads", "d_ff", "vocab_size", "num_layers")
+    return {name: getattr(model, name) for name in names}
+
+
 def segment_lengths(
     seq_len: int,
     segments: int,

@@ -67,12 +67,8 @@ def make_spec(config, seq_len: int | None = None) -> PipelineSpec:
         seq_len or config.train.seq_len,
         p.segments,
         p.partition,
-        d_model=cfg.d_model,
-        num_heads=cfg.num_heads,
-        d_ff=cfg.d_ff,
-        vocab_size=cfg.vocab_size,
-        num_layers=cfg.num_layers,
         multiple=p.partition_multiple,
+        **partition.model_dims(cfg),
     )
     table = schedule.build(
         p.schedule,

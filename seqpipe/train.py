@@ -147,14 +147,7 @@ def bubble_fractions(config: ConfigDict) -> dict[str, float]:
     if config.pipeline.schedule == "none":
         return {"bubble": 0.0, "bubble_head": 0.0}
     spec = pipeline.make_spec(config)
-    cfg = spec.cfg
-    dims = dict(
-        d_model=cfg.d_model,
-        num_heads=cfg.num_heads,
-        d_ff=cfg.d_ff,
-        vocab_size=cfg.vocab_size,
-        num_layers=cfg.num_layers,
-    )
+    dims = partition.model_dims(spec.cfg)
     costs = partition.segment_flops(spec.lengths, **dims)
     chunks = partition.chunk_costs(spec.stages * spec.virtual, sum(spec.lengths), **dims)
     with_head = schedule.stats(spec.schedule, costs, spec.lengths, chunks)
