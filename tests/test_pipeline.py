@@ -10,7 +10,7 @@ import pytest
 from pairwise import all_pairs, full_product
 
 from seqpipe import config as config_lib
-from seqpipe import hlo, layout, model, pipeline, reference, remat, sharding
+from seqpipe import hlo, layout, model, pipeline, reference, remat, sharding, units
 from seqpipe import schedule as schedule_lib
 from seqpipe import spec as spec_lib
 from seqpipe.tools.verify import (
@@ -250,3 +250,15 @@ def test_pipelined_eval_matches_the_model(case):
     collectives = hlo.count_collectives(step.lower(params, tokens).compile().as_text())
     assert collectives["all-gather"] == collectives["all-to-all"] == 0
     assert (collectives["collective-permute"] > 0) == (case[1][1] > 1)
+
+
+def test_the_executors_residual_layout_is_checked_against_the_probe():
+    """The backward rebuilds each vjp from a probe's layout; the forward checks that its own
+    layout is that one (`same_as`), which tells segments' layouts apart."""
+    config = make_config("seq1f1b", (1, 2), 2, "uniform", "equal", 1)
+    config.pipeline.remat = "none"
+    spec = pipeline.make_spec(config)
+    first, second = (units.SegmentUnit(spec, k) for k in (0, 1))
+    fresh = units._probe_layout(first, 2, None)  # a second trace of segment 0
+    assert fresh is not first.layout(2) and fresh.same_as(first.layout(2))
+    assert not first.layout(2).same_as(second.layout(2))  # its prefix differs
