@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from ml_collections import ConfigDict
 
+from seqpipe.sharding import in_layers
+
 
 def of_config(config: ConfigDict) -> tuple[int, int]:
     """(stages, virtual stages) the train state's layers are ordered for."""
@@ -29,10 +31,6 @@ def stage_order(num_layers: int, stages: int, virtual: int) -> np.ndarray:
     """perm[p]: the canonical layer at stage-order position p."""
     n = num_layers // (stages * virtual)
     return np.arange(num_layers).reshape(virtual, stages, n).transpose(1, 0, 2).reshape(-1)
-
-
-def _in_layers(path) -> bool:
-    return any(getattr(k, "key", None) == "layers" for k in path)
 
 
 def _stage_leaf(w, stages: int, virtual: int):
@@ -52,7 +50,7 @@ def _map_layers(leaf_fn, tree, stages: int, virtual: int):
     if virtual == 1:
         return tree
     return jax.tree_util.tree_map_with_path(
-        lambda p, x: leaf_fn(x, stages, virtual) if _in_layers(p) else x, tree
+        lambda p, x: leaf_fn(x, stages, virtual) if in_layers(p) else x, tree
     )
 
 
@@ -79,7 +77,7 @@ def on_arrays(fn, tree, stages: int, virtual: int, donate: bool = False):
         return tree
     leaf_fn = {to_canonical: _canonical_leaf, to_stage_order: _stage_leaf}[fn]
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    picked = [i for i, (path, _) in enumerate(flat) if _in_layers(path)]
+    picked = [i for i, (path, _) in enumerate(flat) if in_layers(path)]
     leaves = [x for _, x in flat]
     jitted = jax.jit(
         _jitted_leaves,

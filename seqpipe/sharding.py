@@ -31,12 +31,17 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
+def in_layers(path) -> bool:
+    """Whether a pytree path lies under a "layers" key: the stacked, stage-split weights
+    (and the optimizer moments that mirror them)."""
+    return any(getattr(k, "key", None) == "layers" for k in path)
+
+
 def state_shardings(state_shapes, mesh: Mesh):
     """Layer weights (and their optimizer moments) split over `stage` by blocks of layers;
     everything else replicated. With one stage this is plain replication."""
 
     def spec(path, _):
-        in_layers = any(getattr(k, "key", None) == "layers" for k in path)
-        return NamedSharding(mesh, P(STAGE) if in_layers else P())
+        return NamedSharding(mesh, P(STAGE) if in_layers(path) else P())
 
     return jax.tree_util.tree_map_with_path(spec, state_shapes)

@@ -116,8 +116,7 @@ def abstract_step(config):
     shapes = jax.eval_shape(lambda: model.init_params(spec.cfg, jax.random.key(0)))
 
     def place(path, x):
-        in_layers = any(getattr(k, "key", None) == "layers" for k in path)
-        part = NamedSharding(mesh, P(sharding.STAGE) if in_layers else P())
+        part = NamedSharding(mesh, P(sharding.STAGE) if sharding.in_layers(path) else P())
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=part)
 
     params = jax.tree_util.tree_map_with_path(place, shapes)
