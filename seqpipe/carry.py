@@ -85,7 +85,7 @@ def abstract(spec, rows: int, layers_VxN, shared) -> Carry:
     for u in segs:
         groups.setdefault(u.group, u)
     saved = tuple(
-        tuple(slots(count, a) for a in groups[g].saved_avals(rows))
+        tuple(slots(count, a) for a in groups[g].saved_avals(rows, depth=spec.uneven))
         for g, count in enumerate(units.strategy(spec).slot_counts(prog))
     )
     return Carry(

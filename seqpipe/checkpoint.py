@@ -75,7 +75,7 @@ def save(
     if free < need:
         raise SaveError(_failed(manager, step, f"{need:,} bytes needed, {free:,} free"))
     # A copy of the layers in canonical order (none with V = 1), freed once on the host.
-    state = layout.on_arrays(layout.to_canonical, state, *layout.of_config(config))
+    state = layout.on_arrays(layout.to_canonical, state, layout.of_config(config))
     args = ocp.args.Composite(
         state=ocp.args.StandardSave(state),
         data=ocp.args.JsonSave(data_state),
@@ -148,15 +148,15 @@ def restore_latest(
             f"{where} was trained with another batch order ({diff}), so its data "
             "position does not carry over; use the same values or a fresh --workdir"
         )
+    placement = layout.of_config(config)
+    target = layout.canonical_abstract(abstract_state, placement)
     restored = manager.restore(
         step,
         args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()
+            state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()
         ),
     )
-    state = layout.on_arrays(
-        layout.to_stage_order, restored["state"], *layout.of_config(config), donate=True
-    )
+    state = layout.on_arrays(layout.to_stage_order, restored["state"], placement, donate=True)
     return step, state, restored["data"]
 
 

@@ -57,6 +57,9 @@ def base_config() -> ml_collections.ConfigDict:
         virtual_stages=1,
         inflight="full",
         remat="full",  # what a forward keeps for its backward: one of REMAT_POLICIES
+        # Layers per stage: "even", "flops" (fewer on the last stage, which runs the head)
+        # or a comma-separated count per stage, e.g. "7,7,6,4".
+        layers_per_stage="even",
     )
     c.train = dict(
         steps=100,
@@ -338,11 +341,29 @@ def _validate_pipeline(config: ml_collections.ConfigDict, stages: int) -> None:
 
     m, p = config.model, config.pipeline
     chunks = stages * p.virtual_stages
+    split = p.layers_per_stage
     _require(
-        m.num_layers % chunks == 0,
-        f"model.num_layers={m.num_layers} must be divisible by mesh.stage * "
-        f"pipeline.virtual_stages = {chunks}",
+        isinstance(split, str),
+        f"pipeline.layers_per_stage={split!r} must be 'even', 'flops' or a quoted "
+        "comma-separated count per stage, e.g. '7,7,6,4'",
     )
+    _require(
+        split != "even" or m.num_layers % chunks == 0,
+        f"model.num_layers={m.num_layers} must be divisible by mesh.stage * "
+        f"pipeline.virtual_stages = {chunks}; or split layers unevenly with "
+        "pipeline.layers_per_stage=flops",
+    )
+    try:
+        partition.stage_layers(
+            split,
+            m.num_layers,
+            stages,
+            p.virtual_stages,
+            seq_len=config.train.seq_len,
+            **partition.model_dims(m, with_layers=False),
+        )
+    except ValueError as e:
+        raise ConfigError(f"pipeline.layers_per_stage={split}: {e}") from None
     try:
         partition.segment_lengths(
             config.train.seq_len,

@@ -1,91 +1,173 @@
 """Where the layers live: the train state keeps them in stage order, checkpoints canonically.
 
 Canonical order: layer l at position l of every `layers` leaf [N, ...]. Global chunk
-g = c * S + r (the c-th of stage r's V chunks) holds canonical layers [g * n, (g + 1) * n).
-Stage order: each stage's V chunks back to back, so position (r * V + c) * n + i holds
-canonical layer (c * S + r) * n + i. Split over `stage` in blocks (P(STAGE), as
-`seqpipe.sharding.state_shardings` splits layers), stage r then holds exactly its own
-chunks: the executor's [V, n, ...] view of them is a local reshape, and parameters and
-gradients never move between stages.
+g = c * S + r (the c-th of stage r's V chunks) holds the next `layers_per_chunk[g]`
+canonical layers after chunk g - 1's. Stage order: each stage's V chunks back to back,
+each padded with zero layers to the deepest chunk's depth n, so positions
+[(r * V + c) * n, (r * V + c + 1) * n) hold chunk c * S + r. Split over `stage` in blocks
+(P(STAGE), as `seqpipe.sharding.state_shardings` splits layers), stage r then holds
+exactly its own chunks: the executor's [V, n, ...] view of them is a local reshape, and
+parameters and gradients never move between stages. A padding layer is never run, its
+gradient is zero, so it stays zero under the optimizer (AdamW moves a zero weight with a
+zero gradient nowhere).
 
-With V = 1 the two orders are the same and nothing here does anything. Checkpoints stay
-canonical, so a run resumes under any stage count or V.
+With V = 1 and equal chunks the two orders are the same and nothing here does anything.
+Checkpoints stay canonical, so a run resumes under any stage count, V or layer split.
 """
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from ml_collections import ConfigDict
 
-from seqpipe.sharding import in_layers
+from seqpipe import partition
+from seqpipe.sharding import STAGE, in_layers
 
 
-def of_config(config: ConfigDict) -> tuple[int, int]:
-    """(stages, virtual stages) the train state's layers are ordered for."""
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """How the layers are split into chunks and chunks onto stages."""
+
+    stages: int
+    virtual: int
+    layers_per_chunk: tuple[int, ...]  # by global chunk
+
+    @classmethod
+    def even(cls, num_layers: int, stages: int, virtual: int) -> "Placement":
+        chunks = stages * virtual
+        return cls(stages, virtual, (num_layers // chunks,) * chunks)
+
+    @property
+    def depth(self) -> int:
+        """Layers of one chunk as a stage holds it: the deepest chunk's."""
+        return max(self.layers_per_chunk)
+
+    @property
+    def trivial(self) -> bool:
+        """Whether stage order is the canonical order."""
+        return self.virtual == 1 and len(set(self.layers_per_chunk)) == 1
+
+    def chunks_in_stage_order(self) -> list[tuple[int, int, int]]:
+        """(stage-order position of the chunk's block, canonical start, layers) by chunk."""
+        S, V, n = self.stages, self.virtual, self.depth
+        starts = np.cumsum((0,) + self.layers_per_chunk[:-1])
+        return [
+            (((g % S) * V + g // S) * n, int(starts[g]), d)
+            for g, d in enumerate(self.layers_per_chunk)
+        ]
+
+    def positions(self) -> np.ndarray:
+        """The canonical layer at each stage-order position; -1 for padding."""
+        out = np.full(self.stages * self.virtual * self.depth, -1)
+        for at, start, d in self.chunks_in_stage_order():
+            out[at : at + d] = np.arange(start, start + d)
+        return out
+
+
+def of_config(config: ConfigDict) -> Placement:
+    """The placement the train state's layers are ordered for."""
+    m = config.model
     if config.pipeline.schedule == "none":
-        return 1, 1
-    return config.mesh.stage, config.pipeline.virtual_stages
+        return Placement.even(m.num_layers, 1, 1)
+    p = config.pipeline
+    layers = partition.stage_layers(
+        p.layers_per_stage,
+        m.num_layers,
+        config.mesh.stage,
+        p.virtual_stages,
+        seq_len=config.train.seq_len,
+        **partition.model_dims(m, with_layers=False),
+    )
+    return Placement(config.mesh.stage, p.virtual_stages, layers)
 
 
-def stage_order(num_layers: int, stages: int, virtual: int) -> np.ndarray:
-    """perm[p]: the canonical layer at stage-order position p."""
-    n = num_layers // (stages * virtual)
-    return np.arange(num_layers).reshape(virtual, stages, n).transpose(1, 0, 2).reshape(-1)
+def _stage_leaf(w, placement: Placement):
+    n, blocks = placement.depth, {}
+    for at, start, d in placement.chunks_in_stage_order():
+        pad = jnp.zeros((n - d, *w.shape[1:]), w.dtype)
+        blocks[at] = jnp.concatenate([w[start : start + d], pad])
+    return jnp.concatenate([blocks[at] for at in sorted(blocks)])
 
 
-def _stage_leaf(w, stages: int, virtual: int):
-    n = w.shape[0] // (stages * virtual)
-    w = jnp.swapaxes(w.reshape(virtual, stages, n, *w.shape[1:]), 0, 1)
-    return w.reshape(-1, *w.shape[3:])
+def _canonical_leaf(w, placement: Placement):
+    return jnp.concatenate([w[at : at + d] for at, _, d in placement.chunks_in_stage_order()])
 
 
-def _canonical_leaf(w, stages: int, virtual: int):
-    n = w.shape[0] // (stages * virtual)
-    w = jnp.swapaxes(w.reshape(stages, virtual, n, *w.shape[1:]), 0, 1)
-    return w.reshape(-1, *w.shape[3:])
-
-
-def _map_layers(leaf_fn, tree, stages: int, virtual: int):
+def _map_layers(leaf_fn, tree, placement: Placement):
     """leaf_fn on every leaf under a "layers" key (layer axis first); the rest as it is."""
-    if virtual == 1:
+    if placement.trivial:
         return tree
     return jax.tree_util.tree_map_with_path(
-        lambda p, x: leaf_fn(x, stages, virtual) if in_layers(p) else x, tree
+        lambda p, x: leaf_fn(x, placement) if in_layers(p) else x, tree
     )
 
 
-def to_stage_order(tree, stages: int, virtual: int):
+def to_stage_order(tree, placement: Placement):
     """Canonical -> stage order, for every leaf under a "layers" key in `tree` (parameters,
     gradients, optimizer moments, a whole train state; scalar counts are not under one)."""
-    return _map_layers(_stage_leaf, tree, stages, virtual)
+    return _map_layers(_stage_leaf, tree, placement)
 
 
-def to_canonical(tree, stages: int, virtual: int):
-    """Stage order -> canonical: the inverse of `to_stage_order`."""
-    return _map_layers(_canonical_leaf, tree, stages, virtual)
+def to_canonical(tree, placement: Placement):
+    """Stage order -> canonical: the inverse of `to_stage_order` (padding dropped)."""
+    return _map_layers(_canonical_leaf, tree, placement)
 
 
-def _jitted_leaves(leaf_fn, leaves, stages: int, virtual: int):
-    return [leaf_fn(w, stages, virtual) for w in leaves]
+def _jitted_leaves(leaf_fn, leaves, placement: Placement):
+    return [leaf_fn(w, placement) for w in leaves]
 
 
-def on_arrays(fn, tree, stages: int, virtual: int, donate: bool = False):
-    """`fn` (`to_canonical` or `to_stage_order`) on a tree of arrays, jitted, every leaf
-    keeping its sharding: for checkpoints, not the step (the layers cross stages here).
-    Only the layer leaves are copied; with `donate`, their old buffers are given up."""
-    if virtual == 1:
+def _resized(sharding, length: int):
+    """A layer leaf's sharding at another length (padding added or dropped): split over
+    `stage` in blocks where the length divides, else whole on every device (a canonical
+    stack of, say, 22 layers on 8 stages; only checkpoints hold one)."""
+    if isinstance(sharding, NamedSharding) and length % sharding.mesh.shape[STAGE]:
+        return NamedSharding(sharding.mesh, P())
+    return sharding
+
+
+def canonical_abstract(tree, placement: Placement):
+    """Shape structs of `tree`'s canonical form (a checkpoint's), with shardings."""
+    if placement.trivial:
+        return tree
+    N = sum(placement.layers_per_chunk)
+
+    def leaf(path, x):
+        if not in_layers(path):
+            return x
+        shape = (N, *x.shape[1:])
+        return jax.ShapeDtypeStruct(shape, x.dtype, sharding=_resized(x.sharding, N))
+
+    return jax.tree_util.tree_map_with_path(leaf, tree)
+
+
+def on_arrays(fn, tree, placement: Placement, donate: bool = False):
+    """`fn` (`to_canonical` or `to_stage_order`) on a tree of arrays, jitted, a layer
+    leaf keeping its sharding where its new length allows (`_resized`): for checkpoints,
+    not the step (the layers cross stages here). Only the layer leaves are copied; with
+    `donate`, their old buffers are given up."""
+    if placement.trivial:
         return tree
     leaf_fn = {to_canonical: _canonical_leaf, to_stage_order: _stage_leaf}[fn]
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
     picked = [i for i, (path, _) in enumerate(flat) if in_layers(path)]
     leaves = [x for _, x in flat]
+    length = (
+        sum(placement.layers_per_chunk)
+        if fn is to_canonical
+        else placement.stages * placement.virtual * placement.depth
+    )
     jitted = jax.jit(
         _jitted_leaves,
-        static_argnums=(0, 2, 3),
-        out_shardings=[leaves[i].sharding for i in picked],
+        static_argnums=(0, 2),
+        out_shardings=[_resized(leaves[i].sharding, length) for i in picked],
         donate_argnums=(1,) if donate else (),
     )
-    moved = jitted(leaf_fn, [leaves[i] for i in picked], stages, virtual)
+    moved = jitted(leaf_fn, [leaves[i] for i in picked], placement)
     for i, w in zip(picked, moved, strict=True):
         leaves[i] = w
     return jax.tree_util.tree_unflatten(treedef, leaves)

@@ -151,22 +151,42 @@ def layers(
     offset: int,
     cfg: GPTConfig,
     checkpoint: str | None = None,
+    depth: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """A stack of layers (leading axis N) on one segment; returns y and the segment's K/V.
 
     `checkpoint` (a key of CHECKPOINT_POLICIES, or None) wraps each layer in jax.checkpoint.
+    `depth` (a run-time count, or None for all N) runs only the first `depth` layers: the
+    rest pass x through and give zero K/V (a pipeline stage's padding, `seqpipe.layout`).
     """
 
+    def run(x, p, k_prefix, v_prefix):
+        return layer(p, x, k_prefix, v_prefix, offset, cfg)
+
+    def skip(x, p, k_prefix, v_prefix):
+        shape = (*x.shape[:2], cfg.num_heads, cfg.head_dim)
+        return x, jnp.zeros(shape, x.dtype), jnp.zeros(shape, x.dtype)
+
     def body(x, per_layer):
-        p, k_prefix, v_prefix = per_layer
-        y, k_seg, v_seg = layer(p, x, k_prefix, v_prefix, offset, cfg)
+        if depth is None:
+            y, k_seg, v_seg = run(x, *per_layer)
+        else:  # a conditional, so a skipped layer costs nothing
+            i, *per_layer = per_layer
+            y, k_seg, v_seg = jax.lax.cond(i < depth, run, skip, x, *per_layer)
         return y, (k_seg, v_seg)
 
     if checkpoint is not None:
         body = jax.checkpoint(body, policy=CHECKPOINT_POLICIES[checkpoint])
-    y, (k_NxBxQxHxE, v_NxBxQxHxE) = jax.lax.scan(
-        body, x_BxQxD, (p_layers, k_prefix_NxBxPxHxE, v_prefix_NxBxPxHxE)
-    )
+    elif depth is not None:
+        # Saving everything, as no checkpoint does. Without it the cond's own partial
+        # evaluation stashed a copy of every weight and the rope tables per unit, and the
+        # executor's rebuilt vjp gave wrong q and k gradients (caught by the uneven-split
+        # oracle test; the cause inside JAX was not pinned down).
+        body = jax.checkpoint(body, policy=jax.checkpoint_policies.everything_saveable)
+    xs = (p_layers, k_prefix_NxBxPxHxE, v_prefix_NxBxPxHxE)
+    if depth is not None:
+        xs = (jnp.arange(jax.tree.leaves(p_layers)[0].shape[0]), *xs)
+    y, (k_NxBxQxHxE, v_NxBxQxHxE) = jax.lax.scan(body, x_BxQxD, xs)
     return y, k_NxBxQxHxE, v_NxBxQxHxE
 
 

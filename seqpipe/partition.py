@@ -1,8 +1,12 @@
-"""Segment boundaries along the sequence: uniform, or equal-FLOP for causal attention.
+"""How a step's work is cut: segments along the sequence, layers across stages.
 
 A micro-batch of length L is cut into K contiguous segments. With causal attention a
 later segment attends to a longer prefix, so equal lengths mean unequal work; the
 `flops` partition shrinks segments along the sequence so each costs the same.
+
+The model's layers are cut into one block per stage. The last stage also runs the head
+(logits over the vocabulary, forward and backward), so with equal blocks every tick
+waits for it; the `flops` split moves layers off it (`stage_layers`).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import math
 from collections.abc import Sequence
 
 KINDS = ("uniform", "flops")
+LAYER_SPLITS = ("even", "flops")  # or an explicit list of per-stage layer counts
 
 
 class PartitionError(ValueError):
@@ -52,9 +57,9 @@ def _prefix_cost(pos: float, dense: int, attn: int) -> float:
     return dense * pos + attn * pos * pos / 2
 
 
-def model_dims(model) -> dict[str, int]:
+def model_dims(model, with_layers: bool = True) -> dict[str, int]:
     """The model shape the cost model reads, from `config.model` or a `GPTConfig`."""
-    names = ("d_model", "num_heads", "d_ff", "vocab_size", "num_layers")
+    names = ("d_model", "num_heads", "d_ff", "vocab_size") + ("num_layers",) * with_layers
     return {name: getattr(model, name) for name in names}
 
 
@@ -160,3 +165,69 @@ def chunk_costs(
     head[-1] = 3 * 2 * d_model * vocab_size / per_token
     embed[0] = d_model / per_token
     return {"F": tuple(head), "B": tuple(embed)}
+
+
+def stage_layers(
+    split: str,
+    num_layers: int,
+    stages: int,
+    virtual: int = 1,
+    *,
+    seq_len: int | None = None,
+    d_model: int | None = None,
+    num_heads: int | None = None,
+    d_ff: int | None = None,
+    vocab_size: int | None = None,
+) -> tuple[int, ...]:
+    """Layers of each global chunk (stage r's c-th chunk is chunk c * stages + r).
+
+    `even`: num_layers / (stages * virtual) each. `flops` (virtual = 1): the busiest
+    stage's work per micro-batch, forward and backward (3 layer-forwards per layer, the
+    head's 6 * D * V per token on the last stage, the embedding's gradient on the first),
+    as small as it goes; in the steady state every tick lasts as long as that stage's
+    pair. An explicit split is a comma-separated count per stage ("7,7,6,4").
+    """
+    chunks = stages * virtual
+    if split == "even":
+        if num_layers % chunks:
+            raise PartitionError(
+                f"{num_layers} layers do not split evenly into {chunks} chunks "
+                f"({stages} stages x {virtual} virtual)"
+            )
+        return (num_layers // chunks,) * chunks
+    if virtual != 1:
+        raise PartitionError(
+            f"an uneven layer split ({split!r}) needs virtual stages = 1, got {virtual}"
+        )
+    if split == "flops":
+        return _balanced_layers(num_layers, stages, seq_len, d_model, num_heads, d_ff, vocab_size)
+    try:
+        depths = tuple(int(x) for x in split.split(","))
+    except ValueError:
+        raise PartitionError(
+            f"layer split {split!r} is not one of {LAYER_SPLITS} or a comma-separated list "
+            "of layer counts, one per stage"
+        ) from None
+    if len(depths) != stages or min(depths) < 1 or sum(depths) != num_layers:
+        raise PartitionError(
+            f"layer split {split!r} must give each of the {stages} stages at least one "
+            f"layer, {num_layers} in all"
+        )
+    return depths
+
+
+def _balanced_layers(num_layers, stages, seq_len, d_model, num_heads, d_ff, vocab_size):
+    if num_layers < stages:
+        raise PartitionError(f"{num_layers} layers cannot fill {stages} stages")
+    if seq_len is None or seq_len < 1:
+        raise PartitionError(f"the 'flops' layer split needs a positive seq_len, got {seq_len}")
+    dense, attn = _dense_and_attn(d_model, num_heads, d_ff, vocab_size, None)
+    layer = _prefix_cost(seq_len, dense, attn) / seq_len  # one layer's forward per token
+    extra = [0.0] * stages  # forward and backward beyond the layers, in layer-forwards
+    extra[-1] += 3 * 2 * d_model * vocab_size / layer
+    extra[0] += d_model / layer
+    depths = [1] * stages
+    for _ in range(num_layers - stages):  # each layer to the stage it leaves least loaded
+        load = [3 * (d + 1) + e for d, e in zip(depths, extra, strict=True)]
+        depths[load.index(min(load))] += 1
+    return tuple(depths)

@@ -62,7 +62,7 @@ class Context:
         """What one forward of `group` keeps for its backward (nothing in an evaluation)."""
         if self.spec.forward_only:
             return ()
-        return self.units[self.groups[group][0]].saved_avals(self.rows)
+        return self.units[self.groups[group][0]].saved_avals(self.rows, depth=self.spec.uneven)
 
     def zeros(self, kind: str):
         """Zero stand-ins for an idle phase's outputs: a message or a K/V window."""
@@ -78,7 +78,7 @@ class Context:
 class StageInputs:
     """What a stage's ticks read and never write: its parameters and the batch."""
 
-    layers_VxN: Params  # the stage's V chunks of n layers
+    layers_VxN: Params  # the stage's V chunks of n layers (padded to n: `seqpipe.layout`)
     shared: Params  # embedding, final norm, head
     tokens_MxbxL1: jax.Array  # the replica's micro-batches, with the next-token targets
     stage: jax.Array  # this device's stage index
@@ -87,6 +87,13 @@ class StageInputs:
         return jax.tree.map(
             lambda w: jax.lax.dynamic_index_in_dim(w, c, keepdims=False), self.layers_VxN
         )
+
+    def depth(self, spec: PipelineSpec, c):
+        """Layers that local chunk c runs: None (all n) unless the split is uneven."""
+        if not spec.uneven:
+            return None
+        per_chunk = jnp.asarray(spec.layers_per_chunk, jnp.int32)
+        return per_chunk[c * spec.stages + self.stage]
 
     def first(self, c, stages: int):
         """Whether local chunk c is global chunk 0 (it embeds tokens)."""
@@ -159,16 +166,16 @@ def forward(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps) -> tuple[
     k_cache, v_cache = carry.kv_k[op["fwd_kv"]], carry.kv_v[op["fwd_kv"]]
     mb, chunk, seg = op["fwd_mb"], op["fwd_chunk"], op.raw["fwd_seg"]
     params = (inp.chunk(chunk), inp.shared)
-    first = inp.first(chunk, spec.stages)
+    first, depth = inp.first(chunk, spec.stages), inp.depth(spec, chunk)
     slot = op[units.strategy(spec).slot_fields[0]]
 
     def run(k):
         tokens, _ = inp.tokens(spec, mb, k)
         args = (x_in, _prefix(k_cache, ctx, k), _prefix(v_cache, ctx, k))
         if spec.forward_only:  # nothing to keep for a backward
-            (y, k_seg, v_seg), saved = ctx.units[k].body(tokens, first)(*params, *args), ()
+            (y, k_seg, v_seg), saved = ctx.units[k].body(tokens, first, depth)(*params, *args), ()
         else:
-            (y, k_seg, v_seg), saved = ctx.units[k].forward(params, *args, tokens, first)
+            (y, k_seg, v_seg), saved = ctx.units[k].forward(params, *args, tokens, first, depth)
         return y, _pad_kv(k_seg, spec.seg_max), _pad_kv(v_seg, spec.seg_max), saved
 
     outs, stashes = [], []
@@ -268,6 +275,7 @@ def _backward_unit(ctx: Context, inp: StageInputs, op: TickOps, k: int, saved, d
         tokens,
         inp.first(chunk, spec.stages),
         (dy, dk_own, dv_own),
+        depth=inp.depth(spec, chunk),
     )
     act = jnp.dtype(spec.cfg.dtype)
     pad = lambda d: _pad_kv(d.astype(act), spec.kv_len)  # noqa: E731

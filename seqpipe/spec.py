@@ -4,7 +4,7 @@ import dataclasses
 
 import numpy as np
 
-from seqpipe import partition, schedule
+from seqpipe import layout, partition, schedule
 from seqpipe.model import GPTConfig
 from seqpipe.remat import POLICIES, Policy
 
@@ -16,6 +16,14 @@ class PipelineSpec:
     program: schedule.Program
     lengths: tuple[int, ...]  # segment lengths, summing to the sequence length
     remat: str = "full"  # a key of `seqpipe.remat.POLICIES`: what a forward keeps for its backward
+    # Layers of each global chunk (chunk c * stages + r is stage r's c-th); () = even.
+    layers_per_chunk: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if not self.layers_per_chunk:
+            chunks = self.stages * self.virtual
+            even = (self.cfg.num_layers // chunks,) * chunks
+            object.__setattr__(self, "layers_per_chunk", even)
 
     @property
     def forward_only(self) -> bool:
@@ -40,8 +48,19 @@ class PipelineSpec:
 
     @property
     def chunk_layers(self) -> int:
-        """Layers in one model chunk (a stage holds `virtual` of them)."""
-        return self.cfg.num_layers // (self.stages * self.virtual)
+        """Layers in one model chunk as a stage holds it (a stage holds `virtual` of them):
+        the deepest chunk's; a shallower chunk's block is padded to it and skips the rest."""
+        return max(self.layers_per_chunk)
+
+    @property
+    def placement(self) -> "layout.Placement":
+        """Where the layers live (`seqpipe.layout`)."""
+        return layout.Placement(self.stages, self.virtual, self.layers_per_chunk)
+
+    @property
+    def uneven(self) -> bool:
+        """Whether chunks differ in depth (then a unit runs its chunk's own layer count)."""
+        return len(set(self.layers_per_chunk)) > 1
 
     @property
     def seg_max(self) -> int:
@@ -70,6 +89,14 @@ def make_spec(config, seq_len: int | None = None) -> PipelineSpec:
         multiple=p.partition_multiple,
         **partition.model_dims(cfg),
     )
+    layers = partition.stage_layers(
+        p.layers_per_stage,
+        cfg.num_layers,
+        config.mesh.stage,
+        p.virtual_stages,
+        seq_len=seq_len or config.train.seq_len,
+        **partition.model_dims(cfg, with_layers=False),
+    )
     table = schedule.build(
         p.schedule,
         config.mesh.stage,
@@ -78,7 +105,7 @@ def make_spec(config, seq_len: int | None = None) -> PipelineSpec:
         p.virtual_stages,
         p.inflight,
     )
-    return PipelineSpec(cfg, table, schedule.lower(table), tuple(lengths), p.remat)
+    return PipelineSpec(cfg, table, schedule.lower(table), tuple(lengths), p.remat, layers)
 
 
 def forward_only(spec: PipelineSpec) -> PipelineSpec:

@@ -67,7 +67,7 @@ def _init_fn(config: ConfigDict, tx: optax.GradientTransformation) -> Callable:
         params = model.init_params(cfg, key)
         state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
         # Born in the order the step reads, as the state stays (checkpoints excepted).
-        return layout.to_stage_order(state, *layout.of_config(config))
+        return layout.to_stage_order(state, layout.of_config(config))
 
     return init
 
@@ -459,7 +459,8 @@ def compile_only(config: ConfigDict, devices: list | None = None) -> dict:
         "schedule": config.pipeline.schedule,
         "microbatches": config.pipeline.microbatches,
         "segments": config.pipeline.segments,
-        "params": model.num_params(state["params"]),
+        "params": model.num_params(jax.eval_shape(model.init_params, cfg, jax.random.key(0))),
+        "layers_per_stage": list(layout.of_config(config).layers_per_chunk),
         **bubble_fractions(config),
         "memory_per_device_bytes": memory,
         "eval_memory_per_device_bytes": evaluation,

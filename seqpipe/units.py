@@ -82,10 +82,10 @@ class RecomputeInput:
     """Keep the unit's input (one message, [b, Lseg, D]); the backward re-runs the body.
     Every segment's input has the same padded shape, so all share one stash."""
 
-    def forward(self, unit, body, params, x_in, k_prefix, v_prefix, first):
+    def forward(self, unit, body, params, x_in, k_prefix, v_prefix, first, depth):
         return body(*params, x_in, k_prefix, v_prefix), (x_in,)
 
-    def backward(self, unit, body, saved, params, k_prefix, v_prefix, cotangents, first):
+    def backward(self, unit, body, saved, params, k_prefix, v_prefix, cotangents, first, depth):
         outputs, vjp = jax.vjp(body, *params, saved[0], k_prefix, v_prefix)
         return outputs, vjp(cotangents)
 
@@ -97,7 +97,7 @@ class RecomputeInput:
     def slot_counts(self, program) -> tuple[int, ...]:
         return (program.num_stash,)
 
-    def saved_avals(self, unit, rows: int, first=None) -> tuple:
+    def saved_avals(self, unit, rows: int, first=None, depth: bool = False) -> tuple:
         return (unit.avals(rows)[2],)
 
     def group(self, seg: int) -> int:
@@ -108,19 +108,19 @@ class KeepResiduals:
     """Keep the body's vjp residuals (what the per-layer checkpoint policy leaves), less
     what the backward re-reads. Their shapes differ by segment: one stash per segment."""
 
-    def forward(self, unit, body, params, x_in, k_prefix, v_prefix, first):
+    def forward(self, unit, body, params, x_in, k_prefix, v_prefix, first, depth):
         outputs, layout, stored = _split_forward(body, params, x_in, k_prefix, v_prefix)
         # The backward rebuilds the vjp from the probe's layout: it must be this one.
-        probe = unit.layout(x_in.shape[0], first if isinstance(first, bool) else None)
+        probe = unit.layout(x_in.shape[0], _static(first), depth is not None)
         if not layout.same_as(probe):
             raise AssertionError(
                 f"segment {unit.seg}: the forward's residuals differ from the probe's"
             )
         return outputs, tuple(stored)
 
-    def backward(self, unit, body, saved, params, k_prefix, v_prefix, cotangents, first):
+    def backward(self, unit, body, saved, params, k_prefix, v_prefix, cotangents, first, depth):
         rows = k_prefix.shape[1]
-        layout = unit.layout(rows, first if isinstance(first, bool) else None)
+        layout = unit.layout(rows, _static(first), depth is not None)
         return None, layout.rebuild(saved, (*params, k_prefix, v_prefix))(cotangents)
 
     slot_fields = ("fwd_res", "bwd_res")
@@ -131,8 +131,8 @@ class KeepResiduals:
     def slot_counts(self, program) -> tuple[int, ...]:
         return program.num_res
 
-    def saved_avals(self, unit, rows: int, first=None) -> tuple:
-        return unit.layout(rows, first).stored
+    def saved_avals(self, unit, rows: int, first=None, depth: bool = False) -> tuple:
+        return unit.layout(rows, first, depth).stored
 
     def group(self, seg: int) -> int:
         return seg
@@ -169,10 +169,11 @@ class SegmentUnit:
 
     # ----------------------------------------------------------------- the functions
 
-    def body(self, tokens_bxL, first):
+    def body(self, tokens_bxL, first, depth=None):
         """(chunk params, shared, x_in, K prefix, V prefix) -> (y padded to Lseg, K, V) of
         the segment, embedding `tokens_bxL` first on global chunk 0 (`first`: a run-time
-        flag, or a bool fixed at trace time, when one chunk's unit is measured alone)."""
+        flag, or a bool fixed at trace time, when one chunk's unit is measured alone), then
+        running the chunk's first `depth` layers (a run-time count; None: all n)."""
         spec, length = self.spec, self.spec.lengths[self.seg]
         offset, cfg = spec.offsets[self.seg], spec.cfg
 
@@ -182,7 +183,7 @@ class SegmentUnit:
 
             x = _choose(first, embedded, lambda: x_in[:, :length])
             y, k_seg, v_seg = model.layers(
-                p_chunk, x, k_prefix, v_prefix, offset, cfg, spec.policy.checkpoint
+                p_chunk, x, k_prefix, v_prefix, offset, cfg, spec.policy.checkpoint, depth
             )
             return jnp.pad(y, ((0, 0), (0, spec.seg_max - length), (0, 0))), k_seg, v_seg
 
@@ -199,21 +200,30 @@ class SegmentUnit:
         d_shared, dy = vjp(jnp.ones((), loss.dtype))
         return loss, d_shared, dy
 
-    def forward(self, params, x_in, k_prefix, v_prefix, tokens_bxL, first):
+    def forward(self, params, x_in, k_prefix, v_prefix, tokens_bxL, first, depth=None):
         """((y, K, V), what the backward needs) of the body; `params` = (chunk, shared)."""
-        body = self.body(tokens_bxL, first)
-        return self.strategy.forward(self, body, params, x_in, k_prefix, v_prefix, first)
+        body = self.body(tokens_bxL, first, depth)
+        return self.strategy.forward(self, body, params, x_in, k_prefix, v_prefix, first, depth)
 
     def backward(
-        self, saved, params, k_prefix, v_prefix, tokens_bxL, first, cotangents, keep_outputs=False
+        self,
+        saved,
+        params,
+        k_prefix,
+        v_prefix,
+        tokens_bxL,
+        first,
+        cotangents,
+        keep_outputs=False,
+        depth=None,
     ):
         """(d chunk, d shared, dx, dK prefix, dV prefix) from what the forward saved and the
         cotangents (dy, dK, dV) of the body's outputs. `keep_outputs` (measurement only)
         also returns a recomputed forward's outputs, so XLA cannot drop the work that only
         they need, as it cannot inside the executor's layer loop."""
-        body = self.body(tokens_bxL, first)
+        body = self.body(tokens_bxL, first, depth)
         outputs, grads = self.strategy.backward(
-            self, body, saved, params, k_prefix, v_prefix, cotangents, first
+            self, body, saved, params, k_prefix, v_prefix, cotangents, first, depth
         )
         return (outputs, grads) if keep_outputs else grads
 
@@ -246,37 +256,43 @@ class SegmentUnit:
         cfg = self.spec.cfg
         return jax.ShapeDtypeStruct((rows, self.spec.lengths[self.seg], cfg.d_model), cfg.dtype)
 
-    def saved_avals(self, rows: int, first=None) -> tuple:
-        """The abstract values one forward keeps for its backward (one stash slot)."""
-        return self.strategy.saved_avals(self, rows, first)
+    def saved_avals(self, rows: int, first=None, depth: bool = False) -> tuple:
+        """The abstract values one forward keeps for its backward (one stash slot); `depth`:
+        with a run-time layer count, as the executor runs an uneven split."""
+        return self.strategy.saved_avals(self, rows, first, depth)
 
-    def layout(self, rows: int, first=None) -> ResidualLayout:
+    def layout(self, rows: int, first=None, depth: bool = False) -> ResidualLayout:
         """The body's residual layout, from an abstract trace; `first` fixed, or decided at
-        run time (None) as in the executor."""
+        run time (None) as in the executor; `depth`: with a run-time layer count."""
         spec = self.spec
-        key = (spec.cfg, spec.remat, spec.lengths, self.seg, self.n, rows, first)
+        key = (spec.cfg, spec.remat, spec.lengths, self.seg, self.n, rows, first, depth)
         if key not in _LAYOUTS:
-            _LAYOUTS[key] = _probe_layout(self, rows, first)
+            _LAYOUTS[key] = _probe_layout(self, rows, first, depth)
         return _LAYOUTS[key]
 
 
 _LAYOUTS: dict = {}  # what a layout depends on -> the layout (probes are abstract traces)
 
 
-def _probe_layout(unit: SegmentUnit, rows: int, first) -> ResidualLayout:
+def _probe_layout(unit: SegmentUnit, rows: int, first, depth: bool) -> ResidualLayout:
     found = []
 
-    def probe(p, sh, x_in, k_prefix, v_prefix, tokens, *traced):
-        flag = first if first is not None else traced[0]
+    def probe(p, sh, x_in, k_prefix, v_prefix, tokens, flag, count):
+        flag = first if first is not None else flag
         _, layout, stored = _split_forward(
-            unit.body(tokens, flag), (p, sh), x_in, k_prefix, v_prefix
+            unit.body(tokens, flag, count if depth else None), (p, sh), x_in, k_prefix, v_prefix
         )
         found.append(layout)
         return stored
 
-    traced = () if first is not None else (jax.ShapeDtypeStruct((), jnp.bool_),)
-    jax.eval_shape(probe, *unit.avals(rows)[:6], *traced)
+    sds = jax.ShapeDtypeStruct
+    jax.eval_shape(probe, *unit.avals(rows)[:6], sds((), jnp.bool_), sds((), jnp.int32))
     return found[0]
+
+
+def _static(first):
+    """`first` if fixed at trace time, else None (decided at run time)."""
+    return first if isinstance(first, bool) else None
 
 
 def _split_forward(body, params, x_in, k_prefix, v_prefix):

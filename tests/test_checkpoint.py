@@ -204,13 +204,50 @@ def test_checkpoints_are_canonical_whatever_the_layout(tmp_path):
     finally:
         trainer.close()
     live = trainer.state
-    canonical = layout.to_canonical(live, 4, 2)
+    canonical = layout.to_canonical(live, layout.Placement.even(8, 4, 2))
     wq = [np.asarray(s["params"]["layers"]["wq"]) for s in (live, canonical)]
     assert not np.array_equal(*wq)  # V = 2 really holds another order
     chex.assert_trees_all_equal(_restore(run, tiny_config(**layers8), 8, 1)[1], canonical)
     chex.assert_trees_all_equal(_restore(run, v1("2"), 2, 4)[1], canonical)
     chex.assert_trees_all_equal(_restore(run, v2("2"), 2, 4)[1], live)
     resumed = train.run(v1("3"), run) + train.run(v2("4"), run)
+    assert [r["step"] for r in resumed] == [3, 4]
+    for key in ("loss", "eval_loss"):
+        np.testing.assert_allclose(
+            [r[key] for r in resumed], [r[key] for r in straight[2:]], rtol=1e-5
+        )
+
+
+def test_an_uneven_split_saves_canonically_and_resumes_under_any_split(tmp_path):
+    """Six layers as 2, 2, 1, 1 on four stages: the state holds 4 x 2 layers (two of them
+    zero padding, with zero gradients and moments), a checkpoint the six canonical ones
+    (six do not split over four stages: whole on every device). Restored without a
+    pipeline it is the canonical state; training on with the flops split and then evenly
+    on two stages gives the losses of the uneven run straight on."""
+    six = {**PIPELINED, "model.num_layers": "6", "train.eval_every": "1"}
+
+    def uneven(stop, split="2,2,1,1", **more):
+        return tiny_config(**{**six, "pipeline.layers_per_stage": split, "train.stop_at": stop})
+
+    straight = train.run(uneven("4"), str(tmp_path / "straight"))
+    run = str(tmp_path / "run")
+    trainer = train.Trainer(uneven("2"), run)
+    try:
+        assert [r["step"] for r in trainer.train()] == [1, 2]
+    finally:
+        trainer.close()
+    live = trainer.state
+    placement = layout.Placement(4, 1, (2, 2, 1, 1))
+    padding = placement.positions() < 0
+    for path, leaf in jax.tree_util.tree_leaves_with_path(live):
+        if "layers" in jax.tree_util.keystr(path):
+            assert leaf.shape[0] == 8 and not np.asarray(leaf)[padding].any()
+    canonical = layout.to_canonical(live, placement)
+    restored = _restore(run, tiny_config(**{"model.num_layers": "6"}), 8, 1)[1]
+    chex.assert_trees_all_equal(restored, canonical)
+    flops = {**six, "pipeline.layers_per_stage": "flops", "train.stop_at": "3"}
+    even = {**six, "mesh.data": "4", "mesh.stage": "2", "train.stop_at": "4"}
+    resumed = train.run(tiny_config(**flops), run) + train.run(tiny_config(**even), run)
     assert [r["step"] for r in resumed] == [3, 4]
     for key in ("loss", "eval_loss"):
         np.testing.assert_allclose(

@@ -10,24 +10,39 @@ from seqpipe import hlo, layout, optim, sharding, train
 
 def test_stage_order_puts_each_stages_chunks_in_its_block():
     S, V, n = 4, 2, 3
-    perm = layout.stage_order(S * V * n, S, V)
+    placement = layout.Placement.even(S * V * n, S, V)
+    perm = placement.positions()
     for r in range(S):
         for c in range(V):
             for i in range(n):
                 assert perm[(r * V + c) * n + i] == (c * S + r) * n + i
     tree = {"layers": {"w": np.arange(S * V * n * 2).reshape(S * V * n, 2)}, "count": 7}
-    staged = layout.to_stage_order(tree, S, V)
+    staged = layout.to_stage_order(tree, placement)
     np.testing.assert_array_equal(staged["layers"]["w"], tree["layers"]["w"][perm])
     assert staged["count"] == 7  # not under "layers": left alone
-    back = layout.to_canonical(staged, S, V)
+    back = layout.to_canonical(staged, placement)
     np.testing.assert_array_equal(back["layers"]["w"], tree["layers"]["w"])
 
 
 def test_one_virtual_stage_is_the_canonical_order():
-    np.testing.assert_array_equal(layout.stage_order(12, 4, 1), np.arange(12))
+    placement = layout.Placement.even(12, 4, 1)
+    np.testing.assert_array_equal(placement.positions(), np.arange(12))
     tree = {"layers": {"w": np.arange(12)}}
-    assert layout.to_stage_order(tree, 4, 1) is tree
-    assert layout.to_canonical(tree, 4, 1) is tree
+    assert layout.to_stage_order(tree, placement) is tree
+    assert layout.to_canonical(tree, placement) is tree
+
+
+def test_an_uneven_split_pads_each_stage_to_the_deepest():
+    placement = layout.Placement(4, 1, (2, 3, 2, 1))
+    np.testing.assert_array_equal(placement.positions(), [0, 1, -1, 2, 3, 4, 5, 6, -1, 7, -1, -1])
+    w = np.arange(8 * 2, dtype=np.float32).reshape(8, 2) + 1
+    staged = layout.to_stage_order({"layers": w}, placement)["layers"]
+    assert staged.shape == (12, 2)
+    at = placement.positions()
+    np.testing.assert_array_equal(staged[at >= 0], w[at[at >= 0]])
+    assert not np.asarray(staged[at < 0]).any()  # padding layers are zeros
+    back = layout.to_canonical({"layers": staged}, placement)["layers"]
+    np.testing.assert_array_equal(back, w)
 
 
 def _step_collectives(config) -> tuple[dict, dict]:

@@ -102,6 +102,32 @@ def test_pipeline_matches_reference_full_matrix(case):
     check_against_reference(case)
 
 
+# Uneven layer splits (`pipeline.layers_per_stage`): a stage with fewer layers than the
+# deepest pads its block with zero layers and skips them (a lax.cond per layer), under
+# every remat policy; with several segments, so the skipped layers' K/V and cotangents
+# are in play. (schedule, mesh, segments, layers, split, remat)
+UNEVEN_CASES = [
+    ("seq1f1b", (1, 2), 2, 3, "2,1", "none"),
+    ("seq1f1b", (2, 4), 3, 7, "2,2,2,1", "full"),
+    ("1f1b", (1, 4), 1, 6, "1,2,2,1", "layer"),
+    ("seq1f1b", (1, 4), 4, 9, "flops", "dots"),
+    ("gpipe", (2, 2), 2, 5, "3,2", "none"),
+]
+
+
+@pytest.mark.parametrize("case", UNEVEN_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_uneven_layer_split_matches_reference(case):
+    schedule, mesh, segments, layers, split, policy = case
+    base = (schedule, mesh, segments, "uniform", "more", 1)
+    config = make_config(*base)
+    config.model.num_layers = layers
+    config.pipeline.update(layers_per_stage=split, remat=policy)
+    config_lib.validate(config)
+    spec = pipeline.make_spec(config)
+    assert spec.uneven and sum(spec.layers_per_chunk) == layers
+    check_against_reference(base, config)
+
+
 # bfloat16 compute on float32 parameters, as every real config runs, against the reference
 # in the same dtypes: one case per schedule, each with several segments (so the K/V prefix,
 # its gradient and the segments' offsets are all in play), on a 1 x 2 or 2 x 2 mesh.
@@ -244,7 +270,7 @@ def test_pipelined_eval_matches_the_model(case):
     )
     want = float(jax.jit(model.loss, static_argnums=2)(params, tokens, spec.cfg))
     tokens = jax.device_put(tokens, sharding.batch_sharding(mesh))
-    params = layout.to_stage_order(params, spec.stages, spec.virtual)  # as the state holds them
+    params = layout.to_stage_order(params, spec.placement)  # as the state holds them
     step = jax.jit(lambda p, t: pipeline.eval_loss(p, t, spec, mesh))
     np.testing.assert_allclose(float(step(params, tokens)), want, rtol=LOSS_RTOL)
     collectives = hlo.count_collectives(step.lower(params, tokens).compile().as_text())
@@ -259,6 +285,6 @@ def test_the_executors_residual_layout_is_checked_against_the_probe():
     config.pipeline.remat = "none"
     spec = pipeline.make_spec(config)
     first, second = (units.SegmentUnit(spec, k) for k in (0, 1))
-    fresh = units._probe_layout(first, 2, None)  # a second trace of segment 0
+    fresh = units._probe_layout(first, 2, None, False)  # a second trace of segment 0
     assert fresh is not first.layout(2) and fresh.same_as(first.layout(2))
     assert not first.layout(2).same_as(second.layout(2))  # its prefix differs

@@ -231,7 +231,7 @@ def run_one(config, step, params, tokens, timer, repeats: int, count_flops: bool
     if timer is not None:
         pred = predicted(spec, timer.unit)
         out["predicted_s"], out["bubble_measured_costs"] = pred["time"], pred["bubble"]
-    placed = place_params(layout.to_stage_order(params, spec.stages, spec.virtual), p_abs)
+    placed = place_params(layout.to_stage_order(params, spec.placement), p_abs)
     toks = jax.device_put(tokens, t_abs.sharding)
     out["measured_s"] = median_seconds(compiled, (placed, toks), repeats)
     return out

@@ -35,11 +35,11 @@ def canonical_loss_and_grads(params, tokens_BxL1, spec, mesh):
     """`pipeline.loss_and_grads` on and for canonical layers, as the reference has them."""
     from seqpipe import layout, pipeline
 
-    order = (spec.stages, spec.virtual)
+    placement = spec.placement
     loss, grads = pipeline.loss_and_grads(
-        layout.to_stage_order(params, *order), tokens_BxL1, spec, mesh
+        layout.to_stage_order(params, placement), tokens_BxL1, spec, mesh
     )
-    return loss, layout.to_canonical(grads, *order)
+    return loss, layout.to_canonical(grads, placement)
 
 
 def compare(config, tokens_BxL1, mesh) -> dict:
