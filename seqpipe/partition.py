@@ -146,8 +146,10 @@ def chunk_costs(
     d_ff: int,
     vocab_size: int,
     num_layers: int,
+    layers_per_chunk: Sequence[int] | None = None,
 ) -> dict[str, tuple[float, ...]]:
-    """Work beyond the layers per global chunk, as `schedule.stats(chunk_costs=...)` takes.
+    """Work beyond the layers per global chunk, as `schedule.stats(chunk_costs=...)` takes,
+    and with `layers_per_chunk` (an uneven split) each chunk's layer count ("layers").
 
     In units of a mean unit's forward through one chunk (num_layers / chunks layers of
     the per-layer model above, averaged over a sequence of `seq_len`). The head (final
@@ -164,7 +166,15 @@ def chunk_costs(
     head, embed = [0.0] * chunks, [0.0] * chunks
     head[-1] = 3 * 2 * d_model * vocab_size / per_token
     embed[0] = d_model / per_token
-    return {"F": tuple(head), "B": tuple(embed)}
+    out = {"F": tuple(head), "B": tuple(embed)}
+    if layers_per_chunk is not None:
+        if len(layers_per_chunk) != chunks or sum(layers_per_chunk) != num_layers:
+            raise PartitionError(
+                f"layers_per_chunk {tuple(layers_per_chunk)} must give {chunks} chunks "
+                f"{num_layers} layers in all"
+            )
+        out["layers"] = tuple(float(d) for d in layers_per_chunk)
+    return out
 
 
 def stage_layers(

@@ -569,9 +569,24 @@ def _token_shares(segments: int, lengths: Sequence[int] | None) -> np.ndarray:
     return tok / tok.sum()
 
 
+def _chunk_depths(chunks: int, chunk_costs: Mapping | None) -> np.ndarray:
+    """Each global chunk's layer work relative to the mean chunk's (`"layers"`; all 1)."""
+    if "layers" not in (chunk_costs or {}):
+        return np.ones(chunks)
+    d = np.asarray(chunk_costs["layers"], dtype=float)
+    if d.shape != (chunks,) or (d < 0).any() or not d.sum():
+        raise ScheduleError(
+            f"chunk_costs['layers'] gives {chunks} layer counts >= 0 (one per global chunk), "
+            f"got {list(np.atleast_1d(d))}"
+        )
+    return d * chunks / d.sum()
+
+
 def _chunk_costs(chunks: int, chunk_costs: Mapping | None) -> dict[Kind, np.ndarray]:
     out = {k: np.zeros(chunks) for k in KINDS}
     for key, values in (chunk_costs or {}).items():
+        if key == "layers":
+            continue  # a factor, not an addition: `_chunk_depths`
         v = np.asarray(values, dtype=float)
         if key not in out or v.shape != (chunks,) or (v < 0).any():
             raise ScheduleError(
@@ -598,14 +613,15 @@ def op_costs(
     S, K = s.stages, s.segments
     fc, tok = _unit_costs(K, costs), _token_shares(K, lengths)
     per_kind, add = kind_costs(s), _chunk_costs(s.virtual * S, chunk_costs)
+    depth = _chunk_depths(s.virtual * S, chunk_costs)
     out = np.zeros((len(s.ticks), S, len(KINDS)))
     for t, row in enumerate(s.ticks):
         for r, cell in enumerate(row):
             for op in cell:
-                u = op.unit
+                u, g = op.unit, op.unit.chunk * S + r
                 # Per-token extra work (head, embedding) follows the segment's tokens.
-                extra = add[op.kind][u.chunk * S + r] * tok[u.seg] * K
-                out[t, r, KINDS.index(op.kind)] = per_kind[op.kind] * fc[u.seg] + extra
+                extra = add[op.kind][g] * tok[u.seg] * K
+                out[t, r, KINDS.index(op.kind)] = per_kind[op.kind] * fc[u.seg] * depth[g] + extra
     return out
 
 
@@ -623,7 +639,9 @@ def stats(
     per global chunk}, default none) adds work to the operations of a global chunk, in
     units of a mean unit's forward and scaled by the segment's share of the tokens:
     `partition.chunk_costs` gives the head (its forward and backward run in the last
-    chunk's F) and the embedding. A tick lasts as long as its busiest stage: time = sum
+    chunk's F) and the embedding. `chunk_costs["layers"]` (default equal) scales each
+    global chunk's layer work by its layer count over the mean chunk's (an uneven layer
+    split, `partition.stage_layers`). A tick lasts as long as its busiest stage: time = sum
     over ticks of max over stages of the cell's cost. bubble = mean over stages of
     1 - busy_s / time, where busy_s is the work stage s runs. `inflight_peak[s]` is the
     most units stage s holds between a forward and its backward (W if split) (= its

@@ -141,15 +141,21 @@ def make_eval_fn(config: ConfigDict, mesh: jax.sharding.Mesh) -> Callable:
 def bubble_fractions(config: ConfigDict) -> dict[str, float]:
     """The schedule's idle fraction under the synchronous-tick model (0 without a
     pipeline): `bubble` with the unit model (forward 1, backward 2 for every unit), and
-    `bubble_head` with each segment's FLOP share and the head's and embedding's work on
-    their chunks: the last stage runs the head in its forward ticks, and every stage waits
-    for it."""
+    `bubble_head` with each segment's FLOP share, each stage's layer count and the head's
+    and embedding's work on their chunks: the last stage runs the head in its forward
+    ticks, and every stage waits for it (`pipeline.layers_per_stage=flops` moves layers
+    off it)."""
     if config.pipeline.schedule == "none":
         return {"bubble": 0.0, "bubble_head": 0.0}
     spec = pipeline.make_spec(config)
     dims = partition.model_dims(spec.cfg)
     costs = partition.segment_flops(spec.lengths, **dims)
-    chunks = partition.chunk_costs(spec.stages * spec.virtual, sum(spec.lengths), **dims)
+    chunks = partition.chunk_costs(
+        spec.stages * spec.virtual,
+        sum(spec.lengths),
+        **dims,
+        layers_per_chunk=spec.layers_per_chunk,
+    )
     with_head = schedule.stats(spec.schedule, costs, spec.lengths, chunks)
     return {"bubble": schedule.stats(spec.schedule)["bubble"], "bubble_head": with_head["bubble"]}
 

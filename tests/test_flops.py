@@ -26,11 +26,17 @@ def test_analytic_by_hand():
     assert flops.padded_attention_excess(cfg, (2, 3), rows=1) == 2 * (2 * 2 * 3 * 4)
 
 
-def _spec(stage=2, segments=2, seq=256, microbatches=1, remat="full"):
+def _spec(stage=2, segments=2, seq=256, microbatches=1, remat="full", layers=2, split="even"):
     c = config_lib.base_config()
-    c.model.update(vocab_size=128, num_layers=2, d_model=64, num_heads=2, d_ff=128)
+    c.model.update(vocab_size=128, num_layers=layers, d_model=64, num_heads=2, d_ff=128)
     c.mesh.update(stage=stage)
-    c.pipeline.update(schedule="seq1f1b", microbatches=microbatches, segments=segments, remat=remat)
+    c.pipeline.update(
+        schedule="seq1f1b",
+        microbatches=microbatches,
+        segments=segments,
+        remat=remat,
+        layers_per_stage=split,
+    )
     c.train.update(seq_len=seq, global_batch_size=microbatches)
     config_lib.validate(c)
     return pipeline.make_spec(c)
@@ -40,9 +46,9 @@ def test_unit_counts_cover_every_unit_once():
     spec = _spec(stage=2, segments=4, microbatches=3)
     counts = flops.unit_counts(spec.schedule)
     for backward in (False, True):
-        total = sum(n for (_, _, _, b), n in counts.items() if b == backward)
+        total = sum(n for (_, _, _, b, _), n in counts.items() if b == backward)
         assert total == 3 * 4 * 2  # M * K * stages
-        assert sum(n for (_, f, _, b), n in counts.items() if f and b == backward) == 3 * 4
+        assert sum(n for (_, f, _, b, _), n in counts.items() if f and b == backward) == 3 * 4
 
 
 @pytest.mark.parametrize("stage", [1, 2])  # two layers per chunk, and one
@@ -99,3 +105,15 @@ def test_layer_remat_recomputes_the_layers_not_the_head():
     full, layer = (flops.step_ratio(_spec(stage=1, remat=r), rows=1) for r in ("full", "layer"))
     none = flops.step_ratio(_spec(stage=1, remat="none"), rows=1)
     assert none["ratio"] < layer["ratio"] < full["ratio"]
+
+
+def test_an_uneven_split_counts_only_the_layers_it_runs():
+    """Layers 2 + 1 on two stages: the second stage's padding layer is skipped, so the step
+    executes the analytic count of three layers, as an even split of the same model would
+    (remat none: every matmul once)."""
+    uneven = _spec(layers=3, split="2,1", remat="none", segments=4)
+    got = flops.step_ratio(uneven, rows=1)
+    assert 1.0 <= got["ratio"] <= 1.05, got["ratio"]
+    assert flops.breakdown(uneven, rows=1)["matmul"] == pytest.approx(1.0, rel=1e-9)
+    names = " ".join(got["units"])
+    assert "2 layers" in names and "1 layers" in names

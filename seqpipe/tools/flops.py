@@ -152,8 +152,8 @@ def needed_units(spec, rows: int, keep_all: bool = False) -> list[tuple]:
     """compiled_unit arguments (spec, rows, seg, first, last, backward, keep) of every
     one-layer unit that `unit_flops` reads for the table's units."""
     out = []
-    for seg, first, last, backward in unit_counts(spec.schedule):
-        for _, f, la, keep in chunk_terms(spec, seg, first, last, backward):
+    for seg, first, last, backward, n in unit_counts(spec.schedule, spec.layers_per_chunk):
+        for _, f, la, keep in chunk_terms(spec, seg, first, last, backward, n):
             out.append((spec, rows, seg, f, la, backward, keep or keep_all))
     return out
 
@@ -176,20 +176,25 @@ def _one_layer_flops(spec, rows, seg, first, last, backward, keep=False) -> floa
     return float(compiled.cost_analysis()["flops"])
 
 
-def chunk_terms(spec, seg: int, first: bool, last: bool, backward: bool) -> list:
+def chunk_terms(
+    spec, seg: int, first: bool, last: bool, backward: bool, n: int | None = None
+) -> list:
     """[(count, first, last, keep)] one-layer units that add up to the unit of an n-layer
-    chunk (n = layers per chunk); see `unit_flops`."""
-    n = spec.cfg.num_layers // (spec.stages * spec.virtual)
-    if n == 1:
+    chunk (default n: the deepest chunk's); see `unit_flops`."""
+    n = n or spec.chunk_layers
+    if spec.chunk_layers == 1:  # no layer loop at all
         return [(1, first, last, False)]
     # Only a recomputed chunk forward carries each layer's output to the next (`keep`).
     keep = not spec.policy.keeps_residuals
-    return [(1, first, last, keep), (n - 1, False, False, keep)]
+    return [(1, first, last, keep)] + [(n - 1, False, False, keep)] * (n > 1)
 
 
-def unit_flops(spec, rows: int, seg: int, first: bool, last: bool, backward: bool) -> float:
-    """XLA FLOPs of one unit through an n-layer chunk, n = layers per chunk: the one-layer
-    unit (with its embedding/head) plus n-1 middle one-layer units.
+def unit_flops(
+    spec, rows: int, seg: int, first: bool, last: bool, backward: bool, n: int | None = None
+) -> float:
+    """XLA FLOPs of one unit through an n-layer chunk (default: the deepest chunk's; a
+    shallower one skips its padding layers): the one-layer unit (with its embedding/head)
+    plus n-1 middle one-layer units.
 
     With one layer there is no loop and XLA drops, in a backward, the recomputed
     forward's work that only feeds the discarded primal output (the last matmul of a
@@ -197,12 +202,13 @@ def unit_flops(spec, rows: int, seg: int, first: bool, last: bool, backward: boo
     so every layer is counted with its outputs kept."""
     return sum(
         count * _one_layer_flops(spec, rows, seg, f, la, backward, keep)
-        for count, f, la, keep in chunk_terms(spec, seg, first, last, backward)
+        for count, f, la, keep in chunk_terms(spec, seg, first, last, backward, n)
     )
 
 
-def unit_counts(sched) -> collections.Counter:
-    """How many units of each kind (seg, first chunk?, last chunk?, backward?) the table runs."""
+def unit_counts(sched, layers_per_chunk=None) -> collections.Counter:
+    """How many units of each kind (seg, first chunk?, last chunk?, backward?, the chunk's
+    layers from `layers_per_chunk`, by global chunk, or None) the table runs."""
     S, last = sched.stages, sched.stages * sched.virtual - 1
     counts = collections.Counter()
     for row in sched.ticks:
@@ -211,7 +217,8 @@ def unit_counts(sched) -> collections.Counter:
                 if op.kind == schedule.W:
                     raise ValueError("unit_counts: W operations have no unit functions yet")
                 g = op.unit.chunk * S + r
-                counts[op.unit.seg, g == 0, g == last, op.kind == schedule.B] += 1
+                n = None if layers_per_chunk is None else layers_per_chunk[g]
+                counts[op.unit.seg, g == 0, g == last, op.kind == schedule.B, n] += 1
     return counts
 
 
@@ -219,9 +226,11 @@ def executed_step(spec, rows: int, replicas: int = 1) -> dict:
     """Executed FLOPs of a step, per unit kind and in total (all replicas)."""
     kinds = {}
     total = 0.0
-    for (seg, first, last, backward), count in sorted(unit_counts(spec.schedule).items()):
-        each = unit_flops(spec, rows, seg, first, last, backward)
-        kinds[f"{'bwd' if backward else 'fwd'} seg{seg}{' first' * first}{' last' * last}"] = {
+    counts = unit_counts(spec.schedule, spec.layers_per_chunk)
+    for (seg, first, last, backward, n), count in sorted(counts.items()):
+        each = unit_flops(spec, rows, seg, first, last, backward, n)
+        name = f"{'bwd' if backward else 'fwd'} seg{seg}{' first' * first}{' last' * last}"
+        kinds[name + (f" {n} layers" if spec.uneven else "")] = {
             "count": count * replicas,
             "flops": each,
         }
@@ -377,9 +386,9 @@ def breakdown(spec, rows: int, replicas: int = 1) -> dict:
     """The step's FLOPs by source, from each unit's jaxpr times the table's unit counts,
     as fractions of the analytic total (`matmul` alone: 4/3 of the layers' and 1 of the
     head's with full remat, 1 without recomputation)."""
-    n = spec.cfg.num_layers // (spec.stages * spec.virtual)
     total = collections.Counter()
-    for (seg, first, last, backward), count in unit_counts(spec.schedule).items():
+    counts = unit_counts(spec.schedule, spec.layers_per_chunk)
+    for (seg, first, last, backward, n), count in counts.items():
         fns = unit_functions(spec, seg, first, last, rows, n)
         c = jaxpr_flops(fns[backward], unit_args(spec, rows, seg, n, backward, (first, last)))
         for k, v in c.items():
