@@ -3,6 +3,8 @@
 import json
 import math
 
+import pytest
+
 from seqpipe import config as config_lib
 from seqpipe import pipeline, schedule
 from seqpipe.tools import bench
@@ -14,7 +16,7 @@ def test_predicted_matches_schedule_stats_with_unit_costs():
     c.mesh.update(stage=4)
     c.pipeline.update(schedule="seq1f1b", microbatches=4, segments=2)
     spec = pipeline.make_spec(c)
-    got = bench.predicted(spec, lambda sp, seg, first, last, backward: 2.0 if backward else 1.0)
+    got = bench.predicted(spec, lambda sp, seg, first, last, backward, n: 2.0 if backward else 1.0)
     want = schedule.stats(spec.schedule)
     assert math.isclose(got["time"], want["time"])
     assert math.isclose(got["bubble"], want["bubble"], abs_tol=1e-6)
@@ -38,3 +40,20 @@ def test_quick_end_to_end(tmp_path, capsys):
     assert {p["label"] for p in result["prediction"]} == {"1f1b", "seq1f1b K2 uniform"}
     assert png.stat().st_size > 1000
     assert "| seq1f1b K2 uniform |" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # two steps compiled and run, and their units timed: about a minute
+def test_split_rows_show_the_flops_split_shortening_the_predicted_step():
+    """Eight layers on four stages, the head about two layers' work: the flops split moves
+    a layer off the last stage, whose measured work per micro-batch was the largest, and
+    the step predicted from the measured unit times gets shorter."""
+    c = bench.variant(config_lib.load("bench"), "seq1f1b", 4, "uniform", 1)
+    with c.unlocked():
+        c.model.update(d_model=32, num_heads=2, d_ff=64)
+        c.train.update(seq_len=64)
+    even, flops = bench.split_rows(c, rows_per_mb=1, repeats=1, log=lambda m: None)
+    assert even["layers_per_stage"] == [2, 2, 2, 2]
+    assert flops["layers_per_stage"][-1] < 2 and sum(flops["layers_per_stage"]) == 8
+    assert max(even["stage_work_s"]) == even["stage_work_s"][-1]
+    assert flops["predicted_s"] < even["predicted_s"]
+    assert "| flops |" in bench.split_table([even, flops])

@@ -4,6 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from seqpipe import partition
 from seqpipe.partition import PartitionError, segment_flops, segment_lengths
 
 LLAMA_7B = dict(d_model=4096, num_heads=32, d_ff=11008, vocab_size=32000)
@@ -80,3 +81,45 @@ def test_flops_rounds_to_the_multiple():
 def test_errors(args, kwargs, match):
     with pytest.raises(PartitionError, match=match):
         segment_lengths(*args, **kwargs)
+
+
+GPT_1B = dict(d_model=2048, num_heads=16, d_ff=8192, vocab_size=50304)
+
+
+def test_even_layer_split_and_explicit_counts():
+    assert partition.stage_layers("even", 24, 4, 2) == (3,) * 8
+    assert partition.stage_layers("7,7,6,4", 24, 4) == (7, 7, 6, 4)
+    for bad, why in (
+        ("7,7,6", "each of the 4 stages"),
+        ("7,7,6,3", "24 in all"),
+        ("12,12,0,0", "at least one"),
+        ("seven", "comma-separated"),
+    ):
+        with pytest.raises(partition.PartitionError, match=why):
+            partition.stage_layers(bad, 24, 4)
+    with pytest.raises(partition.PartitionError, match="virtual stages = 1"):
+        partition.stage_layers("flops", 24, 4, 2, seq_len=2048, **GPT_1B)
+    with pytest.raises(partition.PartitionError, match="do not split evenly"):
+        partition.stage_layers("even", 22, 8)
+
+
+def test_flops_split_moves_layers_off_the_head_stage_and_shortens_the_busiest():
+    """gpt_1b: the head (6 * D * V per token, forward and backward) is about two layers'
+    forward and backward (1.9), so on 8 stages the last stage of an even split does 4.9 layers'
+    work against 3; the flops split gives it 2 layers (3.9) and the busiest
+    stage 4, the least the 24 layers allow."""
+
+    def busiest(depths):
+        head = 3 * 2 * GPT_1B["d_model"] * GPT_1B["vocab_size"]
+        dense, attn = partition._dense_and_attn(**GPT_1B, num_layers=None)
+        layer = partition._prefix_cost(2048, dense, attn) / 2048
+        work = [3 * d for d in depths]
+        work[-1] += head / layer
+        return max(work) / 3  # in layers' forward and backward
+
+    for stages in (4, 8):
+        even = partition.stage_layers("even", 24, stages)
+        split = partition.stage_layers("flops", 24, stages, seq_len=2048, **GPT_1B)
+        assert sum(split) == 24 and min(split) >= 1 and split[-1] < even[-1]
+        assert busiest(split) < busiest(even) - 0.8
+    assert busiest(partition.stage_layers("flops", 24, 8, seq_len=2048, **GPT_1B)) < 4.1

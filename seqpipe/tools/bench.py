@@ -131,18 +131,20 @@ class UnitTimer:
             self.seconds[key] = median_seconds(compiled, real, self.repeats)
         return self.seconds[key]
 
-    def unit(self, spec, seg, first, last, backward, keep_all: bool = False) -> float:
+    def unit(self, spec, seg, first, last, backward, n=None, keep_all: bool = False) -> float:
+        """Seconds of a unit through an n-layer chunk (default: the deepest chunk's)."""
         from seqpipe.tools import flops
 
         return sum(
             count * self.one_layer(spec, seg, f, la, backward, keep or keep_all)
-            for count, f, la, keep in flops.chunk_terms(spec, seg, first, last, backward)
+            for count, f, la, keep in flops.chunk_terms(spec, seg, first, last, backward, n)
         )
 
 
 def predicted(spec, cost) -> dict:
     """Synchronous time and bubble of the table: each tick lasts as long as its busiest
-    stage, a stage's tick costing cost(seg, first, last, backward) of what it runs."""
+    stage, a stage's tick costing cost(spec, seg, first, last, backward, n) of what it runs
+    (n: the chunk's layer count)."""
     import numpy as np
 
     from seqpipe import schedule
@@ -157,7 +159,8 @@ def predicted(spec, cost) -> dict:
                 if op.kind == schedule.W:
                     raise ValueError("predicted: W operations have no measured cost yet")
                 g = op.unit.chunk * S + r
-                tick[r] += cost(spec, op.unit.seg, g == 0, g == last, op.kind == schedule.B)
+                n = spec.layers_per_chunk[g]
+                tick[r] += cost(spec, op.unit.seg, g == 0, g == last, op.kind == schedule.B, n)
         total += tick.max()
         busy += tick
     return {"time": float(total), "bubble": float(np.mean(1 - busy / total))}
@@ -352,6 +355,76 @@ def prediction(specs, timer, layers: int) -> list[dict]:
     return out
 
 
+# The layer split's effect (`pipeline.layers_per_stage`): the head matters when it costs
+# more than a layer's forward and backward. The benchmark's vocabulary (2048) makes it
+# about one; at 4096 it is about two, as in gpt_1b (6 * 2048 * 50304 against 3 layers'
+# 24 * 2048^2 per token), where even blocks make every tick wait for the last stage.
+SPLIT_VOCAB = 4096
+SPLIT_RUN = ("seq1f1b", 4, "uniform", 1)
+
+
+def split_rows(config, rows_per_mb: int, repeats: int, log=print) -> list[dict]:
+    """Seq1F1B K=4 with even and `flops` layer splits on the config's mesh (the
+    vocabulary SPLIT_VOCAB): layers per stage, each stage's measured work per
+    micro-batch (its units timed alone), predicted and measured step time, XLA temp."""
+    import jax
+    import numpy as np
+
+    from seqpipe import model
+
+    timer = UnitTimer(rows_per_mb, repeats=5)
+    out = []
+    for split in ("even", "flops"):
+        c = variant(config, *SPLIT_RUN)
+        with c.unlocked():
+            c.model.vocab_size = SPLIT_VOCAB
+            c.pipeline.layers_per_stage = split
+        step = compile_step(c)
+        spec = step["spec"]
+        params = model.init_params(spec.cfg, jax.random.key(0))
+        batch, seq = c.train.global_batch_size, c.train.seq_len
+        tokens = np.random.default_rng(0).integers(0, spec.cfg.vocab_size, (batch, seq + 1))
+        row = run_one(c, step, params, tokens.astype(np.int32), timer, repeats, False)
+        S, K, last = spec.stages, spec.segments, spec.stages - 1
+        work = [
+            sum(
+                timer.unit(spec, k, r == 0, r == last, b, spec.layers_per_chunk[r])
+                for k in range(K)
+                for b in (False, True)
+            )
+            for r in range(S)
+        ]
+        out.append(
+            {
+                "split": split,
+                "layers_per_stage": list(spec.layers_per_chunk),
+                "stage_work_s": work,
+                **{k: row[k] for k in ("predicted_s", "measured_s", "temp_bytes")},
+                "bubble_measured_costs": row["bubble_measured_costs"],
+            }
+        )
+        log(f"# layer split {split}: {out[-1]['layers_per_stage']}")
+    return out
+
+
+def split_table(rows: list[dict]) -> str:
+    lines = [
+        "| pipeline.layers_per_stage | layers | stage work per micro-batch, ms (measured) | "
+        "bubble | predicted ms | predicted / even | measured ms | XLA temp MiB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    even = rows[0]["predicted_s"]
+    for r in rows:
+        lines.append(
+            f"| {r['split']} | {','.join(map(str, r['layers_per_stage']))} | "
+            f"{' '.join(f'{1e3 * w:.0f}' for w in r['stage_work_s'])} | "
+            f"{r['bubble_measured_costs']:.3f} | {1e3 * r['predicted_s']:.0f} | "
+            f"{r['predicted_s'] / even:.3f} | {1e3 * r['measured_s']:.0f} | "
+            f"{_mib(r['temp_bytes'])} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def _mib(x: float) -> str:
     return f"{x / 2**20:.1f}"
 
@@ -540,6 +613,7 @@ def bench(config, runs, repeats: int, log=print, quick: bool = False) -> dict:
     }
     if not quick:
         result["flop_breakdown"]["layer_scan_check"] = flops.check_layer_scan(spec, rows_per_mb)
+        result["layer_split"] = split_rows(config, rows_per_mb, repeats, log)
     return result
 
 
@@ -563,6 +637,15 @@ def report(result: dict) -> str:
         prediction_table(result["prediction"]),
         "Every pipeline.remat policy (full depth):\n",
         policy_table(result["policies"]),
+        *(
+            [
+                f"Layer split, {label(*SPLIT_RUN)}, vocab {SPLIT_VOCAB}"
+                " (the head about two layers' forward and backward, as in gpt_1b):\n",
+                split_table(result["layer_split"]),
+            ]
+            if "layer_split" in result
+            else []
+        ),
         f"FLOPs by source for {fb['schedule']}, as fractions of the analytic total (jaxpr):",
         ", ".join(f"{k} {v:.4f}" for k, v in fb["fractions_of_analytic"].items()),
         "",

@@ -109,11 +109,15 @@ def abstract_step(config):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from seqpipe import model, pipeline, sharding
+    from seqpipe import layout, model, pipeline, sharding
 
     spec = pipeline.make_spec(config)
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.stage)
-    shapes = jax.eval_shape(lambda: model.init_params(spec.cfg, jax.random.key(0)))
+    shapes = jax.eval_shape(
+        lambda: layout.to_stage_order(
+            model.init_params(spec.cfg, jax.random.key(0)), spec.placement
+        )
+    )
 
     def place(path, x):
         part = NamedSharding(mesh, P(sharding.STAGE) if sharding.in_layers(path) else P())
