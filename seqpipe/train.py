@@ -13,7 +13,6 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -38,6 +37,7 @@ from seqpipe import (
 )
 from seqpipe import config as config_lib
 from seqpipe import spec as spec_lib
+from seqpipe import workdir as workdir_lib
 from seqpipe.metrics import MetricsError, MetricsLog, Throughput, device_memory_peak, peak_flops
 from seqpipe.model import GPTConfig
 
@@ -242,23 +242,30 @@ class Trainer:
     def __init__(self, config: ConfigDict, workdir: str):
         t = config.train
         self.config, self.workdir = config, workdir
+        workdir_lib.check(workdir)  # a file, or read-only: refused before any work
         self.mesh = sharding.make_mesh(config.mesh.data, config.mesh.stage)
-        rows = data.local_rows(
-            config, self.mesh
-        )  # before anything is written: a refusal leaves none
-        train_tokens, eval_tokens = data.load_tokens(config, workdir)  # checks the data first
-        prepare_workdir(workdir)
-        self.batches = data.train_iterator(config, train_tokens, rows)
-        held_out = (
-            data.eval_batches(config, eval_tokens, t.eval_batches, rows) if t.eval_every else []
-        )
-        self.eval_set = [data.to_global(b, self.mesh, t.global_batch_size) for b in held_out]
-        self.tx = optim.make_optimizer(t)
-        self.manager = checkpoint.make_manager(workdir, config)
+        rows = data.local_rows(config, self.mesh)
+        # The data is checked before the workdir is touched: a refusal leaves nothing.
+        train_tokens, eval_tokens, tokenizer = data.read_corpus(config)
+        self.lock = workdir_lib.Lock(workdir, jax.process_index())  # one run per workdir
+        self.manager = None
         try:
+            data.keep_tokenizer(tokenizer, workdir, config)
+            if jax.process_index() == 0:
+                checkpoint.clean_partial(workdir)  # what a cut save left; the lock is ours
+            self.batches = data.train_iterator(config, train_tokens, rows)
+            held_out = (
+                data.eval_batches(config, eval_tokens, t.eval_batches, rows) if t.eval_every else []
+            )
+            self.eval_set = [data.to_global(b, self.mesh, t.global_batch_size) for b in held_out]
+            self.tx = optim.make_optimizer(t)
+            self.manager = checkpoint.make_manager(workdir, config)
             restored = self.restore()
+            self.lock.record_owner()
         except BaseException:
-            self.manager.close()
+            if self.manager is not None:
+                self.manager.close()
+            self.lock.release()
             raise
         self.saved_step = self.start if restored else None  # the newest checkpoint
         self.end = min(t.stop_at or t.steps, t.steps)
@@ -421,6 +428,7 @@ class Trainer:
         finally:
             self.manager.close()
             self.log.close()
+            self.lock.release()
 
 
 def compile_only(config: ConfigDict, devices: list | None = None) -> dict:
@@ -486,9 +494,3 @@ def _memory(compiled) -> dict[str, int]:
     }
     out["total"] = out["arguments"] + out["outputs"] - out["aliased"] + out["temporaries"]
     return out
-
-
-def prepare_workdir(workdir: str) -> Path:
-    path = Path(workdir)
-    path.mkdir(parents=True, exist_ok=True)
-    return path
