@@ -215,11 +215,19 @@ def resolve_path(name: str) -> Path:
 
 def load_file(name: str) -> ml_collections.ConfigDict:
     path = resolve_path(name)
+    if path.suffix != ".py":  # importlib has no loader for it: no spec, then a traceback
+        raise ConfigError(
+            f"--config {path}: not a Python file; a config is a .py file defining get_config()"
+        )
     spec = importlib.util.spec_from_file_location(f"seqpipe_config_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
         config = module.get_config()
+    except SystemExit as e:  # sys.exit() in a config would end the run without a word
+        raise ConfigError(
+            f"--config {path}: failed to load: it called sys.exit({e.code!r})"
+        ) from None
     except Exception as e:  # a user's file: report it in one line
         raise ConfigError(f"--config {path}: failed to load: {type(e).__name__}: {e}") from e
     if not isinstance(config, ml_collections.ConfigDict):

@@ -323,8 +323,16 @@ def _encode_corpus(config, t: Tokenizer) -> np.ndarray:
     else:
         eot = [] if t.eot_id is None else [t.eot_id]
         stream = np.concatenate([np.array(ids + eot, dtype) for ids in t.encode_batch(docs)])
-    _write_entry(path, lambda f: np.save(f, stream))
+    _write_entry(path, lambda f: _save_npy(f, stream))
     return np.load(path, mmap_mode="r")
+
+
+def _save_npy(f, array: np.ndarray) -> None:
+    """np.save, in chunks through the file object: np.save's own tofile() reports a full
+    disk as a short write, without the errno that says so."""
+    np.lib.format.write_array_header_1_0(f, np.lib.format.header_data_from_array_1_0(array))
+    for i in range(0, array.size, 2**24):
+        f.write(array[i : i + 2**24].tobytes())
 
 
 def _load_npy(path: str) -> np.ndarray:

@@ -64,7 +64,8 @@ def read_only_later(path: Path):
         yield make_read_only
     finally:
         if mounted:
-            subprocess.run(["umount", str(path)], check=True)
+            # Lazily: a memory map of a cache entry may still hold a file open.
+            subprocess.run(["umount", "-l", str(path)], check=True)
         else:
             for p in [path, *path.rglob("*")]:
                 if p.is_dir():
