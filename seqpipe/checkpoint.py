@@ -107,7 +107,7 @@ def metadata(config: ConfigDict) -> dict:
     what fixes the order of the batches (the saved iterator position counts batches)."""
     t = config.train
     data = {"global_batch_size": t.global_batch_size, "seq_len": t.seq_len, "seed": t.seed}
-    return {"model": config.model.to_dict(), "data": data}
+    return {"model": config.model.to_dict(), "data": data, "source": config.data.source}
 
 
 def save(
@@ -236,6 +236,13 @@ def _restore_step(manager, step: int, abstract_state: Any, config: ConfigDict):
         raise ConfigError(
             f"{where} was trained with another batch order ({diff}), so its data "
             "position does not carry over; use the same values or a fresh --workdir"
+        )
+    # Checkpoints from before the source was saved carry no "source": not checked.
+    if meta.get("source", expected["source"]) != expected["source"]:
+        raise ConfigError(
+            f"{where} was trained on data.source={meta['source']}, not "
+            f"data.source={expected['source']}: its data position counts batches of the other "
+            "data; resume with that source, or use a fresh --workdir"
         )
     restored = manager.restore(
         step,

@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -162,8 +163,9 @@ class StopRequest:
     processes, and SIGINT is forwarded to it as a SIGTERM.
     """
 
-    def __init__(self):
+    def __init__(self, kept: str = "run again to resume"):
         self.signal_name: str | None = None
+        self.kept = kept  # what the second Ctrl-C's line says of the checkpoints
         self._previous = {}
         self._multi = jax.process_count() > 1
 
@@ -181,7 +183,14 @@ class StopRequest:
 
     def _handle(self, signum, frame):
         if signum == signal.SIGINT and self.signal_name == "SIGINT":
-            raise KeyboardInterrupt  # the second Ctrl-C: stop now
+            # The second Ctrl-C: out now, in one line. An exception would unwind through
+            # whatever runs (an orbax save, which logs it with a traceback); a save it cuts
+            # is removed at the next start, and the kernel drops the workdir's lock.
+            sys.stdout.flush()
+            os.write(
+                2, f"error: stopped by a second Ctrl-C, without saving; {self.kept}\n".encode()
+            )
+            os._exit(130)
         self.signal_name = signal.Signals(signum).name
         if self._multi:
             os.kill(os.getpid(), signal.SIGTERM)  # to JAX's preemption notifier
@@ -296,7 +305,11 @@ class Trainer:
         eval_fn = make_eval_fn(config, self.mesh)
         self._start_reporting()
         pending = None  # the step dispatched last, not yet waited for
-        with self._as_training_errors(), StopRequest() as stop:
+        kept = (
+            f"the newest complete checkpoint in {checkpoint.directory(self.workdir)} is intact "
+            "(a save it cut is removed at the next start); run again to resume"
+        )
+        with self._as_training_errors(), StopRequest(kept) as stop:
             for step in range(self.start + 1, self.end + 1):
                 batch = data.to_global(next(self.batches)["tokens"], self.mesh, t.global_batch_size)
                 self.state, metrics = step_fn(self.state, batch)
@@ -332,6 +345,7 @@ class Trainer:
         if step == self.start + 1:
             self.first_step_s = time.perf_counter() - self.loop_start
             self.throughput.reset(step)
+            self.log.restart_clock(step)  # the ETA leaves compilation out
 
     def _start_reporting(self) -> None:
         """What every record repeats, and the clocks: started just before the first step."""
