@@ -67,28 +67,39 @@ def test_bare_config_name_is_found_in_configs(tmp_path):
     assert "model.num_heads=5 must divide model.d_model=2048" in result.stderr
 
 
-def test_verify_accepts_a_correct_pipeline(tmp_path):
-    result = run(
-        [
-            "-m",
-            "seqpipe.tools.verify",
-            "--config",
-            "tiny",
-            "--workdir",
-            str(tmp_path),
-            "--config.model.num_layers=4",
-            "--config.model.d_model=32",
-            "--config.model.d_ff=64",
-            "--config.data.tokenizer=byte",
-            "--config.model.vocab_size=256",
-            "--config.train.seq_len=32",
-            "--config.pipeline.segments=3",
-            "--config.pipeline.partition=flops",
-        ],
-        cwd=ROOT,
+def test_verify_accepts_a_correct_pipeline_and_writes_nothing(tmp_path):
+    """A check writes only to the token cache: it used to write ./runs/tiny/tokenizer.json
+    (a BPE here, the tokenizer it kept a copy of)."""
+    (tmp_path / "corpus.txt").write_text("def f(x):\n    return x + 1\n" * 2000)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    overrides = {
+        "model.num_layers": 4,
+        "model.d_model": 32,
+        "model.d_ff": 64,
+        "model.vocab_size": 300,
+        "data.tokenizer": "bpe",
+        "data.source": "text",
+        "data.path": tmp_path / "corpus.txt",
+        "data.cache_dir": tmp_path / "cache",
+        "train.seq_len": 32,
+        "pipeline.segments": 3,
+        "pipeline.partition": "flops",
+    }
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    env.pop("XLA_FLAGS", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "seqpipe.tools.verify", "--config", "tiny"]
+        + [f"--config.{k}={v}" for k, v in overrides.items()],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "OK" in result.stdout
+    assert result.stdout.strip().endswith("OK")
+    assert os.listdir(cwd) == []
 
 
 # Every invalid input of issue 7, on the tiny config of test_train: the overrides, and what

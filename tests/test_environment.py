@@ -1,16 +1,14 @@
 """Faults around a run, not in it: the token cache (a file, read-only, full, damaged,
 planted symlinks), config files that are not configs, an unwritable `--out`, a check that
-must write nothing. Each is one line naming the path, or is repaired."""
+must write nothing (tests/test_cli.py, verify). Each is one line naming the path, or is
+repaired."""
 
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 from hostile import read_only_later
 from test_faults import _fill, small_disk  # noqa: F401  (a fixture)
-from test_train import REPO
 
 from seqpipe import cli, config, data, schedule
 
@@ -149,36 +147,3 @@ def test_schedule_out_unwritable_and_flops_without_a_model_name_the_flag(tmp_pat
         "error: --partition flops needs the model shape: give --d-model --num-heads --d-ff "
         "--vocab-size"
     )
-
-
-def test_verify_writes_nothing_in_the_current_directory(tmp_path):
-    """It used to write ./runs/tiny/tokenizer.json: a check writes only to the cache."""
-    c = _config(tmp_path, tmp_path / "cache")
-    cwd = tmp_path / "cwd"
-    cwd.mkdir()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
-    env.pop("XLA_FLAGS", None)
-    args = [
-        "model.num_layers=4",
-        "model.d_model=32",
-        "model.d_ff=64",
-        "model.vocab_size=300",
-        "train.seq_len=16",
-        "pipeline.segments=2",
-        "data.tokenizer=bpe",
-        "data.source=text",
-        f"data.path={c.data.path}",
-        f"data.cache_dir={tmp_path / 'cache'}",
-    ]
-    result = subprocess.run(
-        [sys.executable, "-m", "seqpipe.tools.verify", "--config", "tiny"]
-        + [f"--config.{a}" for a in args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip().endswith("OK")
-    assert os.listdir(cwd) == []
