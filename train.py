@@ -69,6 +69,15 @@ def main(argv: list[str]) -> int:
         # Every file is closed by now; what orbax's threads print on the way out would bury
         # the one line that says what to do.
         cli.fail(str(e), code=1, at_once=True)
+    except KeyboardInterrupt:  # Ctrl-C before the training loop catches it: no traceback
+        from seqpipe import checkpoint
+
+        cli.fail(
+            f"stopped by Ctrl-C before training; the checkpoints in "
+            f"{checkpoint.directory(args.workdir)} are as they were; run again to resume",
+            code=130,
+            at_once=True,
+        )
     return 0
 
 

@@ -17,14 +17,26 @@ directory appears only once complete, so `latest_step()` is always a restorable 
   batch order; checked on restore so a checkpoint never loads into a different model.
   The mesh and the pipeline are not in it: canonical order makes them free to change.
   Training has no random state beyond the seed (no dropout), so there is no RNG to save.
+  It also holds a checksum of every array of `state` (`checksums`), checked on restore.
+
+Damage. A checkpoint that does not restore (a file cut short or deleted, metadata that
+does not parse, an array whose checksum differs) is moved aside to `<step>.damaged`
+(which orbax never reads as a step), saying so in one line, and the next newest is tried:
+the damaged one can never be used, and the previous one is what a user would go back to
+by hand, losing only the steps between them, which are recomputed identically. When none
+restores the run stops with one line instead of starting from scratch over them.
 """
 
 import errno
+import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from ml_collections import ConfigDict
 
@@ -38,6 +50,42 @@ TMP_SUFFIX = ".orbax-checkpoint-tmp"
 
 class SaveError(RuntimeError):
     """A checkpoint could not be written (a full disk, say); the message is one line."""
+
+
+class RestoreError(RuntimeError):
+    """No checkpoint in the workdir restores; the message is one line."""
+
+
+class Damaged(Exception):
+    """This checkpoint's arrays are not what was saved."""
+
+
+def _word_checksum(x: jax.Array) -> jax.Array:
+    """sum(word_i * (2i + 1)) mod 2**32 over the array's bits as 32-bit (or narrower) words,
+    i the word's index in row-major order: a change within any one word always changes it
+    (the multiplier is odd, so invertible mod 2**32), several words collide about once in
+    2**32. Integer sums do not depend on their order, so neither the mesh nor the sharding
+    the array is in changes the result: a checkpoint restored on another mesh is checked."""
+    narrow = {1: jnp.uint8, 2: jnp.uint16}.get(x.dtype.itemsize, jnp.uint32)
+    words = jax.lax.bitcast_convert_type(x, narrow)
+    words = words.astype(jnp.uint32)  # a 64-bit array became [..., 2] words of 32 bits
+    index = jnp.zeros(words.shape, jnp.uint32)
+    for axis, size in enumerate(words.shape):
+        index = index * jnp.uint32(size) + jax.lax.broadcasted_iota(jnp.uint32, words.shape, axis)
+    return jnp.sum(words * (2 * index + 1), dtype=jnp.uint32)
+
+
+_checksums_jit = jax.jit(lambda tree: jax.tree.map(_word_checksum, tree))
+
+
+def checksums(state: Any) -> dict[str, int]:
+    """{tree path: checksum} of every array, computed where the arrays are (one pass over
+    them on their devices; only the integers come to the host)."""
+    values = jax.device_get(_checksums_jit(state))
+    return {
+        jax.tree_util.keystr(path): int(v)
+        for path, v in jax.tree_util.tree_leaves_with_path(values)
+    }
 
 
 def directory(workdir: str | Path) -> Path:
@@ -59,7 +107,7 @@ def metadata(config: ConfigDict) -> dict:
     what fixes the order of the batches (the saved iterator position counts batches)."""
     t = config.train
     data = {"global_batch_size": t.global_batch_size, "seq_len": t.seq_len, "seed": t.seed}
-    return {"model": config.model.to_dict(), "data": data}
+    return {"model": config.model.to_dict(), "data": data, "source": config.data.source}
 
 
 def save(
@@ -76,10 +124,11 @@ def save(
         raise SaveError(_failed(manager, step, f"{need:,} bytes needed, {free:,} free"))
     # A copy of the layers in canonical order (none with V = 1), freed once on the host.
     state = layout.on_arrays(layout.to_canonical, state, layout.of_config(config))
+    meta = {**metadata(config), "checksums": checksums(state)}
     args = ocp.args.Composite(
         state=ocp.args.StandardSave(state),
         data=ocp.args.JsonSave(data_state),
-        meta=ocp.args.JsonSave(metadata(config)),
+        meta=ocp.args.JsonSave(meta),
     )
     try:
         return manager.save(step, args=args, force=True)
@@ -104,6 +153,8 @@ def complete_steps(directory: Path) -> list[int]:
 
 
 def _reason(e: Exception) -> str:
+    if isinstance(e, Damaged):
+        return str(e)
     # orbax and tensorstore wrap the file system's error in their own; say the cause.
     if "No space left on device" in str(e) or getattr(e, "errno", None) == errno.ENOSPC:
         return "no space left on device"
@@ -127,16 +178,54 @@ def _failed(manager: ocp.CheckpointManager, step: int | None, reason: str) -> st
 def restore_latest(
     manager: ocp.CheckpointManager, abstract_state: Any, config: ConfigDict
 ) -> tuple[int, Any, dict] | None:
-    """(step, state, data_state) of the newest complete checkpoint, or None if there is none.
+    """(step, state, data_state) of the newest checkpoint that restores, or None if there is
+    none; a damaged one is moved aside, with a line on stderr, and the one before tried.
 
     `abstract_state` is a tree of `jax.ShapeDtypeStruct` carrying the target shardings;
     arrays are read directly into them, whatever mesh wrote the checkpoint, then their
     layers put in this config's stage order.
     """
-    step = manager.latest_step()
-    if step is None:
-        return None
+    directory = Path(manager.directory)
+    damaged = []
+    for step in sorted(manager.all_steps(), reverse=True):
+        try:
+            restored = _restore_step(manager, step, abstract_state, config)
+        except ConfigError:
+            raise  # a checkpoint of another model is not damaged: the config is wrong
+        except Exception as e:  # orbax's and tensorstore's errors, and Damaged
+            restored, reason = None, _reason(e)
+        if jax.process_count() > 1:  # every process goes on from the same step
+            from jax.experimental import multihost_utils
+
+            ok = multihost_utils.process_allgather(np.int32(restored is not None))
+            if restored is not None and not np.all(ok):
+                restored, reason = None, "another process could not restore its part"
+        if restored is not None:
+            if damaged:
+                _set_aside(manager, [s for s, _ in damaged])
+                print(
+                    f"warning: checkpoint {directory}/{damaged[0][0]} is damaged "
+                    f"({damaged[0][1]}); moved aside to {directory}/{damaged[0][0]}.damaged"
+                    + (f" with {len(damaged) - 1} more" if len(damaged) > 1 else "")
+                    + f"; resuming from step {step}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return restored
+        damaged.append((step, reason))
+    if damaged:
+        steps = ", ".join(f"{s} ({r})" for s, r in damaged)
+        raise RestoreError(
+            f"no checkpoint in {directory} restores: step {steps}; move them aside to start "
+            "from scratch, or use another --workdir"
+        )
+    return None
+
+
+def _restore_step(manager, step: int, abstract_state: Any, config: ConfigDict):
     meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    if not isinstance(meta, dict):
+        raise Damaged(f"meta holds {type(meta).__name__}, not a dict")
     expected = metadata(config)
     where = f"the checkpoint at {manager.directory}/{step}"
     if diff := _differences(meta.get("model", {}), expected["model"], "model"):
@@ -148,6 +237,13 @@ def restore_latest(
             f"{where} was trained with another batch order ({diff}), so its data "
             "position does not carry over; use the same values or a fresh --workdir"
         )
+    # Checkpoints from before the source was saved carry no "source": not checked.
+    if meta.get("source", expected["source"]) != expected["source"]:
+        raise ConfigError(
+            f"{where} was trained on data.source={meta['source']}, not "
+            f"data.source={expected['source']}: its data position counts batches of the other "
+            "data; resume with that source, or use a fresh --workdir"
+        )
     placement = layout.of_config(config)
     target = layout.canonical_abstract(abstract_state, placement)
     restored = manager.restore(
@@ -156,8 +252,46 @@ def restore_latest(
             state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()
         ),
     )
+    if "checksums" in meta:  # checkpoints written before checksums restore unchecked
+        now = checksums(restored["state"])
+        if bad := sorted(k for k in now if now[k] != meta["checksums"].get(k)):
+            raise Damaged(f"the checksum of {bad[0]} differs from the one saved")
+    if not isinstance(restored["data"], dict):
+        raise Damaged(f"data holds {type(restored['data']).__name__}, not a dict")
     state = layout.on_arrays(layout.to_stage_order, restored["state"], placement, donate=True)
     return step, state, restored["data"]
+
+
+def _set_aside(manager: ocp.CheckpointManager, steps: list[int]) -> None:
+    """Rename damaged step directories to `<step>.damaged` (process 0; the others wait):
+    kept for a look, out of orbax's way, so the step can be saved again."""
+    directory = Path(manager.directory)
+    if jax.process_index() == 0:
+        for step in steps:
+            target = directory / f"{step}.damaged"
+            n = 1
+            while target.exists():
+                target, n = directory / f"{step}.damaged.{n}", n + 1
+            os.rename(directory / str(step), target)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("seqpipe: damaged checkpoints set aside")
+    manager.reload()
+
+
+def clean_partial(workdir: str | Path) -> list[str]:
+    """Remove what saves cut short left (`<step>.orbax-checkpoint-tmp*`, never restored);
+    call while holding the workdir, before any save. Returns the names removed."""
+    ckpt = directory(workdir)
+    if not ckpt.is_dir():
+        return []
+    removed = []
+    for p in ckpt.iterdir():
+        if TMP_SUFFIX in p.name:
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p.name)
+    return sorted(removed)
 
 
 def _differences(saved: dict, expected: dict, section: str) -> str:

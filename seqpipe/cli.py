@@ -197,10 +197,13 @@ def init_distributed(args: argparse.Namespace) -> None:
 
 
 def run_or_exit(fn: Callable[[], T]) -> T:
-    """Run fn; a config or data error becomes one line on stderr and exit code 2."""
+    """Run fn; a config, data, workdir or restore error becomes one line on stderr and exit
+    code 2 (each is raised before any training step)."""
+    from seqpipe.checkpoint import RestoreError
     from seqpipe.data import DataError
+    from seqpipe.workdir import WorkdirError
 
     try:
         return fn()
-    except (config_lib.ConfigError, DataError) as e:
+    except (config_lib.ConfigError, DataError, WorkdirError, RestoreError) as e:
         fail(str(e))

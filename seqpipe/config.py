@@ -5,6 +5,7 @@ so that every key has a default and a typo in an override is an error, not a new
 """
 
 import ast
+import dataclasses
 import importlib.util
 import math
 from pathlib import Path
@@ -29,6 +30,114 @@ NAME_OR_INT = ("pipeline.inflight",)
 
 class ConfigError(ValueError):
     """A bad config value; the message is one line naming the key and what would be valid."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Key:
+    """A key's type and range: `kind` int, float, str or bool (a bool is never an int, an
+    int is a float); numbers in [low, high] (`low_open`/`high_open` exclude an end; floats
+    must be finite); strings one of `choices` when given."""
+
+    kind: type
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    choices: tuple = ()
+
+    def error(self, key: str, value) -> str | None:
+        """None if `value` is valid for `key`, else the one-line message."""
+        kinds = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+        if isinstance(value, bool) != (self.kind is bool) or not isinstance(
+            value, int | float if self.kind is float else self.kind
+        ):
+            return (
+                f"{key}={value!r} is of type {type(value).__name__}, not {kinds[self.kind]}; "
+                f"it must be {self.describe()}"
+            )
+        if self.choices:
+            if value in self.choices:
+                return None
+            return f"{key}={value!r} is not valid; choose one of {list(self.choices)}"
+        if self.kind is float and not math.isfinite(value):
+            return f"{key}={value!r} must be {self.describe()}"
+        low, high = self.low, self.high
+        if low is not None and (value <= low if self.low_open else value < low):
+            return f"{key}={value!r} must be {self.describe()}"
+        if high is not None and (value >= high if self.high_open else value > high):
+            return f"{key}={value!r} must be {self.describe()}"
+        return None
+
+    def describe(self) -> str:
+        if self.choices:
+            return f"one of {list(self.choices)}"
+        kind = {int: "an integer", float: "a finite number", str: "a string", bool: "a bool"}
+        low, high = _num(self.low), _num(self.high)
+        if self.low is not None and self.high is not None:
+            left, right = "(" if self.low_open else "[", ")" if self.high_open else "]"
+            return f"in {left}{low}, {high}{right} ({kind[self.kind]})"
+        if self.low is not None:
+            at_least = "at least 1" if self.low == 1 and not self.low_open else f">= {low}"
+            return f"{'> ' + low if self.low_open else at_least} ({kind[self.kind]})"
+        return kind[self.kind]
+
+
+def _num(x: float | None) -> str:
+    return "2**32" if x == 2**32 else f"{x:g}" if x is not None else ""
+
+
+_POSITIVE_INT, _COUNT = Key(int, low=1), Key(int, low=0)
+_RATE = Key(float, low=0.0)
+# Every key's type and range, checked before anything else (`validate`); keys with rules
+# of their own (mesh axes: -1 allowed; pipeline.inflight: a name or an integer;
+# train.inject_nan_at: a tuple) are checked there. tests/test_validation.py checks the
+# table covers base_config().
+SCHEMA = {
+    "model.vocab_size": _POSITIVE_INT,
+    "model.num_layers": _POSITIVE_INT,
+    "model.d_model": _POSITIVE_INT,
+    "model.num_heads": _POSITIVE_INT,
+    "model.d_ff": _POSITIVE_INT,
+    "model.dtype": Key(str, choices=DTYPES),
+    "model.param_dtype": Key(str, choices=DTYPES),
+    "model.rope_base": Key(float, low=0.0, low_open=True),
+    "model.init_std": Key(float, low=0.0, low_open=True),
+    "pipeline.schedule": Key(str, choices=SCHEDULES),
+    "pipeline.microbatches": _POSITIVE_INT,
+    "pipeline.segments": _POSITIVE_INT,
+    "pipeline.partition": Key(str, choices=PARTITIONS),
+    "pipeline.partition_multiple": _POSITIVE_INT,
+    "pipeline.virtual_stages": _POSITIVE_INT,
+    "pipeline.remat": Key(str, choices=REMAT_POLICIES),
+    "pipeline.layers_per_stage": Key(str),  # "even", "flops" or counts: `_validate_pipeline`
+    "train.steps": _POSITIVE_INT,
+    "train.global_batch_size": _POSITIVE_INT,
+    "train.seq_len": _POSITIVE_INT,
+    "train.learning_rate": _RATE,
+    "train.min_lr_ratio": Key(float, low=0.0, high=1.0),
+    "train.warmup_steps": _COUNT,
+    "train.weight_decay": _RATE,
+    "train.grad_clip": _RATE,
+    "train.b1": Key(float, low=0.0, high=1.0, high_open=True),  # an Adam decay rate
+    "train.b2": Key(float, low=0.0, high=1.0, high_open=True),
+    "train.seed": Key(int, low=0, high=2**32, high_open=True),  # grain's shuffle takes 32 bits
+    "train.log_every": _POSITIVE_INT,
+    "train.eval_every": _COUNT,
+    "train.eval_batches": _COUNT,
+    "train.stop_at": _COUNT,
+    "train.max_bad_steps": _POSITIVE_INT,
+    "checkpoint.every": _COUNT,
+    "checkpoint.keep": _COUNT,
+    "checkpoint.async_save": Key(bool),
+    "data.source": Key(str, choices=SOURCES),
+    "data.path": Key(str),
+    "data.tokenizer": Key(str, choices=TOKENIZERS),
+    "data.token_dtype": Key(str, choices=("uint16", "uint32")),
+    "data.eval_fraction": Key(float, low=0.0, high=1.0, low_open=True, high_open=True),
+    "data.cache_dir": Key(str),
+    "data.tokenizer_path": Key(str),
+}
+OWN_RULES = ("mesh.data", "mesh.stage", "pipeline.inflight", "train.inject_nan_at")
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -110,11 +219,19 @@ def resolve_path(name: str) -> Path:
 
 def load_file(name: str) -> ml_collections.ConfigDict:
     path = resolve_path(name)
+    if path.suffix != ".py":  # importlib has no loader for it: no spec, then a traceback
+        raise ConfigError(
+            f"--config {path}: not a Python file; a config is a .py file defining get_config()"
+        )
     spec = importlib.util.spec_from_file_location(f"seqpipe_config_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
         config = module.get_config()
+    except SystemExit as e:  # sys.exit() in a config would end the run without a word
+        raise ConfigError(
+            f"--config {path}: failed to load: it called sys.exit({e.code!r})"
+        ) from None
     except Exception as e:  # a user's file: report it in one line
         raise ConfigError(f"--config {path}: failed to load: {type(e).__name__}: {e}") from e
     if not isinstance(config, ml_collections.ConfigDict):
@@ -186,19 +303,15 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def _choice(config, key: str, choices) -> None:
-    section, leaf = key.split(".")
-    value = config[section][leaf]
-    _require(value in choices, f"{key}={value!r} is not valid; choose one of {list(choices)}")
-
-
 def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
     """Check everything that can be checked before any device work; raise ConfigError.
 
     Without num_devices a mesh axis may still be -1; `resolve` fixes it and checks again."""
     m, mesh, p, t, d = config.model, config.mesh, config.pipeline, config.train, config.data
-    for key in ("vocab_size", "num_layers", "d_model", "num_heads", "d_ff"):
-        _require(m[key] >= 1, f"model.{key}={m[key]} must be at least 1")
+    for key, rule in SCHEMA.items():  # types and ranges first: later checks rely on them
+        section, leaf = key.split(".")
+        message = rule.error(key, config[section][leaf])
+        _require(message is None, message)
     _require(
         m.d_model % m.num_heads == 0,
         f"model.num_heads={m.num_heads} must divide model.d_model={m.d_model}",
@@ -208,32 +321,20 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         f"model.d_model / model.num_heads = {m.d_model // m.num_heads} must be even for rotary "
         "embeddings; change model.num_heads",
     )
-    _choice(config, "model.dtype", DTYPES)
-    _choice(config, "model.param_dtype", DTYPES)
     # An axis still at -1 skips the checks that need its size.
     sizes = mesh_sizes(mesh, num_devices)
     data, stage = sizes["data"], sizes["stage"]
-    _choice(config, "pipeline.schedule", SCHEDULES)
-    _choice(config, "pipeline.partition", PARTITIONS)
-    _choice(config, "pipeline.remat", REMAT_POLICIES)
     _require(
         p.schedule != "none" or stage in (1, -1),
         f"mesh.stage={stage} needs a pipeline schedule; set pipeline.schedule "
         f"(one of {list(SCHEDULES[1:])}) or mesh.stage=1",
     )
-    for key in ("microbatches", "segments", "virtual_stages", "partition_multiple"):
-        _require(
-            isinstance(p[key], int) and p[key] >= 1,
-            f"pipeline.{key}={p[key]!r} must be an integer of at least 1",
-        )
     inflight = p.inflight
     _require(
         inflight in ("minimal", "full")
         or (isinstance(inflight, int) and not isinstance(inflight, bool) and inflight >= 1),
         f"pipeline.inflight={inflight!r} is not valid; use 'minimal', 'full' or a positive integer",
     )
-    _require(t.steps >= 1, f"train.steps={t.steps} must be at least 1")
-    _require(t.seq_len >= 1, f"train.seq_len={t.seq_len} must be at least 1")
     _require(
         p.segments <= t.seq_len,
         f"pipeline.segments={p.segments} exceeds train.seq_len={t.seq_len}; use fewer segments",
@@ -248,41 +349,30 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         f"train.global_batch_size={t.global_batch_size} must be a positive multiple of "
         f"{factors}pipeline.microbatches = {per_replica}",
     )
-    for key in ("learning_rate", "weight_decay", "grad_clip", "min_lr_ratio"):
-        value = t[key]
-        _require(
-            math.isfinite(value) and value >= 0, f"train.{key}={value} must be finite and >= 0"
-        )
-    for key in ("b1", "b2"):
-        _require(0 <= t[key] < 1, f"train.{key}={t[key]} must be in [0, 1) (an Adam decay rate)")
-    for key in ("warmup_steps", "log_every", "eval_every", "eval_batches"):
-        _require(t[key] >= 0, f"train.{key}={t[key]} must be >= 0")
-    _require(t.log_every >= 1, f"train.log_every={t.log_every} must be at least 1")
-    _require(t.stop_at >= 0, f"train.stop_at={t.stop_at} must be >= 0 (0: run to train.steps)")
     _require(
-        t.max_bad_steps >= 1,
-        f"train.max_bad_steps={t.max_bad_steps} must be at least 1 (non-finite steps in a row "
-        "that stop the run)",
-    )
-    _require(
-        all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in t.inject_nan_at),
+        isinstance(t.inject_nan_at, tuple | list)
+        and all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in t.inject_nan_at),
         f"train.inject_nan_at={t.inject_nan_at!r} must be a tuple of steps >= 1, e.g. (3, 4)",
     )
-    ck = config.checkpoint
-    for key in ("every", "keep"):
-        _require(ck[key] >= 0, f"checkpoint.{key}={ck[key]} must be >= 0")
-    _choice(config, "data.source", SOURCES)
-    _choice(config, "data.tokenizer", TOKENIZERS)
-    _choice(config, "data.token_dtype", ("uint16", "uint32"))
+    _require(
+        not (t.eval_every and not t.eval_batches),
+        f"train.eval_every={t.eval_every} with train.eval_batches=0 would never evaluate; set "
+        "train.eval_batches >= 1, or train.eval_every=0 for no evaluation",
+    )
     _require(
         d.source == "stdlib" or d.path,
         f"data.source={d.source!r} needs data.path (a file, directory or glob)",
     )
     _require(
+        not (d.source == "tokens" and d.tokenizer == "byte"),
+        "data.tokenizer=byte does nothing with data.source=tokens (its ids are read as they "
+        "are); leave data.tokenizer=bpe, with data.tokenizer_path to check the ids against a "
+        "BPE",
+    )
+    _require(
         d.tokenizer != "byte" or m.vocab_size >= 256,
         f"model.vocab_size={m.vocab_size} is below 256, the byte tokenizer's size",
     )
-    _require(0 < d.eval_fraction < 1, f"data.eval_fraction={d.eval_fraction} must be in (0, 1)")
 
 
 def mesh_sizes(mesh: ml_collections.ConfigDict, num_devices: int | None = None) -> dict:
@@ -291,7 +381,7 @@ def mesh_sizes(mesh: ml_collections.ConfigDict, num_devices: int | None = None) 
     sizes = {axis: mesh[axis] for axis in MESH_AXES}
     for axis, size in sizes.items():
         _require(
-            isinstance(size, int) and (size >= 1 or size == -1),
+            isinstance(size, int) and not isinstance(size, bool) and (size >= 1 or size == -1),
             f"mesh.{axis}={size} must be at least 1, or -1 for all the devices the other "
             "axis leaves",
         )
@@ -342,11 +432,6 @@ def _validate_pipeline(config: ml_collections.ConfigDict, stages: int) -> None:
     m, p = config.model, config.pipeline
     chunks = stages * p.virtual_stages
     split = p.layers_per_stage
-    _require(
-        isinstance(split, str),
-        f"pipeline.layers_per_stage={split!r} must be 'even', 'flops' or a quoted "
-        "comma-separated count per stage, e.g. '7,7,6,4'",
-    )
     _require(
         split != "even" or m.num_layers % chunks == 0,
         f"model.num_layers={m.num_layers} must be divisible by mesh.stage * "

@@ -32,6 +32,7 @@ import hashlib
 import json
 import math
 import os
+import sys
 import sysconfig
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -42,6 +43,7 @@ import numpy as np
 
 from seqpipe import sharding
 from seqpipe import tokenizer as tok
+from seqpipe.files import atomic_write, atomic_write_bytes
 from seqpipe.tokenizer import Tokenizer
 
 # BPE training sees at most this much text (whole documents, in corpus order): a few
@@ -87,6 +89,11 @@ def _text_files(path: str) -> list[str]:
     if not path:
         raise DataError("data.source=text needs data.path: a file, a directory or a glob")
     if os.path.isfile(path):
+        if not _is_text(path):  # what the directory walk skips, named alone
+            raise DataError(
+                f"data.path={path!r} is a binary file, not text; for token ids use "
+                "data.source=tokens, else point data.path at text"
+            )
         return [path]
     if os.path.isdir(path):
         files = []
@@ -134,15 +141,51 @@ def _cache_dir(config) -> str:
         or os.environ.get("SEQPIPE_CACHE")
         or os.path.join(os.path.expanduser("~"), ".cache", "seqpipe")
     )
-    os.makedirs(d, exist_ok=True)
+    try:
+        os.makedirs(d, exist_ok=True)
+    except OSError as e:  # a file in the way, no permission, a read-only mount
+        raise DataError(
+            f"data.cache_dir {d} cannot be made ({e.strerror}); set data.cache_dir (or "
+            "$SEQPIPE_CACHE) to a writable directory"
+        ) from None
     return d
 
 
-def _atomic_write(path: str, write) -> None:
-    # Write then rename: a concurrent reader (another process) never sees half a file.
-    tmp = f"{path}.tmp{os.getpid()}"
-    write(tmp)
-    os.replace(tmp, path)
+def _check_writable(directory: str) -> None:
+    """Before building a cache entry (minutes, for a BPE), not after."""
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise DataError(
+            f"data.cache_dir {directory} is not writable and has no entry for this corpus; "
+            "make it writable or set data.cache_dir (or $SEQPIPE_CACHE) to a writable directory"
+        )
+
+
+def _write_entry(path: str, write) -> None:
+    """A cache entry, whole or not at all (`files.atomic_write`); a failure is one line."""
+    try:
+        atomic_write(path, write)
+    except OSError as e:
+        raise DataError(
+            f"writing the cache entry {path} failed ({e.strerror or e}); free space in "
+            f"{os.path.dirname(path)} or set data.cache_dir (or $SEQPIPE_CACHE) to another "
+            "directory"
+        ) from None
+
+
+def _damaged(path: str, e: Exception) -> None:
+    """A cache entry that does not load (cut short by a crash before entries were written
+    atomically, or damaged on disk) is removed, so it is rebuilt, not fatal forever."""
+    reason = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
+    print(f"the cache entry {path} is damaged ({reason}); rebuilding it", file=sys.stderr)
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e2:
+        raise DataError(
+            f"the cache entry {path} is damaged and cannot be removed ({e2.strerror}); "
+            "remove it or set data.cache_dir to another directory"
+        ) from None
 
 
 # ---------------------------------------------------------------- tokenizer
@@ -167,10 +210,19 @@ def load_tokenizer(config) -> Tokenizer:
 
 
 def save_tokenizer(t: Tokenizer, workdir: str) -> None:
-    """A copy of the BPE in the workdir, so a run keeps what it was trained with."""
-    if workdir and isinstance(t, tok.BpeTokenizer):
-        os.makedirs(workdir, exist_ok=True)
-        _atomic_write(os.path.join(workdir, "tokenizer.json"), t.hf.save)
+    """A copy of the BPE in the workdir, so a run keeps what it was trained with; left as it
+    is when it already holds this BPE (a resumed run writes nothing it need not)."""
+    if not (workdir and isinstance(t, tok.BpeTokenizer)):
+        return
+    path = os.path.join(workdir, "tokenizer.json")
+    try:
+        with open(path) as f:
+            if json.loads(f.read()) == json.loads(t.to_json()):
+                return
+    except (OSError, ValueError):
+        pass  # absent or unreadable: write it
+    os.makedirs(workdir, exist_ok=True)
+    atomic_write_bytes(path, t.hf.to_str(pretty=True).encode())
 
 
 def check_resume_tokenizer(t: Tokenizer, workdir: str, config) -> None:
@@ -223,9 +275,14 @@ def _load_bpe(config) -> tok.BpeTokenizer:
         raise DataError(f"a byte-level BPE needs model.vocab_size >= 257 (got {vocab})")
     files = _corpus_files(config)
     key = _fingerprint(files, "bpe", vocab, BPE_TRAIN_MAX_CHARS)
-    path = os.path.join(_cache_dir(config), f"bpe-{vocab}-{key}.json")
+    cache = _cache_dir(config)
+    path = os.path.join(cache, f"bpe-{vocab}-{key}.json")
     if os.path.exists(path):
-        return tok.BpeTokenizer.from_file(path)
+        try:
+            return tok.BpeTokenizer.from_file(path)
+        except Exception as e:  # HF raises a bare Exception for a file it cannot parse
+            _damaged(path, e)
+    _check_writable(cache)
     docs, total = [], 0
     for d in _read_docs(files):
         if total >= BPE_TRAIN_MAX_CHARS:
@@ -233,7 +290,7 @@ def _load_bpe(config) -> tok.BpeTokenizer:
         docs.append(d)
         total += len(d)
     t = tok.train_bpe(docs, vocab)
-    _atomic_write(path, t.hf.save)
+    _write_entry(path, lambda f: f.write(t.hf.to_str(pretty=True).encode()))
     return t
 
 
@@ -250,23 +307,40 @@ def _token_dtype(config) -> np.dtype:
 def _encode_corpus(config, t: Tokenizer) -> np.ndarray:
     files = _corpus_files(config)
     key = _fingerprint(files, tok.fingerprint(t))
-    path = os.path.join(_cache_dir(config), f"tokens-{key}.npy")
-    if not os.path.exists(path):
-        dtype = np.uint16 if t.vocab_size <= 2**16 else np.uint32
-        docs = _read_docs(files)
-        if isinstance(t, tok.ByteTokenizer):
-            # Bytes are their own ids: skip the Python lists.
-            stream = np.frombuffer("".join(docs).encode("utf-8"), np.uint8).astype(dtype)
-        else:
-            eot = [] if t.eot_id is None else [t.eot_id]
-            stream = np.concatenate([np.array(ids + eot, dtype) for ids in t.encode_batch(docs)])
-        _atomic_write(path, lambda p: _save_npy(p, stream))
+    cache = _cache_dir(config)
+    path = os.path.join(cache, f"tokens-{key}.npy")
+    if os.path.exists(path):
+        try:
+            return _load_npy(path)
+        except (OSError, ValueError, EOFError) as e:
+            _damaged(path, e)
+    _check_writable(cache)
+    dtype = np.uint16 if t.vocab_size <= 2**16 else np.uint32
+    docs = _read_docs(files)
+    if isinstance(t, tok.ByteTokenizer):
+        # Bytes are their own ids: skip the Python lists.
+        stream = np.frombuffer("".join(docs).encode("utf-8"), np.uint8).astype(dtype)
+    else:
+        eot = [] if t.eot_id is None else [t.eot_id]
+        stream = np.concatenate([np.array(ids + eot, dtype) for ids in t.encode_batch(docs)])
+    _write_entry(path, lambda f: _save_npy(f, stream))
     return np.load(path, mmap_mode="r")
 
 
-def _save_npy(path: str, array: np.ndarray) -> None:
-    with open(path, "wb") as f:  # a file object, so numpy does not append ".npy"
-        np.save(f, array)
+def _save_npy(f, array: np.ndarray) -> None:
+    """np.save, in chunks through the file object: np.save's own tofile() reports a full
+    disk as a short write, without the errno that says so."""
+    np.lib.format.write_array_header_1_0(f, np.lib.format.header_data_from_array_1_0(array))
+    for i in range(0, array.size, 2**24):
+        f.write(array[i : i + 2**24].tobytes())
+
+
+def _load_npy(path: str) -> np.ndarray:
+    """A token cache entry, memory-mapped; ValueError if it is not a whole 1-D array."""
+    tokens = np.load(path, mmap_mode="r")  # a header it cannot read, or data cut short
+    if tokens.ndim != 1 or tokens.dtype not in (np.uint16, np.uint32) or tokens.size == 0:
+        raise ValueError(f"not a 1-D array of token ids: {tokens.dtype} {tokens.shape}")
+    return tokens
 
 
 def _read_token_file(config) -> np.ndarray:
@@ -296,9 +370,10 @@ def _read_token_file(config) -> np.ndarray:
     return tokens
 
 
-def load_tokens(config, workdir: str) -> tuple[np.ndarray, np.ndarray]:
-    """(train_tokens, eval_tokens): 1-D, the eval split is the stream's last part."""
-    # The tokenizer of a token file is checked only when one is named (it may be any).
+def read_corpus(config) -> tuple[np.ndarray, np.ndarray, Tokenizer | None]:
+    """(train_tokens, eval_tokens, tokenizer), writing nothing outside the cache: 1-D, the
+    eval split is the stream's last part; the tokenizer is None for a token file without
+    one (its tokenizer is checked only when one is named: it may be any)."""
     t = None
     if config.data.source != "tokens" or config.data.get("tokenizer_path"):
         t = load_tokenizer(config)
@@ -315,10 +390,22 @@ def load_tokens(config, workdir: str) -> tuple[np.ndarray, np.ndarray]:
             f"{window}; add data or lower train.seq_len"
         )
     split = tokens.size - num_eval
-    if t is not None:  # only once everything is checked: a refused run writes nothing
+    return tokens[:split], tokens[split:], t
+
+
+def keep_tokenizer(t: Tokenizer | None, workdir: str, config) -> None:
+    """Refuse a tokenizer other than the workdir's checkpoints were trained with, then keep
+    a copy there: call once the data is checked, so a refused run writes nothing."""
+    if t is not None and workdir:
         check_resume_tokenizer(t, workdir, config)
         save_tokenizer(t, workdir)
-    return tokens[:split], tokens[split:]
+
+
+def load_tokens(config, workdir: str) -> tuple[np.ndarray, np.ndarray]:
+    """`read_corpus`, then `keep_tokenizer` in workdir (none: ""): (train, eval tokens)."""
+    train, held_out, t = read_corpus(config)
+    keep_tokenizer(t, workdir, config)
+    return train, held_out
 
 
 # ---------------------------------------------------------------- batches

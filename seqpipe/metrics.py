@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+from seqpipe.files import atomic_write_bytes
+
 # Dense (no sparsity) bf16 peak FLOP/s per device, keyed by a prefix of `device.device_kind`.
 PEAK_FLOPS = {
     "TPU v2": 45e12,
@@ -71,16 +73,12 @@ class MetricsLog:
         self.total_steps = total_steps
         self.path = Path(workdir) / "metrics.jsonl"
         self._file, self._tb, self._broken = None, None, False
+        self._workdir, self._start_step = workdir, start_step
         if enabled:
-            from tensorboardX import SummaryWriter
-
             # A run resumed from step s drops what an earlier attempt logged after s
             # (a crash between checkpoints), here and in TensorBoard (purge_step).
             _drop_after(self.path, start_step)
             self._file = open(self.path, "a")
-            self._tb = SummaryWriter(
-                str(workdir), flush_secs=10, purge_step=start_step + 1 if start_step else None
-            )
         self.progress = Progress(total_steps, start_step) if enabled and _isatty() else None
 
     def write(self, record: dict) -> None:
@@ -94,6 +92,14 @@ class MetricsLog:
             raise MetricsError(
                 f"writing step {record['step']} to {self.path} failed ({e.strerror or e})"
             ) from None
+        if self._tb is None:  # opened on the first record: a run with nothing to do opens none
+            from tensorboardX import SummaryWriter
+
+            purge = self._start_step + 1 if self._start_step else None
+            # tensorboardX writes from a thread, and its flush() does not wait for that
+            # thread's queue: a flush per line would promise what it cannot keep. Its own
+            # flush every second bounds what a SIGKILL loses (metrics.jsonl loses nothing).
+            self._tb = SummaryWriter(str(self._workdir), flush_secs=1, purge_step=purge)
         for key, value in record.items():
             if key != "step" and isinstance(value, int | float) and math.isfinite(value):
                 self._tb.add_scalar(key, value, record["step"])
@@ -112,6 +118,12 @@ class MetricsLog:
     def step(self, step: int) -> None:
         if self.progress:
             self.progress.update(step)
+
+    def restart_clock(self, step: int) -> None:
+        """Measure the rate (and ETA) from `step` on: called after the first step, whose
+        time is mostly compilation and says nothing of the steps to come."""
+        if self.progress:
+            self.progress.restart(step)
 
     def close(self) -> None:
         if self.progress:
@@ -132,9 +144,7 @@ def _drop_after(path: Path, step: int) -> None:
     lines = path.read_text().splitlines()
     keep = [x for x in lines if _step_of(x) is not None and _step_of(x) <= step]
     if len(keep) != len(lines):
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(x + "\n" for x in keep))
-        tmp.replace(path)
+        atomic_write_bytes(path, "".join(x + "\n" for x in keep).encode())
 
 
 def _step_of(line: str) -> int | None:
@@ -199,8 +209,11 @@ class Progress:
         self.step = step
         self.draw()
 
+    def restart(self, step: int) -> None:
+        self.start, self._t0 = step, time.perf_counter()
+
     def text(self) -> str:
-        done = self.step - self.start
+        done = self.step - self.start  # since the clock was last restarted
         elapsed = time.perf_counter() - self._t0
         rate = done / elapsed if elapsed > 0 and done else 0.0
         eta = (self.total - self.step) / rate if rate else float("nan")

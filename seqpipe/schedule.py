@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import enum
 import json
+import os
 import sys
 from collections.abc import Mapping, Sequence
 
@@ -805,7 +806,7 @@ def to_png(
         f"{st['inflight_peak'][0]} units = {st['activation_fraction'][0]:g} micro-batches"
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, format="png")  # a path or a binary file
     plt.close(fig)
 
 
@@ -861,6 +862,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.seq_len is not None or args.partition == "flops":
             if args.seq_len is None:
                 raise ScheduleError("--partition flops needs --seq-len")
+            shape = ("d_model", "num_heads", "d_ff", "vocab_size")
+            if args.partition == "flops" and (
+                missing := [k for k in shape if not getattr(args, k)]
+            ):
+                flags = " ".join(f"--{k.replace('_', '-')}" for k in missing)
+                raise ScheduleError(f"--partition flops needs the model shape: give {flags}")
             dims = dict(
                 d_model=args.d_model,
                 num_heads=args.num_heads,
@@ -889,19 +896,41 @@ def main(argv: Sequence[str] | None = None) -> int:
             extra = partition.chunk_costs(args.stages * args.virtual, args.seq_len, **dims)
         if args.format == "png" and not args.out:
             raise ScheduleError("--format png needs --out FILE")
+        if args.out:
+            _check_out(args.out)
     except ValueError as e:  # ScheduleError and PartitionError
         fail(str(e))
     st = stats(sched, costs, lengths, extra)
     if args.format == "png":
-        to_png(sched, args.out, costs, lengths, extra)
-        return 0
-    text = to_text(sched, st) if args.format == "text" else json.dumps(to_json(sched, st)) + "\n"
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(text)
+        write = lambda f: to_png(sched, f, costs, lengths, extra)
     else:
-        sys.stdout.write(text)
+        text = to_text(sched, st) if args.format == "text" else json.dumps(to_json(sched, st))
+        if not args.out:
+            sys.stdout.write(text if args.format == "text" else text + "\n")
+            return 0
+        write = lambda f: f.write((text if args.format == "text" else text + "\n").encode())
+    from seqpipe.files import atomic_write
+
+    try:
+        atomic_write(args.out, write)  # whole or not at all
+    except OSError as e:
+        fail(f"--out {args.out}: writing failed ({e.strerror or e}); free space or choose another")
     return 0
+
+
+def _check_out(path: str) -> None:
+    """An --out that cannot be written is refused before any work."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ScheduleError(f"--out {path} is a directory; give a file name")
+    if not os.path.isdir(parent):
+        raise ScheduleError(
+            f"--out {path}: {parent} is not a directory; create it or choose another"
+        )
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ScheduleError(
+            f"--out {path}: {parent} is not writable; make it writable or choose another --out"
+        )
 
 
 if __name__ == "__main__":

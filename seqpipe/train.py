@@ -10,10 +10,10 @@ import contextlib
 import dataclasses
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -38,6 +38,7 @@ from seqpipe import (
 )
 from seqpipe import config as config_lib
 from seqpipe import spec as spec_lib
+from seqpipe import workdir as workdir_lib
 from seqpipe.metrics import MetricsError, MetricsLog, Throughput, device_memory_peak, peak_flops
 from seqpipe.model import GPTConfig
 
@@ -168,8 +169,9 @@ class StopRequest:
     processes, and SIGINT is forwarded to it as a SIGTERM.
     """
 
-    def __init__(self):
+    def __init__(self, kept: str = "run again to resume"):
         self.signal_name: str | None = None
+        self.kept = kept  # what the second Ctrl-C's line says of the checkpoints
         self._previous = {}
         self._multi = jax.process_count() > 1
 
@@ -187,7 +189,14 @@ class StopRequest:
 
     def _handle(self, signum, frame):
         if signum == signal.SIGINT and self.signal_name == "SIGINT":
-            raise KeyboardInterrupt  # the second Ctrl-C: stop now
+            # The second Ctrl-C: out now, in one line. An exception would unwind through
+            # whatever runs (an orbax save, which logs it with a traceback); a save it cuts
+            # is removed at the next start, and the kernel drops the workdir's lock.
+            sys.stdout.flush()
+            os.write(
+                2, f"error: stopped by a second Ctrl-C, without saving; {self.kept}\n".encode()
+            )
+            os._exit(130)
         self.signal_name = signal.Signals(signum).name
         if self._multi:
             os.kill(os.getpid(), signal.SIGTERM)  # to JAX's preemption notifier
@@ -248,23 +257,30 @@ class Trainer:
     def __init__(self, config: ConfigDict, workdir: str):
         t = config.train
         self.config, self.workdir = config, workdir
+        workdir_lib.check(workdir)  # a file, or read-only: refused before any work
         self.mesh = sharding.make_mesh(config.mesh.data, config.mesh.stage)
-        rows = data.local_rows(
-            config, self.mesh
-        )  # before anything is written: a refusal leaves none
-        train_tokens, eval_tokens = data.load_tokens(config, workdir)  # checks the data first
-        prepare_workdir(workdir)
-        self.batches = data.train_iterator(config, train_tokens, rows)
-        held_out = (
-            data.eval_batches(config, eval_tokens, t.eval_batches, rows) if t.eval_every else []
-        )
-        self.eval_set = [data.to_global(b, self.mesh, t.global_batch_size) for b in held_out]
-        self.tx = optim.make_optimizer(t)
-        self.manager = checkpoint.make_manager(workdir, config)
+        rows = data.local_rows(config, self.mesh)
+        # The data is checked before the workdir is touched: a refusal leaves nothing.
+        train_tokens, eval_tokens, tokenizer = data.read_corpus(config)
+        self.lock = workdir_lib.Lock(workdir, jax.process_index())  # one run per workdir
+        self.manager = None
         try:
+            data.keep_tokenizer(tokenizer, workdir, config)
+            if jax.process_index() == 0:
+                checkpoint.clean_partial(workdir)  # what a cut save left; the lock is ours
+            self.batches = data.train_iterator(config, train_tokens, rows)
+            held_out = (
+                data.eval_batches(config, eval_tokens, t.eval_batches, rows) if t.eval_every else []
+            )
+            self.eval_set = [data.to_global(b, self.mesh, t.global_batch_size) for b in held_out]
+            self.tx = optim.make_optimizer(t)
+            self.manager = checkpoint.make_manager(workdir, config)
             restored = self.restore()
+            self.lock.record_owner()
         except BaseException:
-            self.manager.close()
+            if self.manager is not None:
+                self.manager.close()
+            self.lock.release()
             raise
         self.saved_step = self.start if restored else None  # the newest checkpoint
         self.end = min(t.stop_at or t.steps, t.steps)
@@ -295,7 +311,11 @@ class Trainer:
         eval_fn = make_eval_fn(config, self.mesh)
         self._start_reporting()
         pending = None  # the step dispatched last, not yet waited for
-        with self._as_training_errors(), StopRequest() as stop:
+        kept = (
+            f"the newest complete checkpoint in {checkpoint.directory(self.workdir)} is intact "
+            "(a save it cut is removed at the next start); run again to resume"
+        )
+        with self._as_training_errors(), StopRequest(kept) as stop:
             for step in range(self.start + 1, self.end + 1):
                 batch = data.to_global(next(self.batches)["tokens"], self.mesh, t.global_batch_size)
                 self.state, metrics = step_fn(self.state, batch)
@@ -331,6 +351,7 @@ class Trainer:
         if step == self.start + 1:
             self.first_step_s = time.perf_counter() - self.loop_start
             self.throughput.reset(step)
+            self.log.restart_clock(step)  # the ETA leaves compilation out
 
     def _start_reporting(self) -> None:
         """What every record repeats, and the clocks: started just before the first step."""
@@ -427,6 +448,7 @@ class Trainer:
         finally:
             self.manager.close()
             self.log.close()
+            self.lock.release()
 
 
 def compile_only(config: ConfigDict, devices: list | None = None) -> dict:
@@ -493,9 +515,3 @@ def _memory(compiled) -> dict[str, int]:
     }
     out["total"] = out["arguments"] + out["outputs"] - out["aliased"] + out["temporaries"]
     return out
-
-
-def prepare_workdir(workdir: str) -> Path:
-    path = Path(workdir)
-    path.mkdir(parents=True, exist_ok=True)
-    return path

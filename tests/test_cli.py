@@ -67,28 +67,39 @@ def test_bare_config_name_is_found_in_configs(tmp_path):
     assert "model.num_heads=5 must divide model.d_model=2048" in result.stderr
 
 
-def test_verify_accepts_a_correct_pipeline(tmp_path):
-    result = run(
-        [
-            "-m",
-            "seqpipe.tools.verify",
-            "--config",
-            "tiny",
-            "--workdir",
-            str(tmp_path),
-            "--config.model.num_layers=4",
-            "--config.model.d_model=32",
-            "--config.model.d_ff=64",
-            "--config.data.tokenizer=byte",
-            "--config.model.vocab_size=256",
-            "--config.train.seq_len=32",
-            "--config.pipeline.segments=3",
-            "--config.pipeline.partition=flops",
-        ],
-        cwd=ROOT,
+def test_verify_accepts_a_correct_pipeline_and_writes_nothing(tmp_path):
+    """A check writes only to the token cache: it used to write ./runs/tiny/tokenizer.json
+    (a BPE here, the tokenizer it kept a copy of)."""
+    (tmp_path / "corpus.txt").write_text("def f(x):\n    return x + 1\n" * 2000)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    overrides = {
+        "model.num_layers": 4,
+        "model.d_model": 32,
+        "model.d_ff": 64,
+        "model.vocab_size": 300,
+        "data.tokenizer": "bpe",
+        "data.source": "text",
+        "data.path": tmp_path / "corpus.txt",
+        "data.cache_dir": tmp_path / "cache",
+        "train.seq_len": 32,
+        "pipeline.segments": 3,
+        "pipeline.partition": "flops",
+    }
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    env.pop("XLA_FLAGS", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "seqpipe.tools.verify", "--config", "tiny"]
+        + [f"--config.{k}={v}" for k, v in overrides.items()],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "OK" in result.stdout
+    assert result.stdout.strip().endswith("OK")
+    assert os.listdir(cwd) == []
 
 
 # Every invalid input of issue 7, on the tiny config of test_train: the overrides, and what
@@ -146,20 +157,23 @@ INVALID = {
         "data.path='{tmp}/missing.txt' matches no text files",
     ),
     "data path not given": ("data.source=text", "data.source='text' needs data.path"),
-    "token file missing": ("data.source=tokens data.path={tmp}/no.bin", "is not a file"),
+    "token file missing": (
+        "data.source=tokens data.path={tmp}/no.bin data.tokenizer=bpe",
+        "is not a file",
+    ),
     "text file empty": ("data.source=text data.path={tmp}/empty.txt", "is empty"),
     "token file empty": (
-        "data.source=tokens data.path={tmp}/empty.bin",
+        "data.source=tokens data.path={tmp}/empty.bin data.tokenizer=bpe",
         "data.path='{tmp}/empty.bin' is empty",
     ),
     # Exists and cannot be read, even by root (EIO at offset 0): as real as a chmod 000 file.
     "data unreadable": ("data.source=text data.path=/proc/self/mem", "cannot read /proc/self/mem"),
     "token file size not a multiple of the dtype": (
-        "data.source=tokens data.path={tmp}/odd.bin",
+        "data.source=tokens data.path={tmp}/odd.bin data.tokenizer=bpe",
         "size is not a multiple of data.token_dtype=uint16",
     ),
     "token ids not below vocab_size": (
-        "data.source=tokens data.path={tmp}/big_ids.bin",
+        "data.source=tokens data.path={tmp}/big_ids.bin data.tokenizer=bpe",
         "holds token id 300 >= model.vocab_size=256",
     ),
     "tokenizer file not a tokenizer": (
@@ -177,6 +191,26 @@ INVALID = {
         "data.tokenizer_path={tmp}/none.json",
         "data.tokenizer_path='{tmp}/none.json' does not exist",
     ),
+    # Keys that were never checked (issue 17): each ran, or failed after writing.
+    "rope_base not finite": ("model.rope_base=nan", "model.rope_base=nan must be > 0"),
+    "rope_base zero": ("model.rope_base=0", "model.rope_base=0.0 must be > 0"),
+    "init_std not finite": ("model.init_std=nan", "model.init_std=nan must be > 0"),
+    "init_std negative": ("model.init_std=-5", "model.init_std=-5.0 must be > 0"),
+    "seed negative": ("train.seed=-1", "train.seed=-1 must be in [0, 2**32) (an integer)"),
+    "seed above 2**64": ("train.seed=18446744073709551616", "train.seed=18446744073709551616"),
+    "steps a bool": ("train.steps=True", "train.steps=True is of type bool, not an integer"),
+    "eval_every with no eval batches": (
+        "train.eval_every=1 train.eval_batches=0",
+        "train.eval_every=1 with train.eval_batches=0 would never evaluate",
+    ),
+    "byte tokenizer with a token file": (
+        "data.source=tokens data.path={tmp}/ids.bin data.tokenizer=byte",
+        "data.tokenizer=byte does nothing with data.source=tokens",
+    ),
+    "binary file as text": (
+        "data.source=text data.path={tmp}/ids.bin",
+        "data.path='{tmp}/ids.bin' is a binary file, not text",
+    ),
     "seq_len above what the data allows": (
         "data.source=text data.path={tmp}/short.txt train.seq_len=64",
         "the corpus has 100 tokens: too few",
@@ -193,6 +227,7 @@ BY_PROCESS = {
     "token file size not a multiple of the dtype",
     "tokenizer file not a tokenizer",
     "seq_len above what the data allows",
+    "seed negative",
 }
 
 

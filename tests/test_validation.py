@@ -175,3 +175,44 @@ def test_the_global_batch_is_checked_again_once_data_is_resolved():
     config_lib.validate(c)
     with pytest.raises(config_lib.ConfigError, match="mesh.data \\* pipeline.microbatches = 64"):
         config_lib.resolve(c, 8)
+
+
+def test_the_schema_covers_every_key():
+    """Every key of base_config has a type and range in SCHEMA, or a rule of its own."""
+    base = config_lib.base_config()
+    keys = {f"{section}.{key}" for section in base for key in base[section]}
+    assert set(config_lib.SCHEMA) | set(config_lib.OWN_RULES) == keys
+    assert not set(config_lib.SCHEMA) & set(config_lib.OWN_RULES)
+    config_lib.validate(base)  # the defaults pass their own table
+
+
+def _bad_values(rule) -> list:
+    """A value of the wrong type (a bool for an integer: True == 1 passes a range check;
+    ConfigDict itself turns a bool into a float), and values out of range: below, above,
+    not finite, not a choice."""
+    wrong_type = {int: True, float: "1.0", str: 1, bool: 1}[rule.kind]
+    bad = [wrong_type, None]
+    if rule.choices:
+        bad.append("no-such-choice")
+    if rule.kind is float:
+        bad += [float("nan"), float("inf")]
+    if rule.low is not None:
+        bad.append(rule.low if rule.low_open else rule.low - 1)
+    if rule.high is not None:
+        bad.append(rule.high if rule.high_open else rule.high + 1)
+    return bad
+
+
+@pytest.mark.parametrize("key", sorted(config_lib.SCHEMA))
+def test_every_key_is_checked_for_type_and_range(key):
+    section, leaf = key.split(".")
+    for value in _bad_values(config_lib.SCHEMA[key]):
+        c = config_lib.base_config()
+        c.pipeline.update(schedule="none")
+        with c[section].ignore_type():
+            c[section][leaf] = value
+        with pytest.raises(config_lib.ConfigError) as info:
+            config_lib.validate(c)
+        message = str(info.value)
+        assert message.startswith(f"{key}={value!r} "), message
+        assert "\n" not in message

@@ -82,7 +82,8 @@ def main(argv: list[str]) -> int:
         print("error: pipeline.schedule=none: nothing to verify; set a schedule", file=sys.stderr)
         return 2
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.stage)
-    train_tokens, _ = cli.run_or_exit(lambda: data.load_tokens(config, args.workdir))
+    # A check writes nothing: no workdir, only the token cache.
+    train_tokens, _ = cli.run_or_exit(lambda: data.load_tokens(config, ""))
     rows = cli.run_or_exit(lambda: data.local_rows(config, mesh))
     batch = next(data.train_iterator(config, train_tokens, rows))["tokens"]
     r = compare(config, data.to_global(batch, mesh, config.train.global_batch_size), mesh)
