@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
+import functools
 import json
 import sys
 from collections.abc import Mapping, Sequence
@@ -133,6 +134,11 @@ class Schedule:
     inflight: str | int
     ticks: tuple[tuple[Cell, ...], ...]  # ticks[t][stage]
     forward_only: bool = False  # an evaluation's table (`forward_only`): no backwards
+
+    @functools.cached_property
+    def split(self) -> bool:
+        """Whether backwards are split into B and W (`has_weight_ops`)."""
+        return has_weight_ops(self)
 
 
 # --------------------------------------------------------------------------- generation
