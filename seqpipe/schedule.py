@@ -873,6 +873,29 @@ def to_png(
 # --------------------------------------------------------------------------- CLI
 
 
+ZB_TABLE = ("1f1b", "zb_h1", "seq1f1b", "seq_zb_h1")
+
+
+def zero_bubble_table(inflight: str | int = "full") -> str:
+    """Bubble and stage-0 peak (micro-batches of activations) of 1F1B, Seq1F1B and their
+    zero-bubble forms over S = 4, 8; M = 8, 16; K = 1, 2, 4 (the unit cost model)."""
+    lines = [
+        f"inflight={inflight}; each cell: bubble / stage-0 peak in micro-batches",
+        "| S | M | K | " + " | ".join(ZB_TABLE) + " |",
+        "|---|---|---|" + "---|" * len(ZB_TABLE),
+    ]
+    for S in (4, 8):
+        for M in (8, 16):
+            for K in (1, 2, 4):
+                cells = []
+                for name in ZB_TABLE:
+                    k = K if GENERATORS[name].granularity == "segment" else 1
+                    st = stats(build(name, S, M, k, inflight=inflight))
+                    cells.append(f"{st['bubble']:.3f} / {st['activation_fraction'][0]:g}")
+                lines.append(f"| {S} | {M} | {K} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def _parse_inflight(text: str) -> str | int:
     if text in DEPTHS:
         return text
@@ -897,6 +920,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.exit(2)
 
     parser.error = fail  # one line, no usage dump
+    if argv is None:
+        argv = sys.argv[1:]
+    if "--zero-bubble-table" in argv:  # the issue-16 comparison, at --inflight's depth
+        rest = argv[argv.index("--inflight") + 1 :] if "--inflight" in argv else ["full"]
+        sys.stdout.write(zero_bubble_table(_parse_inflight(rest[0])))
+        return 0
     parser.add_argument("--schedule", required=True, help=", ".join(SCHEDULES))
     parser.add_argument("--stages", type=int, required=True)
     parser.add_argument("--microbatches", type=int, required=True)
