@@ -10,6 +10,8 @@ which slot each tick reads and writes (`schedule.lower` allocates them):
   head_dy   per segment k: [slots, b, L_k, D]  the head's dy, from the last chunk's forward
   kv_k, kv_v     [slots, n, b, Lkv, H, E]   K/V of each (micro-batch, chunk) in flight
   dkv_k, dkv_v   [slots, n, b, Lkv, H, E]   their cotangents from later segments
+  weight    per segment k (split tables only): what B leaves its W, (matmul inputs, their
+            output cotangents), each [slots, n, b, L_k, ...] (`SegmentUnit.weight_avals`)
   grads     {"layers": [V, n, ...], "shared": ...}  accumulated in the parameter dtype
   loss      []                              summed, scaled token losses
 
@@ -41,6 +43,7 @@ class Carry:
     dkv_v: jax.Array
     grads: dict
     loss: jax.Array
+    weight: tuple = ()  # per segment, B-to-W buffers; empty unless the table splits
 
     def nbytes(self) -> dict[str, int]:
         """Bytes of each field (the carry may hold arrays or ShapeDtypeStructs)."""
@@ -101,6 +104,12 @@ def abstract(spec, rows: int, layers_VxN, shared) -> Carry:
         dkv_v=slots(prog.num_dkv, kv),
         grads={"layers": like(layers_VxN), "shared": like(shared)},
         loss=sds((), jnp.float32),
+        weight=tuple(
+            jax.tree.map(lambda a, n=n: slots(n, a), u.weight_avals(rows))
+            for n, u in zip(prog.num_wgt, segs, strict=True)
+        )
+        if spec.schedule.split
+        else (),
     )
 
 

@@ -111,6 +111,19 @@ def embed(params: Params, tokens_BxQ: jax.Array, cfg: GPTConfig) -> jax.Array:
     return params["embed"].astype(cfg.dtype)[tokens_BxQ]
 
 
+# A layer's weight matmuls: (einsum, the input it reads). A split backward (zero bubble)
+# leaves their weight gradients to its W, which needs only these inputs and the matmuls'
+# output cotangents (`weight_grads`).
+MATMULS = {
+    "wq": ("bqd,dhe->bqhe", "attn_in"),
+    "wk": ("bqd,dhe->bqhe", "attn_in"),
+    "wv": ("bqd,dhe->bqhe", "attn_in"),
+    "wo": ("bqhe,hed->bqd", "attn_out"),
+    "w_in": ("bqd,df->bqf", "mlp_in"),
+    "w_out": ("bqf,fd->bqd", "mlp_act"),
+}
+
+
 def layer(
     p: Params,
     x_BxQxD: jax.Array,
@@ -118,21 +131,59 @@ def layer(
     v_prefix_BxPxHxE: jax.Array,
     offset: int,
     cfg: GPTConfig,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One pre-norm decoder layer on a segment: (x_seg, kv_prefix, offset) -> (y_seg, kv_seg)."""
+    taps: Params | None = None,
+):
+    """One pre-norm decoder layer on a segment: (x_seg, kv_prefix, offset) -> (y_seg, kv_seg).
+
+    `taps` (a split backward): {matmul: zeros of its output}, added to the outputs so that
+    their cotangents are the matmuls' output cotangents; the layer then also returns the
+    matmuls' inputs ({MATMULS input name: array})."""
     p = jax.tree.map(lambda w: w.astype(cfg.dtype), p)
+    inputs = {}
+
+    def mm(name, a):
+        spec, input_name = MATMULS[name]
+        inputs[input_name] = a
+        y = jnp.einsum(spec, a, p[name])
+        return y if taps is None else y + taps[name]
+
     h_BxQxD = rms_norm(x_BxQxD, p["attn_norm"])
-    q = rope(jnp.einsum("bqd,dhe->bqhe", h_BxQxD, p["wq"]), offset, cfg.rope_base)
-    k_seg = rope(jnp.einsum("bqd,dhe->bqhe", h_BxQxD, p["wk"]), offset, cfg.rope_base)
-    v_seg = jnp.einsum("bqd,dhe->bqhe", h_BxQxD, p["wv"])
+    q = rope(mm("wq", h_BxQxD), offset, cfg.rope_base)
+    k_seg = rope(mm("wk", h_BxQxD), offset, cfg.rope_base)
+    v_seg = mm("wv", h_BxQxD)
     attn_BxQxHxE = segment_attention(
         q, k_prefix_BxPxHxE.astype(k_seg.dtype), v_prefix_BxPxHxE.astype(v_seg.dtype), k_seg, v_seg
     )
-    x_BxQxD = x_BxQxD + jnp.einsum("bqhe,hed->bqd", attn_BxQxHxE, p["wo"])
+    x_BxQxD = x_BxQxD + mm("wo", attn_BxQxHxE)
     h_BxQxD = rms_norm(x_BxQxD, p["mlp_norm"])
-    ff_BxQxF = gelu(jnp.einsum("bqd,df->bqf", h_BxQxD, p["w_in"]))
-    x_BxQxD = x_BxQxD + jnp.einsum("bqf,fd->bqd", ff_BxQxF, p["w_out"])
-    return x_BxQxD, k_seg, v_seg
+    ff_BxQxF = gelu(mm("w_in", h_BxQxD))
+    x_BxQxD = x_BxQxD + mm("w_out", ff_BxQxF)
+    if taps is None:
+        return x_BxQxD, k_seg, v_seg
+    return x_BxQxD, k_seg, v_seg, inputs
+
+
+def matmul_shapes(cfg: GPTConfig, lead: tuple[int, ...]) -> tuple[dict, dict]:
+    """(inputs, outputs) shapes of a layer's weight matmuls, each with `lead` dimensions
+    (layers, rows, positions) in front."""
+    d, h, e, f = cfg.d_model, cfg.num_heads, cfg.head_dim, cfg.d_ff
+    inputs = {"attn_in": (d,), "attn_out": (h, e), "mlp_in": (d,), "mlp_act": (f,)}
+    outputs = {"wq": (h, e), "wk": (h, e), "wv": (h, e), "wo": (d,), "w_in": (f,), "w_out": (d,)}
+    return (
+        {k: lead + v for k, v in inputs.items()},
+        {k: lead + v for k, v in outputs.items()},
+    )
+
+
+def weight_grads(inputs: Params, d_outputs: Params) -> Params:
+    """The weight matmuls' gradients of a stack of layers (leading axis N), from their
+    inputs and output cotangents: for y = a @ w, dw = a^T dy summed over rows and positions."""
+    out = {}
+    for name, (spec, input_name) in MATMULS.items():
+        a_sub, rest = spec.split(",")
+        w_sub, y_sub = rest.split("->")
+        out[name] = jnp.einsum(f"n{a_sub},n{y_sub}->n{w_sub}", inputs[input_name], d_outputs[name])
+    return out
 
 
 # What a checkpointed layer keeps for its backward: `layer` only its input (the layer is
@@ -151,29 +202,31 @@ def layers(
     offset: int,
     cfg: GPTConfig,
     checkpoint: str | None = None,
+    taps: Params | None = None,
     depth: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """A stack of layers (leading axis N) on one segment; returns y and the segment's K/V.
+):
+    """A stack of layers (leading axis N) on one segment; returns y and the segment's K/V
+    (and with `taps`, stacked per layer, each layer's matmul inputs: see `layer`).
 
     `checkpoint` (a key of CHECKPOINT_POLICIES, or None) wraps each layer in jax.checkpoint.
     `depth` (a run-time count, or None for all N) runs only the first `depth` layers: the
-    rest pass x through and give zero K/V (a pipeline stage's padding, `seqpipe.layout`).
+    rest pass x through and give zeros (a pipeline stage's padding, `seqpipe.layout`).
     """
 
-    def run(x, p, k_prefix, v_prefix):
-        return layer(p, x, k_prefix, v_prefix, offset, cfg)
+    def run(x, p, k_prefix, v_prefix, tap):
+        return tuple(layer(p, x, k_prefix, v_prefix, offset, cfg, tap))
 
-    def skip(x, p, k_prefix, v_prefix):
-        shape = (*x.shape[:2], cfg.num_heads, cfg.head_dim)
-        return x, jnp.zeros(shape, x.dtype), jnp.zeros(shape, x.dtype)
+    def skip(x, *args):
+        _, *rest = jax.eval_shape(run, x, *args)
+        return (x, *jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), rest))
 
     def body(x, per_layer):
         if depth is None:
-            y, k_seg, v_seg = run(x, *per_layer)
+            y, *rest = run(x, *per_layer)
         else:  # a conditional, so a skipped layer costs nothing
             i, *per_layer = per_layer
-            y, k_seg, v_seg = jax.lax.cond(i < depth, run, skip, x, *per_layer)
-        return y, (k_seg, v_seg)
+            y, *rest = jax.lax.cond(i < depth, run, skip, x, *per_layer)
+        return y, tuple(rest)
 
     if checkpoint is not None:
         body = jax.checkpoint(body, policy=CHECKPOINT_POLICIES[checkpoint])
@@ -183,11 +236,11 @@ def layers(
         # executor's rebuilt vjp gave wrong q and k gradients (caught by the uneven-split
         # oracle test; the cause inside JAX was not pinned down).
         body = jax.checkpoint(body, policy=jax.checkpoint_policies.everything_saveable)
-    xs = (p_layers, k_prefix_NxBxPxHxE, v_prefix_NxBxPxHxE)
+    xs = (p_layers, k_prefix_NxBxPxHxE, v_prefix_NxBxPxHxE, taps)
     if depth is not None:
         xs = (jnp.arange(jax.tree.leaves(p_layers)[0].shape[0]), *xs)
-    y, (k_NxBxQxHxE, v_NxBxQxHxE) = jax.lax.scan(body, x_BxQxD, xs)
-    return y, k_NxBxQxHxE, v_NxBxQxHxE
+    y, rest = jax.lax.scan(body, x_BxQxD, xs)
+    return (y, *rest)
 
 
 def empty_kv(cfg: GPTConfig, num_layers: int, batch: int) -> tuple[jax.Array, jax.Array]:

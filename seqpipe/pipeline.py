@@ -6,7 +6,9 @@ One SPMD program: a `lax.scan` over ticks. In each tick every stage runs
              (`Carry.saved`) and its segment's K/V for later segments (`Carry.kv_*`);
   head       on the last global chunk, the head and its backward at once (loss, dy);
   backward   at most one backward unit, adding its parameter gradients to `Carry.grads`
-             and its prefix K/V cotangents to `Carry.dkv_*` for earlier segments;
+             and its prefix K/V cotangents to `Carry.dkv_*` for earlier segments (a split
+             table's B: the weight matmuls' gradients are left to W, in `Carry.weight`);
+  weight     a split table's W: the weight matmuls' gradients from what its B left;
   transfer   two `ppermute`s: activations to the next stage, cotangents to the previous.
 
 Each phase is a function of (context, stage inputs, carry, this tick's ops). Idle phases
@@ -261,13 +263,15 @@ def _backward_unit(ctx: Context, inp: StageInputs, op: TickOps, k: int, saved, d
     each, XLA copied them)."""
     spec, unit, chunk = ctx.spec, ctx.units[k], op["bwd_chunk"]
     k_cache, v_cache, dk_cache, dv_cache = caches
+    act = jnp.dtype(spec.cfg.dtype)
+    pad = lambda d: _pad_kv(d.astype(act), spec.kv_len)  # noqa: E731
     off, length = spec.offsets[k], spec.lengths[k]
     if k < spec.segments - 1:  # K/V cotangents that later segments left for this one
         dk_own, dv_own = dk_cache[:, :, off : off + length], dv_cache[:, :, off : off + length]
     else:  # no segment attends to the last one
         dk_own = dv_own = jnp.zeros(unit.kv_avals(ctx.rows).shape, spec.cfg.dtype)
     tokens, _ = inp.tokens(spec, op["bwd_mb"], k)
-    d_chunk, d_shared, dx, dk_prefix, dv_prefix = unit.backward(
+    d_chunk, d_shared, dx, dk_prefix, dv_prefix, *pack = unit.backward(
         tuple(saved),
         (inp.chunk(chunk), inp.shared),
         _prefix(k_cache, ctx, k),
@@ -277,9 +281,8 @@ def _backward_unit(ctx: Context, inp: StageInputs, op: TickOps, k: int, saved, d
         (dy, dk_own, dv_own),
         depth=inp.depth(spec, chunk),
     )
-    act = jnp.dtype(spec.cfg.dtype)
-    pad = lambda d: _pad_kv(d.astype(act), spec.kv_len)  # noqa: E731
-    return dx.astype(act), d_chunk, d_shared, pad(dk_prefix), pad(dv_prefix)
+    # pack: a split B's (matmul inputs, output cotangents) for its W; else empty.
+    return dx.astype(act), d_chunk, d_shared, pad(dk_prefix), pad(dv_prefix), pack
 
 
 def backward(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps) -> tuple[Carry, jax.Array]:
@@ -297,32 +300,72 @@ def backward(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps) -> tuple
 
     shared_stash = read(0) if strategy.read_before_branching else None
 
-    def run(k, grads):
+    def run(k, grads, weight):
         saved = shared_stash if shared_stash is not None else read(ctx.units[k].group)
-        dx, d_chunk, d_shared, dk, dv = _backward_unit(ctx, inp, op, k, saved, dy, caches)
+        dx, d_chunk, d_shared, dk, dv, pack = _backward_unit(ctx, inp, op, k, saved, dy, caches)
         grads = {
-            "layers": jax.tree.map(
-                lambda acc, d: acc.at[chunk].add(d.astype(acc.dtype)), grads["layers"], d_chunk
-            ),
+            "layers": _add_chunk(grads["layers"], chunk, d_chunk),
             "shared": _accumulate(grads["shared"], d_shared),
         }
-        return dx, grads, dk, dv
+        if pack:  # a split B: its W reads these from its slot
+            slot = op["bwd_wgt"]
+            buf = jax.tree.map(lambda b, x: write_slot(b, slot, x, True), weight[k], pack[0])
+            weight = (*weight[:k], buf, *weight[k + 1 :])
+        return dx, grads, dk, dv, weight
 
     # Gradients accumulate inside the branch: returned apart, a parameter-sized
-    # cotangent tree would be one more temporary.
+    # cotangent tree would be one more temporary. A split B writes its W's slot there
+    # too, since each segment's has its own shape.
     branches = [functools.partial(run, k) for k in range(spec.segments)]
-    dx, grads, dk_prefix, dv_prefix = jax.lax.cond(
+    dx, grads, dk_prefix, dv_prefix, weight = jax.lax.cond(
         op.on("bwd_mb"),
-        lambda grads: _switch(op["bwd_seg"], branches, grads),
-        lambda grads: (ctx.zeros("message"), grads, ctx.zeros("kv_all"), ctx.zeros("kv_all")),
+        lambda grads, weight: _switch(op["bwd_seg"], branches, grads, weight),
+        lambda grads, weight: (
+            ctx.zeros("message"),
+            grads,
+            ctx.zeros("kv_all"),
+            ctx.zeros("kv_all"),
+            weight,
+        ),
         carry.grads,
+        carry.weight,
     )
-    carry = carry.replace(grads=grads)
+    carry = carry.replace(grads=grads, weight=weight)
     if spec.segments > 1:
         carry = _keep_prefix_cotangents(
             ctx, carry, op, caches[2] + dk_prefix, caches[3] + dv_prefix
         )
     return carry, dx
+
+
+def _add_chunk(layers: Params, chunk, d_chunk: Params) -> Params:
+    """layers[name][chunk] += d_chunk[name] for each gradient given (a split B gives no
+    weight matmuls', its W no others)."""
+    return {
+        name: acc.at[chunk].add(d_chunk[name].astype(acc.dtype)) if name in d_chunk else acc
+        for name, acc in layers.items()
+    }
+
+
+def weight(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps) -> Carry:
+    """A split table's W: the weight matmuls' gradients of the unit, from what its B left
+    in its slot, added to `Carry.grads`."""
+    chunk, slot = op["wgt_chunk"], op["wgt_in"]
+
+    def run(k, layers):
+        pack = jax.tree.map(
+            lambda b: jax.lax.dynamic_index_in_dim(b, slot, keepdims=False), carry.weight[k]
+        )
+        return _add_chunk(layers, chunk, ctx.units[k].weight(pack))
+
+    branches = [functools.partial(run, k) for k in range(ctx.spec.segments)]
+    layers = jax.lax.cond(
+        op.on("wgt_mb"),
+        lambda layers: _switch(op["wgt_seg"], branches, layers),
+        lambda layers: layers,
+        carry.grads["layers"],
+    )
+    return carry.replace(grads={**carry.grads, "layers": layers})
 
 
 def _keep_prefix_cotangents(ctx: Context, carry: Carry, op: TickOps, dk_sum, dv_sum):
@@ -363,6 +406,8 @@ def tick(ctx: Context, inp: StageInputs, carry: Carry, row: dict) -> Carry:
     dx = None
     if not ctx.spec.forward_only:
         carry, dx = backward(ctx, inp, carry, op)
+    if ctx.spec.schedule.split:
+        carry = weight(ctx, inp, carry, op)
     return transfer(ctx, carry, op, y, dx)
 
 

@@ -2,7 +2,7 @@
 
 A schedule is a static table: for every synchronous tick and every stage, a cell of at
 most one operation of each kind: F (forward), B (backward) and W (the weight-gradient
-half of a split backward; no generator emits W yet). An operation acts on a unit
+half of a split backward: `zb_h1`, `seq_zb_h1`). An operation acts on a unit
 (micro-batch, segment, local chunk); the local chunk c of stage r holds global layer
 chunk g = c*S + r. Within a tick a stage runs its F, then its B, then its W; then
 results move one hop (forward outputs to stage (r+1) % S, input cotangents to stage
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
+import functools
 import json
 import os
 import sys
@@ -44,6 +45,13 @@ class Generator:
     granularity: str
     interleaved: bool  # takes virtual > 1: Megatron's rounds of chunks
     forwards_first: bool  # GPipe: a stage starts its backwards after all its forwards
+    # Zero bubble: the unsplit schedule whose table this one refines, backwards split into
+    # B and W, W filling the bubbles at that schedule's stage-0 peak ("" if none).
+    split_of: str = ""
+
+    @property
+    def split(self) -> bool:
+        return bool(self.split_of)
 
 
 GENERATORS: dict[str, Generator] = {
@@ -54,6 +62,8 @@ GENERATORS: dict[str, Generator] = {
         Generator("seq1f1b", "segment", interleaved=False, forwards_first=False),
         Generator("interleaved_1f1b", "microbatch", interleaved=True, forwards_first=False),
         Generator("seq1f1b_interleaved", "segment", interleaved=True, forwards_first=False),
+        Generator("zb_h1", "microbatch", interleaved=False, forwards_first=False, split_of="1f1b"),
+        Generator("seq_zb_h1", "segment", False, False, split_of="seq1f1b"),
     )
 }
 SCHEDULES = tuple(GENERATORS)
@@ -125,6 +135,11 @@ class Schedule:
     inflight: str | int
     ticks: tuple[tuple[Cell, ...], ...]  # ticks[t][stage]
     forward_only: bool = False  # an evaluation's table (`forward_only`): no backwards
+
+    @functools.cached_property
+    def split(self) -> bool:
+        """Whether backwards are split into B and W (`has_weight_ops`)."""
+        return has_weight_ops(self)
 
 
 # --------------------------------------------------------------------------- generation
@@ -237,21 +252,28 @@ def build(
     integer (in micro-batches for the 1F1B family and GPipe, segments for Seq1F1B),
     'minimal' (the reference warm-up plus one) or 'full' (2*(S-r-1)+K on stage r, one
     round trip of units, which keeps every tick busy). Packing is earliest-tick greedy,
-    so unit costs do not change it; it emits F and B operations (no W).
+    so unit costs do not change it. A split schedule (zero bubble) also places each
+    backward's W (`_place_weights`) and holds a unit until its W.
     """
     _check_args(name, stages, microbatches, segments, virtual, inflight)
-    forwards_first = GENERATORS[name].forwards_first
+    gen = GENERATORS[name]
     S, K, V = stages, segments, virtual
     caps = _caps(name, S, microbatches, K, V, inflight)
+    if gen.split:
+        # ZB-H1: every stage may hold what the unsplit schedule's stage 0 holds at its
+        # peak, so the peak stays that schedule's; later stages use theirs to delay W's.
+        plain = build(gen.split_of, S, microbatches, K, V, inflight)
+        caps = [_peak_held(plain, 0)] * S
     fwd_order, bwd_order = _orders(name, S, microbatches, K, V)
     f_tick = np.full((S, microbatches, K, V), -1, dtype=np.int64)
     b_tick = np.full((S, microbatches, K, V), -1, dtype=np.int64)
     f_next, b_next, held = [0] * S, [0] * S, [0] * S
+    pending: list[list[Unit]] = [[] for _ in range(S)]  # backwards whose W has not run
     n_units = len(fwd_order)
     ticks: list[tuple[Cell, ...]] = []
-    while min(b_next) < n_units:
+    while min(b_next) < n_units or any(pending):
         t = len(ticks)
-        row = []
+        fb = []
         for r in range(S):
             f = b = None
             if f_next[r] < n_units and held[r] < caps[r]:
@@ -262,7 +284,7 @@ def build(
                     f, f_next[r], held[r] = u, f_next[r] + 1, held[r] + 1
                     f_tick[r, u.mb, u.seg, u.chunk] = t
             # GPipe: a stage starts its backwards once all its forwards have run.
-            if b_next[r] < n_units and (not forwards_first or f_next[r] == n_units):
+            if b_next[r] < n_units and (not gen.forwards_first or f_next[r] == n_units):
                 u = bwd_order[b_next[r]]
                 g = u.chunk * S + r
                 own = f_tick[r, u.mb, u.seg, u.chunk]
@@ -274,13 +296,53 @@ def build(
                 if ready:
                     b, b_next[r] = u, b_next[r] + 1
                     b_tick[r, u.mb, u.seg, u.chunk] = t
-            row.append(make_cell(f, b))
+            fb.append((f, b))
+        if gen.split:
+            for r, (_, b) in enumerate(fb):
+                pending[r] += [b] if b is not None else []
+            weights = _place_weights(fb, pending, held, caps, f_next, b_next, n_units)
+        else:
+            weights = [None] * S
+        row = tuple(make_cell(f, b, w) for (f, b), w in zip(fb, weights, strict=True))
         if not any(row):
             raise ScheduleError(f"{name} deadlocks with caps {caps} (S={S}, K={K}, V={V})")
         for r, cell in enumerate(row):
-            held[r] -= cell_unit(cell, B) is not None
-        ticks.append(tuple(row))
+            held[r] -= cell_unit(cell, W if gen.split else B) is not None
+        ticks.append(row)
     return Schedule(name, S, microbatches, K, V, inflight, tuple(ticks))
+
+
+def _peak_held(s: Schedule, stage: int) -> int:
+    """The most units `stage` holds between a forward and its backward (W if split)."""
+    free, held, peak = W if has_weight_ops(s) else B, 0, 0
+    for row in s.ticks:
+        held += cell_unit(row[stage], F) is not None
+        peak = max(peak, held)
+        held -= cell_unit(row[stage], free) is not None
+    return peak
+
+
+def _place_weights(fb, pending, held, caps, f_next, b_next, n_units) -> list[Unit | None]:
+    """This tick's W per stage (popped from `pending`, oldest first), under F = B = W = 1.
+
+    A W must run where a stage would otherwise stop: it holds its cap and still has
+    forwards to issue (a W frees a unit), or it has nothing else left. Otherwise a W
+    runs only where it fits in the tick for free, the tick lasting as long as its
+    busiest stage; so W's fill the warm-up and cool-down bubbles.
+    """
+    S = len(fb)
+    cost = [(f is not None) + (b is not None) for f, b in fb]
+    out: list[Unit | None] = [None] * S
+    for r in range(S):
+        done = f_next[r] == n_units and b_next[r] == n_units and not cost[r]
+        blocked = f_next[r] < n_units and held[r] >= caps[r]
+        if pending[r] and (done or blocked):
+            out[r] = pending[r].pop(0)
+    tick = max(c + (w is not None) for c, w in zip(cost, out, strict=True))
+    for r in range(S):
+        if out[r] is None and pending[r] and cost[r] + 1 <= tick:
+            out[r] = pending[r].pop(0)
+    return out
 
 
 def forward_only(s: Schedule) -> Schedule:
@@ -418,6 +480,11 @@ class Program:
     bwd_res: np.ndarray  # the residual slot the backward reads
     fwd_head: np.ndarray  # slot keeping the head's residuals (last global chunk only)
     bwd_head: np.ndarray
+    wgt_mb: np.ndarray  # the W operation (split tables only)
+    wgt_seg: np.ndarray
+    wgt_chunk: np.ndarray
+    bwd_wgt: np.ndarray  # slot, among its segment's, where B leaves what its W reads
+    wgt_in: np.ndarray  # the slot the W reads
     num_stash: int
     num_kv: int
     num_dkv: int
@@ -425,6 +492,7 @@ class Program:
     num_recv_bwd: int
     num_res: tuple[int, ...]  # residual slots per segment (their shapes differ by segment)
     num_head: tuple[int, ...]  # head residual slots per segment: the last chunk's units only
+    num_wgt: tuple[int, ...] = ()  # B-to-W slots per segment; all 0 unless the table splits
 
 
 def _allocate(intervals: list[tuple[int, int, object]]) -> tuple[dict[object, int], int]:
@@ -446,12 +514,10 @@ def lower(s: Schedule) -> Program:
     Slot lifetimes in ticks (inclusive): a stash slot from the forward to the backward;
     a KV slot from the segment-0 forward to the segment-0 backward of (mb, chunk); a
     message slot from the tick after it was sent to the tick that reads it (a slot read
-    at tick t may take a message sent during t, since stores follow reads). The executor
-    runs F and B only: a table with W operations is refused.
+    at tick t may take a message sent during t, since stores follow reads); a B-to-W slot
+    (per segment) from a split backward's B to its W.
     """
     validate(s)
-    if has_weight_ops(s):
-        raise ScheduleError(f"{s.name}: W operations cannot be lowered yet (no executor)")
     S, V, T = s.stages, s.virtual, len(s.ticks)
     last = V * S - 1
     arr = {
@@ -459,10 +525,14 @@ def lower(s: Schedule) -> Program:
         for f in (x.name for x in dataclasses.fields(Program))
         if not f.startswith("num_")
     }
-    f_at, b_at = {}, {}
+    f_at, b_at, w_at = {}, {}, {}
     for t, row in enumerate(s.ticks):
         for r, cell in enumerate(row):
-            f, b = cell_unit(cell, F), cell_unit(cell, B)
+            f, b, w = cell_unit(cell, F), cell_unit(cell, B), cell_unit(cell, W)
+            if w is not None:
+                w_at[r, w] = t
+                arr["wgt_mb"][t, r], arr["wgt_seg"][t, r] = w.mb, w.seg
+                arr["wgt_chunk"][t, r] = w.chunk
             if f is not None:
                 f_at[r, f] = t
                 arr["fwd_mb"][t, r], arr["fwd_seg"][t, r], arr["fwd_chunk"][t, r] = (
@@ -478,7 +548,7 @@ def lower(s: Schedule) -> Program:
                     b.chunk,
                 )
     counts = {}
-    num_res, num_head = [0] * s.segments, [0] * s.segments
+    num_res, num_head, num_wgt = [0] * s.segments, [0] * s.segments, [0] * s.segments
     forward_only = s.forward_only  # an evaluation: nothing is kept for a backward
     for r in range(S):
         stash, kv, dkv, rf, rb = [], [], [], [], []
@@ -512,6 +582,12 @@ def lower(s: Schedule) -> Program:
             num_res[k] = max(num_res[k], n)
             for u, slot in res_of.items():
                 arr["fwd_res"][f_at[r, u], r] = arr["bwd_res"][b_at[r, u], r] = slot
+            if w_at:  # B leaves its W what it reads
+                lives = [(b_at[r, u], w_at[r, u], u) for (_, _, u) in stash if u.seg == k]
+                wgt_of, n = _allocate(lives)
+                num_wgt[k] = max(num_wgt[k], n)
+                for u, slot in wgt_of.items():
+                    arr["bwd_wgt"][b_at[r, u], r] = arr["wgt_in"][w_at[r, u], r] = slot
             if r == S - 1:  # the head (logits, loss) runs on the last global chunk alone
                 head_of, num_head[k] = _allocate(
                     [x for x in stash if x[2].seg == k and x[2].chunk == V - 1]
@@ -549,6 +625,7 @@ def lower(s: Schedule) -> Program:
         num_recv_bwd=num["rb"],
         num_res=tuple(num_res),
         num_head=tuple(num_head),
+        num_wgt=tuple(num_wgt),
     )
 
 
@@ -645,11 +722,12 @@ def stats(
     split, `partition.stage_layers`). A tick lasts as long as its busiest stage: time = sum
     over ticks of max over stages of the cell's cost. bubble = mean over stages of
     1 - busy_s / time, where busy_s is the work stage s runs. `inflight_peak[s]` is the
-    most units stage s holds between a forward and its backward (W if split) (= its
-    stash slots); `activation_fraction[s]` is the peak of the same, weighted by each
+    most units stage s holds between a forward and its backward (its W if split);
+    `activation_fraction[s]` is the peak of the same, weighted by each
     unit's share of a micro-batch's tokens (`lengths`, default equal) and divided by V:
-    in units of one micro-batch's activations over all of the stage's layers. Slot
-    counts are None for a table with W operations (`lower` refuses it).
+    in units of one micro-batch's activations over all of the stage's layers (a unit
+    counts from its forward to its W, the executor's B-to-W buffer holding it after
+    its B). `weight_slots`: those buffers' slots per segment (None unless split).
     """
     S, V = s.stages, s.virtual
     tick_cost = op_costs(s, costs, lengths, chunk_costs).sum(axis=2)
@@ -673,7 +751,7 @@ def stats(
                 fr[r] -= tok[u.seg] / V
     time = float(tick_cost.max(axis=1).sum())
     busy = tick_cost.sum(axis=0)
-    prog = None if split else lower(s)
+    prog = lower(s)
     return {
         "ticks": len(s.ticks),
         "time": round(time, 6),
@@ -685,6 +763,7 @@ def stats(
         "dkv_slots": prog and prog.num_dkv,
         "recv_fwd_slots": prog and prog.num_recv_fwd,
         "recv_bwd_slots": prog and prog.num_recv_bwd,
+        "weight_slots": list(prog.num_wgt) if split else None,
     }
 
 
@@ -813,6 +892,29 @@ def to_png(
 # --------------------------------------------------------------------------- CLI
 
 
+ZB_TABLE = ("1f1b", "zb_h1", "seq1f1b", "seq_zb_h1")
+
+
+def zero_bubble_table(inflight: str | int = "full") -> str:
+    """Bubble and stage-0 peak (micro-batches of activations) of 1F1B, Seq1F1B and their
+    zero-bubble forms over S = 4, 8; M = 8, 16; K = 1, 2, 4 (the unit cost model)."""
+    lines = [
+        f"inflight={inflight}; each cell: bubble / stage-0 peak in micro-batches",
+        "| S | M | K | " + " | ".join(ZB_TABLE) + " |",
+        "|---|---|---|" + "---|" * len(ZB_TABLE),
+    ]
+    for S in (4, 8):
+        for M in (8, 16):
+            for K in (1, 2, 4):
+                cells = []
+                for name in ZB_TABLE:
+                    k = K if GENERATORS[name].granularity == "segment" else 1
+                    st = stats(build(name, S, M, k, inflight=inflight))
+                    cells.append(f"{st['bubble']:.3f} / {st['activation_fraction'][0]:g}")
+                lines.append(f"| {S} | {M} | {K} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def _parse_inflight(text: str) -> str | int:
     if text in DEPTHS:
         return text
@@ -837,6 +939,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.exit(2)
 
     parser.error = fail  # one line, no usage dump
+    if argv is None:
+        argv = sys.argv[1:]
+    if "--zero-bubble-table" in argv:  # the issue-16 comparison, at --inflight's depth
+        rest = argv[argv.index("--inflight") + 1 :] if "--inflight" in argv else ["full"]
+        sys.stdout.write(zero_bubble_table(_parse_inflight(rest[0])))
+        return 0
     parser.add_argument("--schedule", required=True, help=", ".join(SCHEDULES))
     parser.add_argument("--stages", type=int, required=True)
     parser.add_argument("--microbatches", type=int, required=True)

@@ -86,8 +86,8 @@ class RecomputeInput:
         return body(*params, x_in, k_prefix, v_prefix), (x_in,)
 
     def backward(self, unit, body, saved, params, k_prefix, v_prefix, cotangents, first, depth):
-        outputs, vjp = jax.vjp(body, *params, saved[0], k_prefix, v_prefix)
-        return outputs, vjp(cotangents)
+        outputs, vjp = unit.vjp(body, params, saved[0], k_prefix, v_prefix)
+        return outputs, unit.pull(vjp, cotangents)
 
     slot_fields = ("fwd_stash", "bwd_stash")  # the `Program` rows naming a unit's slot
     # Every backward reads one message from the one stash: read before branching, XLA
@@ -109,7 +109,7 @@ class KeepResiduals:
     what the backward re-reads. Their shapes differ by segment: one stash per segment."""
 
     def forward(self, unit, body, params, x_in, k_prefix, v_prefix, first, depth):
-        outputs, layout, stored = _split_forward(body, params, x_in, k_prefix, v_prefix)
+        outputs, layout, stored = _split_forward(unit, body, params, x_in, k_prefix, v_prefix)
         # The backward rebuilds the vjp from the probe's layout: it must be this one.
         probe = unit.layout(x_in.shape[0], _static(first), depth is not None)
         if not layout.same_as(probe):
@@ -121,7 +121,7 @@ class KeepResiduals:
     def backward(self, unit, body, saved, params, k_prefix, v_prefix, cotangents, first, depth):
         rows = k_prefix.shape[1]
         layout = unit.layout(rows, _static(first), depth is not None)
-        return None, layout.rebuild(saved, (*params, k_prefix, v_prefix))(cotangents)
+        return None, unit.pull(layout.rebuild(saved, (*params, k_prefix, v_prefix)), cotangents)
 
     slot_fields = ("fwd_res", "bwd_res")
     # Only the running segment's residuals are read, inside its branch: read outside,
@@ -163,6 +163,11 @@ class SegmentUnit:
         return strategy(self.spec)
 
     @property
+    def split(self) -> bool:
+        """The table splits backwards into B (this unit's `backward`) and W (`weight`)."""
+        return self.spec.schedule.split
+
+    @property
     def group(self) -> int:
         """The stash this unit's saved values go to (`Program` slots of that stash)."""
         return self.strategy.group(self.seg)
@@ -177,17 +182,64 @@ class SegmentUnit:
         spec, length = self.spec, self.spec.lengths[self.seg]
         offset, cfg = spec.offsets[self.seg], spec.cfg
 
-        def unit_body(p_chunk, shared, x_in, k_prefix, v_prefix):
+        def unit_body(p_chunk, shared, x_in, k_prefix, v_prefix, taps=None):
             def embedded():
                 return model.embed(shared, tokens_bxL, cfg)
 
             x = _choose(first, embedded, lambda: x_in[:, :length])
-            y, k_seg, v_seg = model.layers(
-                p_chunk, x, k_prefix, v_prefix, offset, cfg, spec.policy.checkpoint, depth
+            y, *rest = model.layers(
+                p_chunk, x, k_prefix, v_prefix, offset, cfg, spec.policy.checkpoint, taps, depth
             )
-            return jnp.pad(y, ((0, 0), (0, spec.seg_max - length), (0, 0))), k_seg, v_seg
+            return jnp.pad(y, ((0, 0), (0, spec.seg_max - length), (0, 0))), *rest
 
         return unit_body
+
+    def vjp(self, body, params, x_in, k_prefix, v_prefix):
+        """(outputs, pullback) of the body. Split (zero bubble): the weight matmuls are
+        constants of the vjp, zero taps on their outputs take their output cotangents, and
+        the pullback is (vjp, the matmuls' inputs) (`pull`)."""
+        if not self.split:
+            return jax.vjp(body, *params, x_in, k_prefix, v_prefix)
+        chunk, shared = params
+        mats = {k: w for k, w in chunk.items() if k in model.MATMULS}
+        rest = {k: w for k, w in chunk.items() if k not in model.MATMULS}
+        act, lead = jnp.dtype(self.spec.cfg.dtype), (self.n, x_in.shape[0], self.length)
+        taps = {
+            k: jnp.zeros(s, act) for k, s in model.matmul_shapes(self.spec.cfg, lead)[1].items()
+        }
+
+        def tapped(rest, shared, x_in, k_prefix, v_prefix, taps):
+            y, k, v, inputs = body({**rest, **mats}, shared, x_in, k_prefix, v_prefix, taps)
+            return (y, k, v), inputs
+
+        outputs, vjp, inputs = jax.vjp(
+            tapped, rest, shared, x_in, k_prefix, v_prefix, taps, has_aux=True
+        )
+        return outputs, (vjp, inputs)
+
+    def pull(self, pullback, cotangents):
+        """(d chunk, d shared, dx, dK prefix, dV prefix) of a `vjp` pullback; split, d chunk
+        lacks the weight matmuls and a sixth entry is what `weight` reads: (the matmuls'
+        inputs, their output cotangents)."""
+        if not self.split:
+            return pullback(cotangents)
+        vjp, inputs = pullback
+        d_rest, d_shared, dx, dk, dv, d_taps = vjp(cotangents)
+        return d_rest, d_shared, dx, dk, dv, (inputs, d_taps)
+
+    def weight(self, pack):
+        """W: the weight matmuls' gradients of the chunk from what its B left (`pull`)."""
+        return model.weight_grads(*pack)
+
+    def weight_avals(self, rows: int) -> tuple:
+        """What B leaves for W ([n, b, L_k, ...] per matmul input and output cotangent)."""
+        cfg, sds = self.spec.cfg, jax.ShapeDtypeStruct
+        shapes = model.matmul_shapes(cfg, (self.n, rows, self.length))
+        return tuple({k: sds(s, cfg.dtype) for k, s in d.items()} for d in shapes)
+
+    @property
+    def length(self) -> int:
+        return self.spec.lengths[self.seg]
 
     def head_loss(self, shared: Params, y, targets_bxL, scale: float = 1.0):
         """The head on the segment's rows of y: its summed token loss, scaled."""
@@ -218,9 +270,9 @@ class SegmentUnit:
         depth=None,
     ):
         """(d chunk, d shared, dx, dK prefix, dV prefix) from what the forward saved and the
-        cotangents (dy, dK, dV) of the body's outputs. `keep_outputs` (measurement only)
-        also returns a recomputed forward's outputs, so XLA cannot drop the work that only
-        they need, as it cannot inside the executor's layer loop."""
+        cotangents (dy, dK, dV) of the body's outputs; split, B's (`pull`). `keep_outputs`
+        (measurement only) also returns a recomputed forward's outputs, so XLA cannot drop
+        the work that only they need, as it cannot inside the executor's layer loop."""
         body = self.body(tokens_bxL, first, depth)
         outputs, grads = self.strategy.backward(
             self, body, saved, params, k_prefix, v_prefix, cotangents, first, depth
@@ -265,7 +317,8 @@ class SegmentUnit:
         """The body's residual layout, from an abstract trace; `first` fixed, or decided at
         run time (None) as in the executor; `depth`: with a run-time layer count."""
         spec = self.spec
-        key = (spec.cfg, spec.remat, spec.lengths, self.seg, self.n, rows, first, depth)
+        key = (spec.cfg, spec.remat, spec.lengths, self.seg, self.n, rows, first, self.split)
+        key += (depth,)
         if key not in _LAYOUTS:
             _LAYOUTS[key] = _probe_layout(self, rows, first, depth)
         return _LAYOUTS[key]
@@ -279,9 +332,8 @@ def _probe_layout(unit: SegmentUnit, rows: int, first, depth: bool) -> ResidualL
 
     def probe(p, sh, x_in, k_prefix, v_prefix, tokens, flag, count):
         flag = first if first is not None else flag
-        _, layout, stored = _split_forward(
-            unit.body(tokens, flag, count if depth else None), (p, sh), x_in, k_prefix, v_prefix
-        )
+        body = unit.body(tokens, flag, count if depth else None)
+        _, layout, stored = _split_forward(unit, body, (p, sh), x_in, k_prefix, v_prefix)
         found.append(layout)
         return stored
 
@@ -295,9 +347,9 @@ def _static(first):
     return first if isinstance(first, bool) else None
 
 
-def _split_forward(body, params, x_in, k_prefix, v_prefix):
-    """(outputs, layout, leaves to stash) of the body's vjp."""
-    outputs, vjp = jax.vjp(body, *params, x_in, k_prefix, v_prefix)
+def _split_forward(unit, body, params, x_in, k_prefix, v_prefix):
+    """(outputs, layout, leaves to stash) of the body's vjp (`SegmentUnit.vjp`)."""
+    outputs, vjp = unit.vjp(body, params, x_in, k_prefix, v_prefix)
     layout, stored = ResidualLayout.split(vjp, (*params, k_prefix, v_prefix))
     return outputs, layout, stored
 

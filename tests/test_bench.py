@@ -16,17 +16,27 @@ def test_predicted_matches_schedule_stats_with_unit_costs():
     c.mesh.update(stage=4)
     c.pipeline.update(schedule="seq1f1b", microbatches=4, segments=2)
     spec = pipeline.make_spec(c)
-    got = bench.predicted(spec, lambda sp, seg, first, last, backward, n: 2.0 if backward else 1.0)
+    got = bench.predicted(spec, lambda sp, seg, first, last, kind, n: 2.0 if kind else 1.0)
     want = schedule.stats(spec.schedule)
     assert math.isclose(got["time"], want["time"])
     assert math.isclose(got["bubble"], want["bubble"], abs_tol=1e-6)
+    # A split table: its B and W are costed apart (kind 1 and 2), F = B = W = 1 here.
+    c.pipeline.update(schedule="seq_zb_h1")
+    spec = pipeline.make_spec(c)
+    got = bench.predicted(spec, lambda sp, seg, first, last, kind, n: [1.0, 1.0, 1.0][kind])
+    want = schedule.stats(spec.schedule)
+    assert math.isclose(got["time"], want["time"])
+    assert math.isclose(got["bubble"], want["bubble"], abs_tol=1e-6)
+    got = bench.predicted(spec, lambda sp, seg, first, last, kind, n: [1.0, 1.0, 0.0][kind])
+    assert got["time"] < want["time"]  # W really costed
 
 
 def test_quick_end_to_end(tmp_path, capsys):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     assert bench.main(["--quick", "--json", str(out), "--png", str(png)]) == 0
     result = json.loads(out.read_text())
-    assert [r["label"] for r in result["rows"]] == ["1f1b", "seq1f1b K2 uniform"]
+    labels = ["1f1b", "seq1f1b K2 uniform", "seq_zb_h1 K2 uniform"]
+    assert [r["label"] for r in result["rows"]] == labels
     for r in result["rows"]:
         for key in ("temp_bytes", "flop_ratio", "predicted_s", "measured_s", "bubble_units"):
             assert math.isfinite(r[key]) and r[key] >= 0, (key, r[key])
@@ -37,7 +47,7 @@ def test_quick_end_to_end(tmp_path, capsys):
     for name in ("1f1b", "seq1f1b K2 uniform"):
         none, full = policies[name, "none"], policies[name, "full"]
         assert none["flop_ratio"] < full["flop_ratio"] and none["stash_bytes"] > full["stash_bytes"]
-    assert {p["label"] for p in result["prediction"]} == {"1f1b", "seq1f1b K2 uniform"}
+    assert {p["label"] for p in result["prediction"]} == {"zb_h1", *labels}
     assert png.stat().st_size > 1000
     assert "| seq1f1b K2 uniform |" in capsys.readouterr().out
 

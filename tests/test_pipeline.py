@@ -137,6 +137,7 @@ BF16_CASES = [
     ("seq1f1b", (1, 2), 3, "uniform", "more", 1),
     ("interleaved_1f1b", (2, 2), 2, "uniform", "equal", 2),
     ("seq1f1b_interleaved", (1, 2), 4, "flops", "equal", 2),
+    ("seq_zb_h1", (2, 2), 3, "flops", "more", 1),
 ]
 # bfloat16 keeps 8 significant bits: each rounding is off by up to 2^-9 (0.2%). The pipeline
 # rounds in another order than the reference (attention segment by segment against a
@@ -167,6 +168,7 @@ REMAT_CASES = [
     ("dots", ("seq1f1b", (2, 2), 4, "flops", "equal", 1)),
     ("dots", ("1f1b", (1, 4), 1, "uniform", "fewer", 1)),
     ("layer", ("seq1f1b", (1, 2), 2, "uniform", "more", 1)),
+    ("none", ("seq_zb_h1", (1, 2), 3, "flops", "more", 1)),  # B's residuals, W's inputs kept
 ]
 
 

@@ -224,6 +224,14 @@ def test_forward_only_tables_run_every_forward_once_and_keep_nothing(cfg):
     assert all(cell_unit(e.ticks[t][0], F) is not None for t in range(len(fwd[0])))
 
 
+def others(cell, *kinds):
+    return [cell_unit(cell, k) for k in kinds]
+
+
+def w_of(s, t, r):
+    return cell_unit(s.ticks[t][r], W)
+
+
 @PROPS
 @given(configs(), st.randoms(use_true_random=False))
 def test_broken_tables_are_rejected(cfg, rnd):
@@ -246,13 +254,15 @@ def test_broken_tables_are_rejected(cfg, rnd):
         # gradient (backward) comes too late.
         v = Unit(u.mb, u.seg + 1, u.chunk)
         tv = find(s, r, v, F)
-        broken = with_cell(s, tf, r, make_cell(v, cell_unit(s.ticks[tf][r], B)))
-        broken = with_cell(broken, tv, r, make_cell(u, cell_unit(s.ticks[tv][r], B)))
+        broken = with_cell(s, tf, r, make_cell(v, *others(s.ticks[tf][r], B, W)))
+        broken = with_cell(broken, tv, r, make_cell(u, *others(s.ticks[tv][r], B, W)))
         with pytest.raises(ScheduleError, match="KV prefix|input"):
             sc.validate(broken)
         tv = find(s, r, v, B)
-        broken = with_cell(s, tb, r, make_cell(cell_unit(s.ticks[tb][r], F), v))
-        broken = with_cell(broken, tv, r, make_cell(cell_unit(s.ticks[tv][r], F), u))
+        broken = with_cell(s, tb, r, make_cell(cell_unit(s.ticks[tb][r], F), v, w_of(s, tb, r)))
+        broken = with_cell(
+            broken, tv, r, make_cell(cell_unit(s.ticks[tv][r], F), u, w_of(s, tv, r))
+        )
         with pytest.raises(ScheduleError, match="K/V gradient|cotangent|before its forward"):
             sc.validate(broken)
     # Everything on stage r one tick later: its backwards now meet their cotangents (or
@@ -283,7 +293,10 @@ def test_inflight_bounds(cfg):
     else:  # whole micro-batches
         bound = min(S if depth == "minimal" else 2 * S - 1, M) * K
     assert peak[0] <= bound
-    assert peak == sorted(peak, reverse=True)  # later stages never hold more
+    if sc.GENERATORS[name].split:  # ZB-H1: later stages may hold up to stage 0's cap
+        assert max(peak) <= bound
+    else:
+        assert peak == sorted(peak, reverse=True)  # later stages never hold more
 
 
 def test_stage0_peaks_reach_the_stated_depths():
@@ -430,9 +443,10 @@ def test_weight_operations():
     # F = B = W = 1 with W in the table: F+B (2), then W (1); held until the W.
     got = sc.stats(split)
     assert (got["ticks"], got["time"], got["bubble"], got["inflight_peak"]) == (2, 3.0, 0.0, [1])
-    assert got["stash_slots"] is None  # no executor for W yet
-    with pytest.raises(ScheduleError, match="W operations"):
-        sc.lower(split)
+    assert (got["stash_slots"], got["weight_slots"]) == (1, [1])
+    prog = sc.lower(split)  # B at tick 0 leaves slot 0 for the W at tick 1
+    assert (prog.bwd_wgt[:, 0].tolist(), prog.wgt_in[:, 0].tolist()) == ([0, -1], [-1, 0])
+    assert prog.wgt_mb[:, 0].tolist() == [-1, 0]
     assert "F0.0/B0.0" in sc.to_text(split) and "W0.0" in sc.to_text(split)
     assert sc.to_json(split)["ticks"][1][0] == {
         "stage": 0,
@@ -466,13 +480,17 @@ def test_registry():
             "seq1f1b",
             "interleaved_1f1b",
             "seq1f1b_interleaved",
+            "zb_h1",
+            "seq_zb_h1",
         )
     )
+    assert [n for n, g in sc.GENERATORS.items() if g.split] == ["zb_h1", "seq_zb_h1"]
     assert sc.INTERLEAVED == ("interleaved_1f1b", "seq1f1b_interleaved")
     assert [n for n, g in sc.GENERATORS.items() if g.forwards_first] == ["gpipe"]
     assert [n for n, g in sc.GENERATORS.items() if g.granularity == "segment"] == [
         "seq1f1b",
         "seq1f1b_interleaved",
+        "seq_zb_h1",
     ]
     assert all(g.granularity in ("microbatch", "segment") for g in sc.GENERATORS.values())
     with pytest.raises(ScheduleError, match="unknown schedule"):
@@ -482,9 +500,14 @@ def test_registry():
     assert config.SCHEDULES == ("none", *sc.SCHEDULES)
 
 
-def _digest(p: sc.Program) -> str:
+WEIGHT_ROWS = ("wgt_mb", "wgt_seg", "wgt_chunk", "bwd_wgt", "wgt_in", "num_wgt")
+
+
+def _digest(p: sc.Program, skip=()) -> str:
     h = hashlib.sha256()
     for f in dataclasses.fields(p):
+        if f.name in skip:
+            continue
         v = getattr(p, f.name)
         h.update(f.name.encode())
         h.update(
@@ -505,8 +528,10 @@ def _digest(p: sc.Program) -> str:
 )
 def test_lowering_is_pinned(cfg, digest):
     # Every Program array, as the (forward, backward) cells of 0952314 lowered them: the
-    # executor reads these; a change here must be deliberate.
-    assert _digest(sc.lower(sc.build(*cfg))) == digest
+    # executor reads these; a change here must be deliberate. Unsplit tables have no W.
+    p = sc.lower(sc.build(*cfg))
+    assert _digest(p, skip=WEIGHT_ROWS) == digest
+    assert (p.wgt_mb < 0).all() and (p.bwd_wgt < 0).all() and not any(p.num_wgt)
 
 
 def test_chunk_costs_by_hand():
@@ -723,3 +748,15 @@ def test_full_depth_bubble_over_the_whole_grid():
                         s = sc.build(name, S, M, K, V)
                         got = sc.stats(s)["bubble"]
                         assert got == pytest.approx((S - 1) / (V * M * K + S - 1), abs=5e-4)
+
+
+@pytest.mark.parametrize("plain, split", [("1f1b", "zb_h1"), ("seq1f1b", "seq_zb_h1")])
+@pytest.mark.parametrize("S, M, K", [(4, 8, 4), (8, 16, 4), (4, 16, 1)])
+def test_zero_bubble_shrinks_the_bubble_at_the_same_memory(plain, split, S, M, K):
+    """Issue 16's goal: W filling the bubbles keeps stage 0's peak and at least halves
+    the bubble (at the `full` depth; seq_zb_h1 at S=4, M=8, K=4: 0.030 against 0.086)."""
+    for depth in sc.DEPTHS:
+        a, b = (sc.stats(sc.build(n, S, M, K, inflight=depth)) for n in (plain, split))
+        assert b["activation_fraction"][0] == a["activation_fraction"][0]
+        assert max(b["activation_fraction"]) <= a["activation_fraction"][0]
+        assert b["bubble"] < (0.5 if depth == "full" else 0.8) * a["bubble"]

@@ -37,10 +37,21 @@ RUNS = (
     ("seq1f1b_interleaved", 2, "uniform", 2),
     ("seq1f1b_interleaved", 4, "uniform", 2),
     ("seq1f1b_interleaved", 4, "flops", 2),
+    ("zb_h1", 1, "uniform", 1),
+    ("seq_zb_h1", 4, "uniform", 1),
+    ("seq_zb_h1", 4, "flops", 1),
 )
-QUICK_RUNS = (("1f1b", 1, "uniform", 1), ("seq1f1b", 2, "uniform", 1))
+QUICK_RUNS = (
+    ("1f1b", 1, "uniform", 1),
+    ("seq1f1b", 2, "uniform", 1),
+    ("seq_zb_h1", 2, "uniform", 1),
+)
 # Every pipeline.remat policy is compiled for these (memory and FLOPs).
-POLICY_RUNS = (("1f1b", 1, "uniform", 1), ("seq1f1b", 4, "uniform", 1))
+POLICY_RUNS = (
+    ("1f1b", 1, "uniform", 1),
+    ("seq1f1b", 4, "uniform", 1),
+    ("seq_zb_h1", 4, "uniform", 1),
+)
 QUICK = (
     "--config.model.vocab_size=256",
     "--config.model.num_layers=2",
@@ -143,11 +154,12 @@ class UnitTimer:
 
 def predicted(spec, cost) -> dict:
     """Synchronous time and bubble of the table: each tick lasts as long as its busiest
-    stage, a stage's tick costing cost(spec, seg, first, last, backward, n) of what it runs
-    (n: the chunk's layer count)."""
+    stage, a stage's tick costing cost(spec, seg, first, last, kind, n) of what it runs
+    (kind: `flops.KIND_INDEX`, so a split table's B and W are measured apart; n: the
+    chunk's layer count)."""
     import numpy as np
 
-    from seqpipe import schedule
+    from seqpipe.tools import flops
 
     sched = spec.schedule
     S, last = sched.stages, sched.stages * sched.virtual - 1
@@ -156,11 +168,9 @@ def predicted(spec, cost) -> dict:
         tick = np.zeros(S)
         for r, cell in enumerate(row):
             for op in cell:
-                if op.kind == schedule.W:
-                    raise ValueError("predicted: W operations have no measured cost yet")
                 g = op.unit.chunk * S + r
-                n = spec.layers_per_chunk[g]
-                tick[r] += cost(spec, op.unit.seg, g == 0, g == last, op.kind == schedule.B, n)
+                kind, n = flops.KIND_INDEX[op.kind], spec.layers_per_chunk[g]
+                tick[r] += cost(spec, op.unit.seg, g == 0, g == last, kind, n)
         total += tick.max()
         busy += tick
     return {"time": float(total), "bubble": float(np.mean(1 - busy / total))}
@@ -299,8 +309,9 @@ def policy_table(rows: list[dict]) -> str:
 
 
 def prediction_specs(config, stages, variants) -> list[dict]:
-    """1F1B and Seq1F1B ((K, partition) in `variants`) tables for each S in `stages`, M = 8,
-    at both depths; nothing is compiled for them (they are predicted only)."""
+    """1F1B and Seq1F1B ((K, partition) in `variants`) tables, and their zero-bubble forms
+    (zb_h1, seq_zb_h1), for each S in `stages`, M = 8, at both depths; nothing is
+    compiled for them (they are predicted only)."""
     from seqpipe import pipeline
 
     out = []
@@ -308,8 +319,9 @@ def prediction_specs(config, stages, variants) -> list[dict]:
         if config.model.num_layers % S:
             continue
         for depth in ("full", "minimal"):
-            for name, k, part in [("1f1b", 1, "uniform")] + [
-                ("seq1f1b", k, p) for k, p in variants
+            plain = [("1f1b", 1, "uniform"), ("zb_h1", 1, "uniform")]
+            for name, k, part in plain + [
+                (n, k, p) for n in ("seq1f1b", "seq_zb_h1") for k, p in variants
             ]:
                 c = variant(config, name, k, part, 1, stage=S)
                 with c.unlocked():
@@ -390,7 +402,7 @@ def split_rows(config, rows_per_mb: int, repeats: int, log=print) -> list[dict]:
             sum(
                 timer.unit(spec, k, r == 0, r == last, b, spec.layers_per_chunk[r])
                 for k in range(K)
-                for b in (False, True)
+                for b in (0, 1)  # forward, backward (an unsplit table)
             )
             for r in range(S)
         ]

@@ -81,8 +81,14 @@ def padded_attention_excess(cfg: GPTConfig, lengths, rows: int) -> int:
 # --------------------------------------------------------------------------- executed
 
 
+# A unit's kind, as `unit_functions` indexes its functions: forward, backward (B of a split
+# table), weight (W); a bool `backward` reads as the first two.
+KIND_INDEX = {schedule.F: 0, schedule.B: 1, schedule.W: 2}
+KIND_LABELS = ("fwd", "bwd", "wgt")
+
+
 def unit_functions(spec, seg: int, first: bool, last: bool, rows: int = 1, n: int = 1):
-    """(forward, backward) of one unit as the executor runs it (`units.SegmentUnit`), the
+    """(forward, backward, weight) of one unit as the executor runs it (`units.SegmentUnit`), the
     chunk flags fixed, for a chunk of n layers.
 
     forward(p, shared, x, k, v, tokens, targets) runs the body and, on the last chunk, the
@@ -90,6 +96,7 @@ def unit_functions(spec, seg: int, first: bool, last: bool, rows: int = 1, n: in
     backward (its input under `full` remat, else the body's residuals).
     backward(saved, p, shared, k, v, tokens, dy, dk_seg, dv_seg) rebuilds or recomputes
     the body's vjp and pulls the cotangents through; see `unit_args`.
+    weight(pack) is a split table's W: the weight matmuls' gradients from what B left.
     """
     unit = units.SegmentUnit(spec, seg, n)
 
@@ -102,12 +109,14 @@ def unit_functions(spec, seg: int, first: bool, last: bool, rows: int = 1, n: in
     def backward(saved, p, sh, k, v, tokens, dy, dk, dv, keep_outputs=False):
         return unit.backward(saved, (p, sh), k, v, tokens, first, (dy, dk, dv), keep_outputs)
 
-    return forward, backward
+    return forward, backward, unit.weight
 
 
 def unit_args(spec, rows: int, seg: int, n: int, backward: bool, flags=(False, False)) -> tuple:
     """Abstract arguments of `unit_functions(spec, seg, *flags, rows, n)[backward]`."""
     unit = units.SegmentUnit(spec, seg, n)
+    if backward == 2:  # W: what its B left
+        return (unit.weight_avals(rows),)
     p, sh, x, k, v, tokens, targets = unit.avals(rows)
     if not backward:
         return p, sh, x, k, v, tokens, targets
@@ -129,7 +138,8 @@ def unit_key(spec, rows: int, seg: int, first: bool, last: bool, backward: bool,
     off, length = spec.offsets[seg], spec.lengths[seg]
     seg_max = max(spec.lengths)
     keep = keep and backward and not spec.policy.keeps_residuals
-    return (spec.cfg, spec.remat, off, length, seg_max, rows, first, last, backward, keep)
+    split = spec.schedule.split  # a split table's backward is B alone
+    return (spec.cfg, spec.remat, split, off, length, seg_max, rows, first, last, backward, keep)
 
 
 def compiled_unit(
@@ -180,8 +190,11 @@ def chunk_terms(
     spec, seg: int, first: bool, last: bool, backward: bool, n: int | None = None
 ) -> list:
     """[(count, first, last, keep)] one-layer units that add up to the unit of an n-layer
-    chunk (default n: the deepest chunk's); see `unit_flops`."""
+    chunk (default n: the deepest chunk's); see `unit_flops`. W (backward == 2) runs on
+    every layer of the padded chunk, skipped ones included (its matmuls read zeros)."""
     n = n or spec.chunk_layers
+    if backward == 2:  # W: the same per layer on every chunk (the embedding's is in B)
+        return [(spec.chunk_layers, False, False, False)]
     if spec.chunk_layers == 1:  # no layer loop at all
         return [(1, first, last, False)]
     # Only a recomputed chunk forward carries each layer's output to the next (`keep`).
@@ -207,18 +220,16 @@ def unit_flops(
 
 
 def unit_counts(sched, layers_per_chunk=None) -> collections.Counter:
-    """How many units of each kind (seg, first chunk?, last chunk?, backward?, the chunk's
-    layers from `layers_per_chunk`, by global chunk, or None) the table runs."""
+    """How many units of each kind (seg, first chunk?, last chunk?, `KIND_INDEX`, the
+    chunk's layers from `layers_per_chunk`, by global chunk, or None) the table runs."""
     S, last = sched.stages, sched.stages * sched.virtual - 1
     counts = collections.Counter()
     for row in sched.ticks:
         for r, cell in enumerate(row):
             for op in cell:
-                if op.kind == schedule.W:
-                    raise ValueError("unit_counts: W operations have no unit functions yet")
                 g = op.unit.chunk * S + r
                 n = None if layers_per_chunk is None else layers_per_chunk[g]
-                counts[op.unit.seg, g == 0, g == last, op.kind == schedule.B, n] += 1
+                counts[op.unit.seg, g == 0, g == last, KIND_INDEX[op.kind], n] += 1
     return counts
 
 
@@ -229,7 +240,7 @@ def executed_step(spec, rows: int, replicas: int = 1) -> dict:
     counts = unit_counts(spec.schedule, spec.layers_per_chunk)
     for (seg, first, last, backward, n), count in sorted(counts.items()):
         each = unit_flops(spec, rows, seg, first, last, backward, n)
-        name = f"{'bwd' if backward else 'fwd'} seg{seg}{' first' * first}{' last' * last}"
+        name = f"{KIND_LABELS[backward]} seg{seg}{' first' * first}{' last' * last}"
         kinds[name + (f" {n} layers" if spec.uneven else "")] = {
             "count": count * replicas,
             "flops": each,
@@ -263,7 +274,7 @@ def check_layer_scan(spec, rows: int, seg: int = 0) -> dict:
     n-layer chunk, and the correction `unit_flops` applies (which should match unrolled)."""
     cfg, n = spec.cfg, max(2, spec.cfg.num_layers // (spec.stages * spec.virtual))
     off = spec.offsets[seg]
-    fwd, _ = unit_functions(spec, seg, False, False, rows, n)
+    fwd = unit_functions(spec, seg, False, False, rows, n)[0]
     args = unit_args(spec, rows, seg, n, backward=False)
 
     def unrolled(p, sh, x, k, v, tokens, targets):
@@ -389,6 +400,8 @@ def breakdown(spec, rows: int, replicas: int = 1) -> dict:
     total = collections.Counter()
     counts = unit_counts(spec.schedule, spec.layers_per_chunk)
     for (seg, first, last, backward, n), count in counts.items():
+        # W runs on the whole padded chunk (`chunk_terms`).
+        n = spec.chunk_layers if backward == 2 else n or spec.chunk_layers
         fns = unit_functions(spec, seg, first, last, rows, n)
         c = jaxpr_flops(fns[backward], unit_args(spec, rows, seg, n, backward, (first, last)))
         for k, v in c.items():
