@@ -107,7 +107,7 @@ def test_pipeline_matches_reference_full_matrix(case):
 # every remat policy; with several segments, so the skipped layers' K/V and cotangents
 # are in play. (schedule, mesh, segments, layers, split, remat)
 UNEVEN_CASES = [
-    ("seq1f1b", (1, 2), 2, 3, "2,1", "none"),
+    ("seq_zb_h1", (1, 2), 2, 3, "2,1", "none"),
     ("seq1f1b", (2, 4), 3, 7, "2,2,2,1", "full"),
     ("1f1b", (1, 4), 1, 6, "1,2,2,1", "layer"),
     ("seq1f1b", (1, 4), 4, 9, "flops", "dots"),
