@@ -21,6 +21,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 SOURCES = ("stdlib", "text", "tokens")
 TOKENIZERS = ("bpe", "byte")
 REMAT_POLICIES = tuple(remat.POLICIES)
+# seqpipe.attention.IMPLEMENTATIONS, named here so that loading a config imports no jax.
+ATTENTION = ("auto", "xla", "blockwise", "splash")
 # Keys whose value is a name or an integer: an override is read from its own text (an
 # integer if it is one, else a name), never coerced to the type of the value it replaces,
 # so a file's `inflight=6` can be overridden back to `full`. Their sections are not type-safe.
@@ -44,6 +46,9 @@ def base_config() -> ml_collections.ConfigDict:
         param_dtype="float32",
         rope_base=10000.0,
         init_std=0.02,
+        # Segment attention: xla (whole score matrices; the tests' oracle), blockwise
+        # (O(block) memory, any backend), splash (Pallas, TPU), auto (the best per backend).
+        attention="auto",
     )
     c.mesh = dict(data=1, stage=1)
     # Not type-safe: `inflight` is a name or an integer (validate checks every key's type).
@@ -207,6 +212,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     )
     _choice(config, "model.dtype", DTYPES)
     _choice(config, "model.param_dtype", DTYPES)
+    _choice(config, "model.attention", ATTENTION)
     # An axis still at -1 skips the checks that need its size.
     sizes = mesh_sizes(mesh, num_devices)
     data, stage = sizes["data"], sizes["stage"]

@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from seqpipe.attention import rope, segment_attention
+from seqpipe.attention import attend, rope
 
 Params = dict[str, Any]
 
@@ -31,6 +31,7 @@ class GPTConfig:
     param_dtype: str = "float32"
     rope_base: float = 10000.0
     init_std: float = 0.02
+    attention: str = "auto"  # a name in attention.IMPLEMENTATIONS
 
     @property
     def head_dim(self) -> int:
@@ -125,8 +126,13 @@ def layer(
     q = rope(jnp.einsum("bqd,dhe->bqhe", h_BxQxD, p["wq"]), offset, cfg.rope_base)
     k_seg = rope(jnp.einsum("bqd,dhe->bqhe", h_BxQxD, p["wk"]), offset, cfg.rope_base)
     v_seg = jnp.einsum("bqd,dhe->bqhe", h_BxQxD, p["wv"])
-    attn_BxQxHxE = segment_attention(
-        q, k_prefix_BxPxHxE.astype(k_seg.dtype), v_prefix_BxPxHxE.astype(v_seg.dtype), k_seg, v_seg
+    attn_BxQxHxE = attend(
+        cfg.attention,
+        q,
+        k_prefix_BxPxHxE.astype(k_seg.dtype),
+        v_prefix_BxPxHxE.astype(v_seg.dtype),
+        k_seg,
+        v_seg,
     )
     x_BxQxD = x_BxQxD + jnp.einsum("bqhe,hed->bqd", attn_BxQxHxE, p["wo"])
     h_BxQxD = rms_norm(x_BxQxD, p["mlp_norm"])
