@@ -73,3 +73,17 @@ def splash_attention(
     v = heads_first(jnp.concatenate([v_prefix_BxPxHxE, v_seg_BxQxHxE], axis=1), kv_pad)
     out_BxHxQxE = jax.vmap(kernel)(q, k, v)
     return jnp.swapaxes(out_BxHxQxE[:, :, :q_len], 1, 2)
+
+
+def executed_flops(q_len: int, prefix_len: int, width: int, block: int = BLOCK) -> int:
+    """Forward matmul FLOPs (QK and PV, per row) the kernel runs for one segment, `width`
+    = H * E: every block of the padded grid that holds an unmasked entry, whole (splash
+    skips only the blocks its mask leaves empty)."""
+    bq = min(block, _round_up(q_len, LANES))
+    bkv = min(block, _round_up(prefix_len + q_len, LANES))
+    kv_blocks = _round_up(prefix_len + q_len, bkv) // bkv
+    blocks = sum(
+        min(kv_blocks, (a * bq + bq - 1 + prefix_len) // bkv + 1)
+        for a in range(_round_up(q_len, bq) // bq)
+    )
+    return 2 * 2 * blocks * bq * bkv * width

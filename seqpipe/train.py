@@ -23,6 +23,7 @@ import optax
 from ml_collections import ConfigDict
 
 from seqpipe import (
+    attention,
     checkpoint,
     data,
     hlo,
@@ -287,6 +288,7 @@ class Trainer:
             make_grad_fn(config, self.mesh), self.tx, optim.lr_schedule(t), tuple(t.inject_nan_at)
         )
         eval_fn = make_eval_fn(config, self.mesh)
+        self.log.print(f"attention: {attention_line(config.model.attention)}")
         self._start_reporting()
         pending = None  # the step dispatched last, not yet waited for
         with self._as_training_errors(), StopRequest() as stop:
@@ -433,6 +435,12 @@ def compile_only(config: ConfigDict, devices: list | None = None) -> dict:
     whatever its trip count)."""
     devices = jax.devices() if devices is None else devices
     config = config_lib.resolve(config, len(devices))
+    # Resolved for the devices compiled for (a TPU slice's from this CPU, say), not this
+    # process's default backend.
+    platform = devices[0].platform
+    config = config.copy_and_resolve_references()
+    with config.unlocked():
+        config.model.attention = attention.resolve(config.model.attention, platform)
     t = config.train
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.stage, devices)
     tx = optim.make_optimizer(t)
@@ -459,6 +467,7 @@ def compile_only(config: ConfigDict, devices: list | None = None) -> dict:
         "schedule": config.pipeline.schedule,
         "microbatches": config.pipeline.microbatches,
         "segments": config.pipeline.segments,
+        "attention": config.model.attention,
         "params": model.num_params(state["params"]),
         **bubble_fractions(config),
         "memory_per_device_bytes": memory,
@@ -471,6 +480,12 @@ def compile_only(config: ConfigDict, devices: list | None = None) -> dict:
         "flops_per_step": flops_per_token * t.global_batch_size * t.seq_len,
         "compile_s": round(seconds, 1),
     }
+
+
+def attention_line(name: str) -> str:
+    """Which segment attention runs, for the log: `auto` says what it picked."""
+    picked = attention.resolve(name)
+    return picked if name != "auto" else f"{picked} (auto on {jax.default_backend()})"
 
 
 def _memory(compiled) -> dict[str, int]:
