@@ -11,7 +11,7 @@ The kernel takes one K/V sequence: the prefix and the segment's own K/V are conc
 (one copy of the prefix per call, which a KV cache that keeps each segment's K/V next to
 its prefix would avoid). Splash has no scale argument: q is scaled first.
 
-On CPU it runs in Pallas interpret mode (`interpret=True`), which the tests use.
+Off TPU it runs only in Pallas interpret mode (`interpret=True`), which the tests use.
 """
 
 import functools
@@ -51,12 +51,11 @@ def splash_attention(
     k_seg_BxQxHxE: jax.Array,
     v_seg_BxQxHxE: jax.Array,
     block: int = BLOCK,
-    interpret: bool | None = None,
+    interpret: bool = False,
 ) -> jax.Array:
-    """`attention.segment_attention`'s contract by the splash kernel; `interpret`
-    defaults to True off TPU."""
-    if interpret is None:
-        interpret = jax.default_backend() != "tpu"
+    """`attention.segment_attention`'s contract by the splash kernel. `interpret` (Pallas
+    interpret mode, for tests off TPU) is never chosen by the backend: compiling for a TPU
+    slice from a CPU machine must compile the real kernel."""
     _, q_len, heads, width = q_BxQxHxE.shape
     prefix = k_prefix_BxPxHxE.shape[1]
     bq = min(block, _round_up(q_len, LANES))

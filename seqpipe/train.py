@@ -220,6 +220,7 @@ def run(config: ConfigDict, workdir: str) -> list[dict]:
     """Train to config.train.steps (or train.stop_at), resuming from the newest checkpoint
     in workdir; returns the records logged by this invocation."""
     config = config_lib.resolve(config, jax.device_count())
+    check_attention(config.model.attention, jax.default_backend())
     trainer = Trainer(config, workdir)
     try:
         if trainer.start >= trainer.end:
@@ -438,6 +439,7 @@ def compile_only(config: ConfigDict, devices: list | None = None) -> dict:
     # Resolved for the devices compiled for (a TPU slice's from this CPU, say), not this
     # process's default backend.
     platform = devices[0].platform
+    check_attention(config.model.attention, platform)
     config = config.copy_and_resolve_references()
     with config.unlocked():
         config.model.attention = attention.resolve(config.model.attention, platform)
@@ -480,6 +482,14 @@ def compile_only(config: ConfigDict, devices: list | None = None) -> dict:
         "flops_per_step": flops_per_token * t.global_batch_size * t.seq_len,
         "compile_s": round(seconds, 1),
     }
+
+
+def check_attention(name: str, platform: str) -> None:
+    """ConfigError for an attention the platform cannot run (the TPU kernel elsewhere)."""
+    if attention.resolve(name, platform) == "splash" and platform != "tpu":
+        raise config_lib.ConfigError(
+            f"model.attention=splash is a TPU kernel and this is {platform}; use auto or blockwise"
+        )
 
 
 def attention_line(name: str) -> str:

@@ -116,3 +116,12 @@ def test_config_names_every_implementation_and_rejects_others():
     c.model.attention = "flash"
     with pytest.raises(config_lib.ConfigError, match=r"model.attention='flash' is not valid"):
         config_lib.validate(c)
+
+
+def test_the_tpu_kernel_is_refused_off_tpu_in_one_line():
+    from seqpipe import train
+
+    with pytest.raises(config_lib.ConfigError, match="splash is a TPU kernel and this is cpu"):
+        train.check_attention("splash", "cpu")
+    train.check_attention("auto", "cpu")
+    train.check_attention("splash", "tpu")
