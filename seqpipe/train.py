@@ -487,7 +487,9 @@ def compile_only(config: ConfigDict, devices: list | None = None) -> dict:
         "schedule": config.pipeline.schedule,
         "microbatches": config.pipeline.microbatches,
         "segments": config.pipeline.segments,
-        "params": model.num_params(jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))),
+        "params": model.num_params(
+            jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
+        ),
         "layers_per_stage": list(layout.of_config(config).layers_per_chunk),
         **bubble_fractions(config),
         "memory_per_device_bytes": memory,
