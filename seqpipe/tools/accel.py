@@ -432,6 +432,9 @@ def main(argv: list[str]) -> int:
     if args.steps < 1:
         cli.fail(f"--steps={args.steps} must be at least 1")
     cli.quiet_libtpu()
+    from seqpipe import xla_flags
+
+    xla_flags.apply()  # as train.py does: GPU only, the user's XLA_FLAGS win
     for name in names:
         cli.run_or_exit(lambda n=name: variant_config(config, n))  # bad input: before any work
 
