@@ -334,8 +334,9 @@ def measure(config, name: str, steps: int, profile: bool, log=print) -> dict:
     return out
 
 
-def run(config, names: list[str], steps: int, profile: bool, log=print) -> dict:
-    """Every variant in `names`; each row's `vs_ref` is its step time over the reference's."""
+def run(config, names: list[str], steps: int, profile: bool, log=print, dump=None) -> dict:
+    """Every variant in `names`; each row's `vs_ref` is its step time over the reference's.
+    `dump(result)` after each variant keeps what was measured if a time limit cuts the run."""
     import jax
 
     from seqpipe import model
@@ -343,15 +344,8 @@ def run(config, names: list[str], steps: int, profile: bool, log=print) -> dict:
     from seqpipe.model import GPTConfig
 
     dev = jax.devices()[0]
-    rows = []
-    for name in names:
-        rows.append(measure(config, name, steps, profile, log))
-        jax.clear_caches()
-    ref = next((r for r in rows if r["variant"] == "ref"), None)
-    for r in rows:
-        r["vs_ref"] = r["step_s"] / ref["step_s"] if ref else None
     cfg = GPTConfig.from_config(config.model)
-    return {
+    result = {
         "device_kind": dev.device_kind,
         "platform": dev.platform,
         "jax": jax.__version__,
@@ -362,8 +356,23 @@ def run(config, names: list[str], steps: int, profile: bool, log=print) -> dict:
         "seq_len": config.train.seq_len,
         "steps": steps,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "rows": rows,
+        "rows": [],
     }
+    rows = result["rows"]
+    for name in names:
+        try:
+            rows.append(measure(config, name, steps, profile, log))
+        except Exception as e:  # out of memory, say: the row says so, the others run
+            log(f"{name}: {type(e).__name__}: {str(e)[:300]}")
+            rows.append({"variant": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+        jax.clear_caches()
+        ref = next((r for r in rows if r["variant"] == "ref" and "step_s" in r), None)
+        for r in rows:
+            if "step_s" in r:
+                r["vs_ref"] = r["step_s"] / ref["step_s"] if ref else None
+        if dump:
+            dump(result)
+    return result
 
 
 def _pct(x) -> str:
@@ -384,6 +393,9 @@ def table(result: dict) -> str:
     ]
     gib = lambda b: "-" if b is None else f"{b / 2**30:.2f}"  # noqa: E731
     for r in result["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['variant']} | {r['error'][:80]} |" + " |" * 7)
+            continue
         vs = "-" if r["vs_ref"] is None else f"{r['vs_ref']:.2f}x"
         lines.append(
             f"| {r['variant']} | {r['step_s']:.4f} | {vs} | {r['tokens_per_s']:,.0f} | "
@@ -441,13 +453,16 @@ def main(argv: list[str]) -> int:
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
 
-    result = run(config, names, args.steps, not args.no_profile, log)
-    sys.stdout.write(table(result))
-    if args.json:
+    def dump(result):
+        if not args.json:
+            return
         if os.path.dirname(args.json):
             os.makedirs(os.path.dirname(args.json), exist_ok=True)
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=1)
+
+    result = run(config, names, args.steps, not args.no_profile, log, dump)
+    sys.stdout.write(table(result))
     return 0
 
 
