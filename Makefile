@@ -4,7 +4,7 @@ STAMP   := .venv/.installed
 CONFIG  ?= configs/tiny.py
 WORKDIR ?= runs/demo
 
-.PHONY: install train test test-all lint bench clean
+.PHONY: install train test test-all lint bench bench-accelerator bench-device clean
 
 install: $(STAMP)
 
@@ -29,6 +29,14 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m seqpipe.tools.bench --json runs/bench.json --png docs/bench.png
+
+# The train step on the device JAX sees (gpt_1b; on CPU add ACCEL_ARGS=--quick).
+bench-accelerator: $(STAMP)
+	$(PY) -m seqpipe.tools.bench --accelerator --json runs/accelerator.json $(ACCEL_ARGS)
+
+# On the device machine (../shared/device.md): gpt_1b, every variant, under 8 minutes.
+bench-device:
+	bash scripts/device_accel.sh
 
 clean:
 	rm -rf runs .pytest_cache

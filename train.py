@@ -8,7 +8,7 @@
 import json
 import sys
 
-from seqpipe import cli
+from seqpipe import cli, xla_flags
 
 
 def summary(result: dict) -> str:
@@ -46,6 +46,7 @@ def main(argv: list[str]) -> int:
     tpu_slice = cli.slice_or_exit(args)  # before jax is imported
     if tpu_slice is None:
         cli.quiet_libtpu()
+        xla_flags.apply()  # GPU only, before the backend starts; the user's flags win
         cli.init_distributed(args)  # imports jax: only after the device count is set
     else:
         config = cli.resolve_or_exit(config, tpu_slice.chips)

@@ -105,6 +105,7 @@ SCHEMA = {
     "model.param_dtype": Key(str, choices=DTYPES),
     "model.rope_base": Key(float, low=0.0, low_open=True),
     "model.init_std": Key(float, low=0.0, low_open=True),
+    "model.loss_chunk": _COUNT,
     "pipeline.schedule": Key(str, choices=SCHEDULES),
     "pipeline.microbatches": _POSITIVE_INT,
     "pipeline.segments": _POSITIVE_INT,
@@ -159,6 +160,9 @@ def base_config() -> ml_collections.ConfigDict:
         # Segment attention: xla (whole score matrices; the tests' oracle), blockwise
         # (O(block) memory, any backend), splash (Pallas, TPU), auto (the best per backend).
         attention="auto",
+        # Tokens per cross-entropy chunk: the head's float32 logits are never whole
+        # (`model.head_loss_sum`); 0: one chunk.
+        loss_chunk=8192,
     )
     c.mesh = dict(data=1, stage=1)
     # Not type-safe: `inflight` is a name or an integer (validate checks every key's type).

@@ -7,11 +7,13 @@ running a sequence segment by segment, carrying the KV prefix, equals running it
 """
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from seqpipe.attention import attend, rope
 
@@ -32,6 +34,7 @@ class GPTConfig:
     rope_base: float = 10000.0
     init_std: float = 0.02
     attention: str = "auto"  # a name in attention.IMPLEMENTATIONS
+    loss_chunk: int = 0  # tokens per cross-entropy chunk (`head_loss_sum`); 0: one chunk
 
     @property
     def head_dim(self) -> int:
@@ -268,14 +271,102 @@ def token_loss_sum(logits_BxQxV: jax.Array, targets_BxQ: jax.Array) -> jax.Array
     return jnp.sum(logz - target_logit)
 
 
-def forward(
+def head_loss_sum(params: Params, x_BxQxD: jax.Array, targets_BxQ: jax.Array, cfg: GPTConfig):
+    """`token_loss_sum(logits(params, x))`, with the [B, Q, V] float32 logits never whole:
+    the tokens go through the head `cfg.loss_chunk` at a time (`chunked_xent`)."""
+    h_BxQxD = rms_norm(x_BxQxD, params["final_norm"].astype(cfg.dtype))
+    return chunked_xent(h_BxQxD, params["head"], targets_BxQ, cfg.dtype, cfg.loss_chunk)
+
+
+def _chunks(h_BxQxD, targets_BxQ, chunk: int):
+    """Tokens as C chunks of T ([C, T, D] and [C, T]; the last padded) and the [C, T] mask
+    of real tokens (None without padding)."""
+    d = h_BxQxD.shape[-1]
+    n = targets_BxQ.size
+    t = n if chunk <= 0 or chunk >= n else chunk
+    c = -(-n // t)
+    pad = c * t - n
+    h_CxTxD = jnp.pad(h_BxQxD.reshape(n, d), ((0, pad), (0, 0))).reshape(c, t, d)
+    targets_CxT = jnp.pad(targets_BxQ.reshape(n), (0, pad)).reshape(c, t)
+    mask = (np.arange(c * t) < n).reshape(c, t).astype(np.float32) if pad else None
+    return h_CxTxD, targets_CxT, mask
+
+
+def _chunk_xent(h_TxD, w_DxV, targets_T, mask_T, dtype, grads: bool):
+    """(summed loss, and with `grads` dh [T, D] and dw [D, V] float32) of one chunk."""
+    logits_TxV = jnp.einsum(
+        "td,dv->tv", h_TxD, w_DxV.astype(dtype), preferred_element_type=jnp.float32
+    )
+    logz_T = jax.nn.logsumexp(logits_TxV, axis=-1)
+    target_T = jnp.take_along_axis(logits_TxV, targets_T[:, None], axis=-1)[:, 0]
+    per_token = logz_T - target_T
+    loss = jnp.sum(per_token if mask_T is None else per_token * mask_T)
+    if not grads:
+        return loss
+    # d loss / d logits = softmax - one_hot(target), in the compute dtype for the matmuls.
+    onehot = jax.nn.one_hot(targets_T, logits_TxV.shape[-1], dtype=jnp.float32)
+    d_TxV = jnp.exp(logits_TxV - logz_T[:, None]) - onehot
+    if mask_T is not None:
+        d_TxV = d_TxV * mask_T[:, None]
+    d_TxV = d_TxV.astype(dtype)
+    dh = jnp.einsum("tv,dv->td", d_TxV, w_DxV.astype(dtype), preferred_element_type=jnp.float32)
+    dw = jnp.einsum("td,tv->dv", h_TxD, d_TxV, preferred_element_type=jnp.float32)
+    return loss, dh.astype(h_TxD.dtype), dw
+
+
+def _xent_scan(h_BxQxD, w_DxV, targets_BxQ, dtype, chunk, grads: bool):
+    """Chunk by chunk: a loop when there is more than one, so one chunk's logits are live."""
+    h_CxTxD, targets_CxT, mask_CxT = _chunks(h_BxQxD, targets_BxQ, chunk)
+    one = lambda h, t, m: _chunk_xent(h, w_DxV, t, m, dtype, grads)  # noqa: E731
+    if h_CxTxD.shape[0] == 1:  # no loop: XLA's cost analysis counts a loop body once
+        out = one(h_CxTxD[0], targets_CxT[0], None if mask_CxT is None else mask_CxT[0])
+        return out if not grads else (out[0], out[1][None], out[2])
+
+    def body(carry, xs):
+        out = one(*xs)
+        if not grads:
+            return carry + out, None
+        loss, dw = carry
+        return (loss + out[0], dw + out[2]), out[1]
+
+    zero = jnp.zeros((), jnp.float32)
+    init = zero if not grads else (zero, jnp.zeros(w_DxV.shape, jnp.float32))
+    carry, dh_CxTxD = jax.lax.scan(body, init, (h_CxTxD, targets_CxT, mask_CxT))
+    return carry if not grads else (carry[0], dh_CxTxD, carry[1])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def chunked_xent(h_BxQxD, w_DxV, targets_BxQ, dtype: str, chunk: int) -> jax.Array:
+    """Summed cross-entropy of logits h @ w (float32, from `dtype` operands), `chunk`
+    tokens at a time. Its gradients are computed in the forward, chunk by chunk (the loss's
+    cotangent is a scalar that only scales them): what the backward keeps is dh and dw, not
+    the logits, and no chunk's logits are recomputed."""
+    return _xent_scan(h_BxQxD, w_DxV, targets_BxQ, dtype, chunk, grads=False)
+
+
+def _chunked_xent_fwd(h_BxQxD, w_DxV, targets_BxQ, dtype, chunk):
+    loss, dh_CxTxD, dw = _xent_scan(h_BxQxD, w_DxV, targets_BxQ, dtype, chunk, grads=True)
+    dh_BxQxD = dh_CxTxD.reshape(-1, h_BxQxD.shape[-1])[: targets_BxQ.size]
+    return loss, (dh_BxQxD.reshape(h_BxQxD.shape), dw.astype(w_DxV.dtype), targets_BxQ)
+
+
+def _chunked_xent_bwd(dtype, chunk, saved, g):
+    dh, dw, targets = saved
+    zeros = np.zeros(targets.shape, jax.dtypes.float0)
+    return (g * dh).astype(dh.dtype), (g * dw).astype(dw.dtype), zeros
+
+
+chunked_xent.defvjp(_chunked_xent_fwd, _chunked_xent_bwd)
+
+
+def hidden(
     params: Params,
     tokens_BxL: jax.Array,
     cfg: GPTConfig,
     segment_lengths: tuple[int, ...] | None = None,
     checkpoint: str | None = None,
 ) -> jax.Array:
-    """Logits of the whole model; with `segment_lengths`, computed segment by segment."""
+    """The last layer's outputs [B, L, D]; with `segment_lengths`, segment by segment."""
     batch, seq_len = tokens_BxL.shape
     segment_lengths = segment_lengths or (seq_len,)
     if sum(segment_lengths) != seq_len:
@@ -287,9 +378,20 @@ def forward(
         y, k_seg, v_seg = layers(params["layers"], x, k_cache, v_cache, offset, cfg, checkpoint)
         k_cache = jnp.concatenate([k_cache, k_seg], axis=2)
         v_cache = jnp.concatenate([v_cache, v_seg], axis=2)
-        outputs.append(logits(params, y, cfg))
+        outputs.append(y)
         offset += length
     return jnp.concatenate(outputs, axis=1)
+
+
+def forward(
+    params: Params,
+    tokens_BxL: jax.Array,
+    cfg: GPTConfig,
+    segment_lengths: tuple[int, ...] | None = None,
+    checkpoint: str | None = None,
+) -> jax.Array:
+    """Logits of the whole model; with `segment_lengths`, computed segment by segment."""
+    return logits(params, hidden(params, tokens_BxL, cfg, segment_lengths, checkpoint), cfg)
 
 
 def loss(
@@ -301,8 +403,8 @@ def loss(
 ) -> jax.Array:
     """Mean next-token cross-entropy of a [B, L+1] token window."""
     inputs, targets = tokens_BxL1[:, :-1], tokens_BxL1[:, 1:]
-    out = forward(params, inputs, cfg, segment_lengths, checkpoint)
-    return token_loss_sum(out, targets) / targets.size
+    y = hidden(params, inputs, cfg, segment_lengths, checkpoint)
+    return head_loss_sum(params, y, targets, cfg) / targets.size
 
 
 def flops_per_token(cfg: GPTConfig, seq_len: int) -> float:

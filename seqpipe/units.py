@@ -244,7 +244,7 @@ class SegmentUnit:
     def head_loss(self, shared: Params, y, targets_bxL, scale: float = 1.0):
         """The head on the segment's rows of y: its summed token loss, scaled."""
         length, cfg = self.spec.lengths[self.seg], self.spec.cfg
-        return model.token_loss_sum(model.logits(shared, y[:, :length], cfg), targets_bxL) * scale
+        return model.head_loss_sum(shared, y[:, :length], targets_bxL, cfg) * scale
 
     def head(self, shared: Params, y, targets_bxL, scale: float = 1.0):
         """(loss, d shared, dy) of the head on y, its backward run at once."""

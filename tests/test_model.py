@@ -1,5 +1,7 @@
 """The model, and the identity Seq1F1B rests on: segment-by-segment equals whole-sequence."""
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -145,3 +147,44 @@ def test_bfloat16_compute_keeps_float32_params(tokens):
     loss, grads = loss_and_grad(p, tokens, cfg)
     assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
     assert np.isfinite(float(loss))
+
+
+def _unchunked_loss(params, x, targets, cfg):
+    """The cross-entropy as it was before chunking: whole logits, then the loss."""
+    return model.token_loss_sum(model.logits(params, x, cfg), targets)
+
+
+@pytest.mark.parametrize("chunk", [0, 16, 5, 48, 1000])  # one, exact, padded, 1 row, > all
+def test_chunked_head_loss_matches_whole_logits(params, chunk):
+    """The chunked cross-entropy equals the whole-logits one: loss, and gradients of the
+    norm, the head and the input (its gradients are computed in its forward)."""
+    cfg = dataclasses.replace(CFG, loss_chunk=chunk)
+    x = jax.random.normal(jax.random.key(2), (2, SEQ, CFG.d_model))
+    targets = jax.random.randint(jax.random.key(3), (2, SEQ), 0, CFG.vocab_size)
+    shared = {k: params[k] for k in ("final_norm", "head")}
+    want = jax.value_and_grad(_unchunked_loss, argnums=(0, 1))(shared, x, targets, CFG)
+    got = jax.jit(jax.value_and_grad(model.head_loss_sum, argnums=(0, 1)), static_argnums=3)(
+        shared, x, targets, cfg
+    )
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    assert_tree_close(got[1], want[1])
+    # Without gradients (evaluation) the primal loop gives the same loss.
+    np.testing.assert_allclose(
+        jax.jit(model.head_loss_sum, static_argnums=3)(shared, x, targets, cfg), want[0], rtol=1e-6
+    )
+
+
+def test_chunked_head_loss_keeps_no_whole_logits():
+    """gpt_1b's head on 8 x 2048 tokens: with 2048-token chunks XLA's temporaries hold less
+    than half of one [B, L, V] float32 logits array; unchunked they hold more than one."""
+    cfg = GPTConfig(vocab_size=50304, num_layers=1, d_model=2048, num_heads=16, d_ff=64)
+    sds = jax.ShapeDtypeStruct
+    shared = {"final_norm": sds((2048,), jnp.float32), "head": sds((2048, 50304), jnp.float32)}
+    x, targets = sds((8, 2048, 2048), jnp.float32), sds((8, 2048), jnp.int32)
+    logits_bytes = 8 * 2048 * 50304 * 4
+    temp = {}
+    for chunk in (0, 2048):
+        c = dataclasses.replace(cfg, loss_chunk=chunk)
+        fn = jax.jit(jax.grad(model.head_loss_sum, argnums=(0, 1)), static_argnums=3)
+        temp[chunk] = fn.lower(shared, x, targets, c).compile().memory_analysis().temp_size_in_bytes
+    assert temp[2048] < logits_bytes / 2 < logits_bytes < temp[0], temp

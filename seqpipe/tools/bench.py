@@ -2,6 +2,7 @@
 
     python -m seqpipe.tools.bench [--config CONFIG] [--quick] [--json FILE] [--png FILE]
         [--config.key=value ...]
+    python -m seqpipe.tools.bench --accelerator ...   (`seqpipe.tools.accel`)
 
 For gpipe, 1f1b, seq1f1b (K = 2, 4, 8; uniform and flops partitions) and the interleaved
 variants, on the config's mesh: XLA's per-device peak temporary memory of the compiled
@@ -667,6 +668,10 @@ def report(result: dict) -> str:
 
 
 def main(argv: list[str]) -> int:
+    if "--accelerator" in argv:  # the train step on the device JAX sees (`tools.accel`)
+        from seqpipe.tools import accel
+
+        return accel.main(argv)
     from seqpipe import cli
 
     def flags(parser):

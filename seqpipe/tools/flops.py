@@ -421,6 +421,7 @@ _SOURCES = {
     "rms_norm": "RMS norms",
     "rope": "RoPE",
     "token_loss_sum": "loss (logsumexp)",
+    "_chunk_xent": "loss (logsumexp, its gradient)",
     "embed": "embedding scatter-add",
     "unit_body": "unit glue (padding, loss scale)",
     "head_loss": "unit glue (padding, loss scale)",

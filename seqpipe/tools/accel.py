@@ -1,0 +1,470 @@
+"""The real train step on whatever device JAX sees: the reference against the pipeline.
+
+    python -m seqpipe.tools.accel [--config gpt_1b] [--quick] [--json FILE] [--steps N]
+        [--variants ref,1f1b,seq1f1b:1,seq1f1b:2,seq1f1b:4,seq1f1b:8] [--no_profile]
+        [--config.key=value ...]
+    (the same: python -m seqpipe.tools.bench --accelerator ..., python -m seqpipe.bench
+    --accelerator ...)
+
+For the config and its overrides, on a one-device mesh: the un-pipelined reference step
+(`schedule none`) and the pipelined step on one stage (1f1b M=8, seq1f1b M=8 K=1, 2, 4,
+8), each the jitted step `seqpipe.train.make_train_step` builds (optimizer included), on
+random tokens. Per variant: compile time, step time, tokens/s, MFU, XLA's memory and the
+device's peak, and a profile summary: one step traced with `jax.profiler`, the trace's
+events matched to the compiled HLO's instructions and grouped (`GROUPS`) by what the
+instruction's source is.
+
+MFU is PaLM's (`model.flops_per_token`: 6N plus the full L x L attention, not halved for
+causality) over the device's dense bf16 peak (`metrics.PEAK_FLOPS`); `mfu_causal` halves
+the attention term. On CPU (no peak in the table) both are null.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+
+DEFAULT_CONFIG = "gpt_1b"
+# name: (schedule, microbatches, segments)
+VARIANTS = {
+    "ref": ("none", 1, 1),
+    "1f1b": ("1f1b", 8, 1),
+    **{f"seq1f1b:{k}": ("seq1f1b", 8, k) for k in (1, 2, 4, 8)},
+}
+QUICK = (
+    "--config.model.vocab_size=256",
+    "--config.model.num_layers=2",
+    "--config.model.d_model=32",
+    "--config.model.num_heads=2",
+    "--config.model.d_ff=64",
+    "--config.model.dtype=float32",
+    "--config.train.global_batch_size=8",
+    "--config.train.seq_len=64",
+)
+QUICK_VARIANTS = "ref,1f1b,seq1f1b:2"
+GROUPS = (
+    "matmuls",
+    "attention",
+    "cross-entropy",
+    "optimizer",
+    "pipeline buffers / grad accumulation",
+    "layer loop",  # the scan over a stack's layers: weight slices in, gradients stacked out
+    "copies",
+    "other",
+)
+# seqpipe functions whose operations are the cross-entropy's (`model.head_loss_sum`).
+XENT_FUNCTIONS = {
+    "head_loss_sum",
+    "chunked_xent",
+    "_chunked_xent_fwd",
+    "_chunked_xent_bwd",
+    "_xent_scan",
+    "_chunk_xent",
+    "_chunks",
+    "token_loss_sum",
+    "logits",
+    "head_loss",
+    "head",
+}
+CONTAINERS = {"while", "conditional", "call", "async-start", "async-done"}
+
+
+def variant_config(config, name: str):
+    """`config` on one device (data 1, stage 1) with the variant's schedule."""
+    from seqpipe import config as config_lib
+
+    schedule, microbatches, segments = VARIANTS[name]
+    c = config.copy_and_resolve_references()
+    with c.unlocked():
+        c.mesh.data, c.mesh.stage = 1, 1
+        c.pipeline.schedule = schedule
+        c.pipeline.microbatches = microbatches
+        c.pipeline.segments = segments
+    config_lib.validate(c)
+    return c
+
+
+# --------------------------------------------------------------------------- profile
+
+
+def _base(function: str) -> str:
+    """A frame's function without its enclosing ones ('layer.<locals>.mm' -> 'layer')."""
+    return function.split(".<locals>")[0].split(".")[-1]
+
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*.*?\s([a-z][\w\-]*)\(")
+_FRAME_ID = re.compile(r"stack_frame_id=(\d+)")
+_SOURCE = re.compile(r'source_file="([^"]*)"(?:\s+source_line=(\d+))?')
+_CALLS = re.compile(r"calls=%?([\w.\-]+)")
+_COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_TABLE_ROW = re.compile(r"^(\d+)\s+(.*)$")
+_FIELD = re.compile(r"(\w+)=(\d+)")
+
+
+def _stack_tables(lines: list[str]) -> dict:
+    """The module's FileNames, FunctionNames, FileLocations and StackFrames tables."""
+    tables, current = collections.defaultdict(dict), None
+    for raw in lines:
+        if raw in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            current = raw
+            continue
+        m = _TABLE_ROW.match(raw) if current else None
+        if not m:
+            current = None
+            continue
+        value = m.group(2)
+        tables[current][int(m.group(1))] = (
+            value.strip('"') if value.startswith('"') else dict(_FIELD.findall(value))
+        )
+    return tables
+
+
+def _stack(tables: dict, frame: int) -> list[tuple[str, str]]:
+    """(file, function) of a stack frame and its callers, innermost first."""
+    out, seen = [], set()
+    frames, locs = tables.get("StackFrames", {}), tables.get("FileLocations", {})
+    while frame in frames and frame not in seen:
+        seen.add(frame)
+        loc = locs.get(int(frames[frame]["file_location_id"]), {})
+        out.append(
+            (
+                tables["FileNames"].get(int(loc.get("file_name_id", 0)), ""),
+                tables["FunctionNames"].get(int(loc.get("function_name_id", 0)), ""),
+            )
+        )
+        # XLA prints a parent as its id + 1 (0: none), the frames by their ids.
+        frame = int(frames[frame].get("parent_frame_id", 0)) - 1
+    return out
+
+
+def hlo_instructions(text: str) -> dict[str, dict]:
+    """name -> {opcode, stack [(file, function)] innermost first, computation, calls} of
+    every instruction in an HLO module's text."""
+    lines = text.splitlines()
+    tables = _stack_tables(lines)
+    out, comp = {}, ""
+    for raw in lines:
+        m = _COMP.match(raw)
+        if m and "=" not in raw.split("{")[0]:
+            comp = m.group(1)
+            continue
+        m = _INSTR.match(raw)
+        if not m:
+            continue
+        frame, source = _FRAME_ID.search(raw), _SOURCE.search(raw)
+        stack = _stack(tables, int(frame.group(1))) if frame else []
+        if not stack and source:  # older XLA: the innermost frame's file only
+            stack = [(source.group(1), "")]
+        calls = _CALLS.search(raw)
+        out[m.group(1)] = {
+            "opcode": m.group(2),
+            "stack": stack,
+            "computation": comp,
+            "calls": calls.group(1) if calls else None,
+        }
+    return out
+
+
+def _computation_opcodes(instrs: dict) -> dict[str, set]:
+    ops = collections.defaultdict(set)
+    for ins in instrs.values():
+        ops[ins["computation"]].add(ins["opcode"])
+    return ops
+
+
+def _by_source(stack: list[tuple[str, str]]) -> str | None:
+    """The group an instruction's innermost telling frame gives, or None (the model's own
+    compute, or no frames: the opcode decides)."""
+    for path, function in stack:
+        name = os.path.basename(path)
+        if name == "attention.py":
+            return "attention"
+        if name in ("model.py", "units.py"):
+            if _base(function) in XENT_FUNCTIONS:
+                return "cross-entropy"
+            return "layer loop" if _base(function) == "layers" else None
+        if "optax" in path or name in ("optim.py", "train.py"):
+            return "optimizer"
+        if name in ("pipeline.py", "carry.py"):
+            return "pipeline buffers / grad accumulation"
+    return None
+
+
+def classify(ins: dict, called_ops: set) -> str:
+    """The `GROUPS` entry of one HLO instruction, from its source first, then its opcode."""
+    group = _by_source(ins["stack"])
+    if group:
+        return group
+    ops = called_ops | {ins["opcode"]}
+    if ops & {"dot", "convolution"} or any(o.startswith("__cublas") for o in ops):
+        return "matmuls"
+    if ins["opcode"] in {"copy", "copy-start", "copy-done", "transpose"}:
+        return "copies"
+    return "other"
+
+
+def trace_events(log_dir: str) -> list[dict]:
+    """The complete ('X') events of the newest trace under `log_dir`, each with its
+    process's name ('pname'), from the Chrome-format JSON the profiler writes."""
+    paths = sorted(glob.glob(os.path.join(log_dir, "**", "*.trace.json.gz"), recursive=True))
+    paths = paths or sorted(
+        glob.glob(os.path.join(log_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+    )
+    if not paths:
+        return []
+    with gzip.open(paths[-1]) as fh:
+        data = json.load(fh)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    pnames = {
+        e["pid"]: e["args"]["name"]
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "process_name"
+    }
+    return [dict(e, pname=pnames.get(e.get("pid"), "")) for e in events if e.get("ph") == "X"]
+
+
+def profile_summary(events: list[dict], hlo_text: str, top: int = 10) -> dict:
+    """Trace time by `GROUPS` and the top instructions, matching events to the compiled
+    HLO's instruction names (an event's name, or its `hlo_op` argument). Device events
+    where there are any (GPU, TPU), else the host's (CPU: the thunks run there)."""
+    instrs = hlo_instructions(hlo_text)
+    called = _computation_opcodes(instrs)
+    device = [e for e in events if e["pname"].startswith("/device:") and "CUSTOM" not in e["pname"]]
+    source = "device" if device else "host"
+    per_op = collections.Counter()
+    for e in device or events:
+        name = (e.get("args") or {}).get("hlo_op") or e.get("name", "")
+        ins = instrs.get(name)
+        if ins is None or ins["opcode"] in CONTAINERS:
+            continue
+        per_op[name] += float(e.get("dur", 0.0)) * 1e-6
+    groups = dict.fromkeys(GROUPS, 0.0)
+    rows = []
+    for name, seconds in per_op.items():
+        ins = instrs[name]
+        group = classify(ins, called.get(ins["calls"], set()) if ins["calls"] else set())
+        groups[group] += seconds
+        rows.append((seconds, name, ins["opcode"], group))
+    total = sum(groups.values())
+    rows.sort(reverse=True)
+    return {
+        "events_from": source,
+        "matched_s": total,
+        "groups_s": groups,
+        "groups_fraction": {k: (v / total if total else 0.0) for k, v in groups.items()},
+        "top": [{"op": n, "opcode": o, "group": g, "s": s} for s, n, o, g in rows[:top]],
+    }
+
+
+def profile_step(compiled, state, tokens) -> tuple[dict, object]:
+    """Run one step under `jax.profiler.trace`; (its summary, the new state)."""
+    import jax
+
+    with tempfile.TemporaryDirectory() as log_dir:
+        with jax.profiler.trace(log_dir):
+            state, metrics = compiled(state, tokens)
+            jax.block_until_ready(metrics)
+        events = trace_events(log_dir)
+    return profile_summary(events, compiled.as_text()), state
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+def measure(config, name: str, steps: int, profile: bool, log=print) -> dict:
+    """One variant's compile time, step time, throughput, MFU, memory and profile."""
+    import jax
+    import numpy as np
+
+    from seqpipe import model, optim, sharding, train
+    from seqpipe.metrics import device_memory_peak, peak_flops
+    from seqpipe.model import GPTConfig
+
+    c = variant_config(config, name)
+    t = c.train
+    mesh = sharding.make_mesh(1, 1, jax.devices()[:1])
+    tx = optim.make_optimizer(t)
+    state = train.init_state(c, mesh, tx)
+    step = train.make_train_step(train.make_grad_fn(c, mesh), tx, optim.lr_schedule(t))
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, c.model.vocab_size, (t.global_batch_size, t.seq_len + 1), np.int32)
+    tokens = jax.device_put(tokens, sharding.batch_sharding(mesh))
+    start = time.perf_counter()
+    compiled = step.lower(state, tokens).compile()
+    compile_s = time.perf_counter() - start
+    ma = compiled.memory_analysis()
+    state, metrics = compiled(state, tokens)  # warm-up
+    jax.block_until_ready(metrics)
+    start = time.perf_counter()
+    for _ in range(steps):
+        state, metrics = compiled(state, tokens)
+    jax.block_until_ready(metrics)
+    step_s = (time.perf_counter() - start) / steps
+    cfg = GPTConfig.from_config(c.model)
+    tokens_per_step = t.global_batch_size * t.seq_len
+    fpt = model.flops_per_token(cfg, t.seq_len)
+    fpt_causal = fpt - 6.0 * cfg.num_layers * cfg.d_model * t.seq_len  # attention halved
+    peak = peak_flops(jax.devices()[0].device_kind)
+    out = {
+        "variant": name,
+        "schedule": c.pipeline.schedule,
+        "microbatches": c.pipeline.microbatches,
+        "segments": c.pipeline.segments,
+        "compile_s": compile_s,
+        "step_s": step_s,
+        "tokens_per_s": tokens_per_step / step_s,
+        "mfu": fpt * tokens_per_step / step_s / peak if peak else None,
+        "mfu_causal": fpt_causal * tokens_per_step / step_s / peak if peak else None,
+        "loss": float(metrics["loss"]),
+        "xla_temp_bytes": int(ma.temp_size_in_bytes),
+        "xla_argument_bytes": int(ma.argument_size_in_bytes),
+        # The process's running peak (memory_stats); None where the backend has none (CPU).
+        "device_peak_bytes": device_memory_peak(jax.devices()[:1]),
+    }
+    if profile:
+        out["profile"], state = profile_step(compiled, state, tokens)
+    log(f"{name}: {step_s:.4f} s/step, compile {compile_s:.1f} s")
+    return out
+
+
+def run(config, names: list[str], steps: int, profile: bool, log=print, dump=None) -> dict:
+    """Every variant in `names`; each row's `vs_ref` is its step time over the reference's.
+    `dump(result)` after each variant keeps what was measured if a time limit cuts the run."""
+    import jax
+
+    from seqpipe import model
+    from seqpipe.metrics import peak_flops
+    from seqpipe.model import GPTConfig
+
+    dev = jax.devices()[0]
+    cfg = GPTConfig.from_config(config.model)
+    result = {
+        "device_kind": dev.device_kind,
+        "platform": dev.platform,
+        "jax": jax.__version__,
+        "peak_flops": peak_flops(dev.device_kind),
+        "flops_per_token": model.flops_per_token(cfg, config.train.seq_len),
+        "attention_halved": False,  # PaLM's count; mfu_causal halves it
+        "global_batch_size": config.train.global_batch_size,
+        "seq_len": config.train.seq_len,
+        "steps": steps,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "rows": [],
+    }
+    rows = result["rows"]
+    for name in names:
+        try:
+            rows.append(measure(config, name, steps, profile, log))
+        except Exception as e:  # out of memory, say: the row says so, the others run
+            log(f"{name}: {type(e).__name__}: {str(e)[:300]}")
+            rows.append({"variant": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+        jax.clear_caches()
+        ref = next((r for r in rows if r["variant"] == "ref" and "step_s" in r), None)
+        for r in rows:
+            if "step_s" in r:
+                r["vs_ref"] = r["step_s"] / ref["step_s"] if ref else None
+        if dump:
+            dump(result)
+    return result
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def table(result: dict) -> str:
+    """The console table: one row per variant, then each profiled variant's groups."""
+    lines = [
+        f"{result['device_kind']} ({result['platform']}), jax {result['jax']}, batch "
+        f"{result['global_batch_size']} x seq {result['seq_len']}, {result['steps']} timed "
+        "steps; MFU: PaLM FLOPs (attention not halved; causal: halved) over "
+        + (f"{result['peak_flops'] / 1e12:.0f} TFLOP/s" if result["peak_flops"] else "no peak"),
+        "",
+        "| variant | step s | vs ref | tokens/s | MFU | MFU causal | XLA temp GiB | "
+        "device peak GiB | compile s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    gib = lambda b: "-" if b is None else f"{b / 2**30:.2f}"  # noqa: E731
+    for r in result["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['variant']} | {r['error'][:80]} |" + " |" * 7)
+            continue
+        vs = "-" if r["vs_ref"] is None else f"{r['vs_ref']:.2f}x"
+        lines.append(
+            f"| {r['variant']} | {r['step_s']:.4f} | {vs} | {r['tokens_per_s']:,.0f} | "
+            f"{_pct(r['mfu'])} | {_pct(r['mfu_causal'])} | {gib(r['xla_temp_bytes'])} | "
+            f"{gib(r['device_peak_bytes'])} | {r['compile_s']:.1f} |"
+        )
+    profiled = [r for r in result["rows"] if "profile" in r]
+    if profiled:
+        lines += ["", "Profile (one step): share of matched op time by group", ""]
+        lines.append("| variant | matched s | " + " | ".join(GROUPS) + " |")
+        lines.append("|---|---|" + "---|" * len(GROUPS))
+        for r in profiled:
+            p = r["profile"]
+            shares = " | ".join(_pct(p["groups_fraction"][g]) for g in GROUPS)
+            lines.append(
+                f"| {r['variant']} | {p['matched_s']:.4f} ({p['events_from']}) | {shares} |"
+            )
+        for r in profiled:
+            top = ", ".join(
+                f"{t['op']} ({t['group']}) {t['s'] * 1e3:.1f} ms" for t in r["profile"]["top"][:5]
+            )
+            lines.append(f"\n{r['variant']} top ops: {top}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    from seqpipe import cli
+
+    def flags(parser):
+        parser.add_argument("--quick", action="store_true", help="a tiny model (CPU, tests)")
+        parser.add_argument("--json", default=None, help="write the results here")
+        parser.add_argument("--steps", type=int, default=3, help="timed steps per variant")
+        parser.add_argument("--variants", default=None, help=f"of {', '.join(VARIANTS)}")
+        parser.add_argument("--no_profile", action="store_true", help="skip the traced step")
+
+    argv = [a for a in argv if a != "--accelerator"]
+    if not any(a == "--config" or a.startswith("--config=") for a in argv):
+        argv = ["--config", DEFAULT_CONFIG] + argv
+    if "--quick" in argv:  # the user's own overrides come later, so they win
+        argv = list(QUICK) + argv
+    config, args = cli.load_or_exit(argv, "python -m seqpipe.tools.accel", flags)
+    names = (args.variants or (QUICK_VARIANTS if args.quick else ",".join(VARIANTS))).split(",")
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        cli.fail(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
+    if args.steps < 1:
+        cli.fail(f"--steps={args.steps} must be at least 1")
+    cli.quiet_libtpu()
+    from seqpipe import xla_flags
+
+    xla_flags.apply()  # as train.py does: GPU only, the user's XLA_FLAGS win
+    for name in names:
+        cli.run_or_exit(lambda n=name: variant_config(config, n))  # bad input: before any work
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    def dump(result):
+        if not args.json:
+            return
+        if os.path.dirname(args.json):
+            os.makedirs(os.path.dirname(args.json), exist_ok=True)
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=1)
+
+    result = run(config, names, args.steps, not args.no_profile, log, dump)
+    sys.stdout.write(table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
