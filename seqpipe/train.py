@@ -58,7 +58,8 @@ def make_grad_fn(config: ConfigDict, mesh: jax.sharding.Mesh) -> GradFn:
             params, tokens, cfg, remat.POLICIES[config.pipeline.remat].reference
         )
     spec = pipeline.make_spec(config)
-    return lambda params, tokens: pipeline.loss_and_grads(params, tokens, spec, mesh)
+    scatter = config_lib.shards_optimizer(config)
+    return lambda params, tokens: pipeline.loss_and_grads(params, tokens, spec, mesh, scatter)
 
 
 def _init_fn(config: ConfigDict, tx: optax.GradientTransformation) -> Callable:
@@ -78,7 +79,8 @@ def abstract_state(
 ) -> State:
     """Shapes, dtypes and shardings of the train state, with nothing allocated."""
     shapes = jax.eval_shape(_init_fn(config, tx), jax.random.key(config.train.seed))
-    return checkpoint.abstract(shapes, sharding.state_shardings(shapes, mesh))
+    shardings = sharding.state_shardings(shapes, mesh, config_lib.shards_optimizer(config))
+    return checkpoint.abstract(shapes, shardings)
 
 
 def init_state(
@@ -91,16 +93,31 @@ def init_state(
 
 
 def make_train_step(
-    grad_fn: GradFn, tx: optax.GradientTransformation, lr_fn, inject_nan_at: tuple = ()
+    grad_fn: GradFn,
+    tx: optax.GradientTransformation,
+    lr_fn,
+    mesh: jax.sharding.Mesh,
+    shard_optimizer: bool = False,
+    inject_nan_at: tuple = (),
 ) -> Callable:
     """The jitted step. A non-finite loss or gradient norm leaves the parameters and the
     optimizer state as they were (`metrics["skipped"]` is 1); only the step count moves on.
+
+    With `shard_optimizer` the gradients arrive (or are put) in the moments' shardings,
+    split over `data`; each replica updates its share of the moments and the parameters,
+    and pinning the new state to `sharding.state_shardings` makes XLA all-gather the
+    parameters back onto every replica. The state leaves in the shardings it came in.
 
     `inject_nan_at` (tests only) makes the loss and gradients of those steps NaN.
     """
 
     def train_step(state: State, tokens: jax.Array) -> tuple[State, dict]:
+        shardings = sharding.state_shardings(state, mesh, shard_optimizer)
         loss, grads = grad_fn(state["params"], tokens)
+        # The pipeline already returns them so; without one, XLA reduce-scatters here.
+        grads = jax.lax.with_sharding_constraint(
+            grads, sharding.gradient_shardings(grads, mesh, shard_optimizer)
+        )
         if inject_nan_at:
             poison = jnp.isin(state["step"] + 1, jnp.asarray(inject_nan_at))
             loss = jnp.where(poison, jnp.nan, loss)
@@ -116,6 +133,7 @@ def make_train_step(
             "params": keep(params, state["params"]),
             "opt_state": keep(opt_state, state["opt_state"]),
         }
+        new_state = jax.lax.with_sharding_constraint(new_state, shardings)
         metrics = {
             "loss": loss,
             "grad_norm": grad_norm,
@@ -306,7 +324,12 @@ class Trainer:
         """Steps start+1 .. end (or until a signal); returns the records logged."""
         config, t = self.config, self.config.train
         step_fn = make_train_step(
-            make_grad_fn(config, self.mesh), self.tx, optim.lr_schedule(t), tuple(t.inject_nan_at)
+            make_grad_fn(config, self.mesh),
+            self.tx,
+            optim.lr_schedule(t),
+            self.mesh,
+            config_lib.shards_optimizer(config),
+            tuple(t.inject_nan_at),
         )
         eval_fn = make_eval_fn(config, self.mesh)
         self._start_reporting()
@@ -468,7 +491,10 @@ def compile_only(config: ConfigDict, devices: list | None = None) -> dict:
     batch = jax.ShapeDtypeStruct(
         (t.global_batch_size, t.seq_len + 1), jnp.int32, sharding=sharding.batch_sharding(mesh)
     )
-    step_fn = make_train_step(make_grad_fn(config, mesh), tx, optim.lr_schedule(t))
+    shard_optimizer = config_lib.shards_optimizer(config)
+    step_fn = make_train_step(
+        make_grad_fn(config, mesh), tx, optim.lr_schedule(t), mesh, shard_optimizer
+    )
     start = time.perf_counter()
     compiled = step_fn.lower(state, batch).compile()
     seconds = time.perf_counter() - start
