@@ -8,6 +8,7 @@ SIGTERM or SIGINT finishes the current step, saves, and returns; a second SIGINT
 
 import contextlib
 import dataclasses
+import math
 import os
 import signal
 import sys
@@ -507,8 +508,16 @@ def compile_only(config: ConfigDict, devices: list | None = None) -> dict:
     peak = max(memory["total"], evaluation["total"])
     cfg = GPTConfig.from_config(config.model)
     flops_per_token = model.flops_per_token(cfg, t.seq_len)
+    split = sharding.split_table(state["params"], config.mesh.data)
     return {
         "mesh": {"data": config.mesh.data, "stage": config.mesh.stage},
+        "shard_optimizer": shard_optimizer,
+        # From the shardings: each part of the train state (the step's arguments) per device.
+        "state_bytes_per_device": {k: _bytes_per_device(v) for k, v in state.items()},
+        # Leaves whose moments stay whole on every replica: no dimension divides mesh.data.
+        "optimizer_kept_whole": [name for name, _, dim in split if dim is None]
+        if shard_optimizer
+        else [],
         "device_kind": mesh.devices.flat[0].device_kind,
         "schedule": config.pipeline.schedule,
         "microbatches": config.pipeline.microbatches,
@@ -526,6 +535,13 @@ def compile_only(config: ConfigDict, devices: list | None = None) -> dict:
         "flops_per_step": flops_per_token * t.global_batch_size * t.seq_len,
         "compile_s": round(seconds, 1),
     }
+
+
+def _bytes_per_device(tree) -> int:
+    """Bytes of `tree`'s shape structs on one device, from their shardings."""
+    return sum(
+        math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree)
+    )
 
 
 def _memory(compiled) -> dict[str, int]:
