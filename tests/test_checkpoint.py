@@ -179,7 +179,7 @@ def test_a_sharded_optimizer_resumes_on_another_mesh_and_unsharded(tmp_path):
     run = str(tmp_path / "b")
     train.run(tiny_config(**on, **{"train.stop_at": "2"}), run)
     four = {"mesh.data": "4", "mesh.stage": "2", "train.stop_at": "3"}
-    resumed = train.run(tiny_config(**on, **four), run)
+    resumed = train.run(tiny_config(**{**on, **four}), run)
     off = {"train.shard_optimizer": "off", "train.stop_at": "4"}
     resumed += train.run(tiny_config(**PIPELINED, **off), run)
     assert [r["step"] for r in resumed] == [3, 4]
