@@ -35,7 +35,10 @@ def summary(result: dict) -> str:
             f"({100 * result['hbm_fraction']:.0f}%, {verdict})"
         )
     counts = ", ".join(f"{k} {v}" for k, v in result["collectives"].items())
-    return f"{line}; {result['flops_per_step']:.3e} model FLOPs per step; collectives: {counts}"
+    return (
+        f"{line}; {result['attention']} attention; {result['flops_per_step']:.3e} model FLOPs "
+        f"per step; collectives: {counts}"
+    )
 
 
 def main(argv: list[str]) -> int:

@@ -5,6 +5,11 @@ A segment of queries at absolute positions [offset, offset + Q) attends to keys 
 bottom-right aligned by construction: query i sees key j iff j <= offset + i (every
 prefix key, and its own segment's keys up to the diagonal). A top-left-aligned flag
 would be wrong here whenever Q < number of keys.
+
+`attend` runs the implementation `model.attention` names (`IMPLEMENTATIONS`):
+`segment_attention` here (`xla`: einsums over whole score matrices, the tests' oracle),
+`seqpipe.blockwise` (score blocks with an online softmax, O(block) memory), or
+`seqpipe.splash` (the Pallas TPU kernel); `auto` picks per backend (`resolve`).
 """
 
 import jax
@@ -31,6 +36,43 @@ def rope(x_BxQxHxE: jax.Array, offset: int, base: float) -> jax.Array:
 
 
 NAME_SCOPE = "segment_attention"
+IMPLEMENTATIONS = ("auto", "xla", "blockwise", "splash")
+# What `auto` runs on each JAX platform: the fused kernel where there is one; elsewhere
+# blockwise, exact like `xla` but without its [b, H, Q, P + Q] float32 scores.
+AUTO = {"tpu": "splash", "gpu": "blockwise", "cuda": "blockwise", "rocm": "blockwise"}
+AUTO_DEFAULT = "blockwise"
+
+
+def resolve(name: str, platform: str | None = None) -> str:
+    """The implementation `name` runs as on `platform` (default: JAX's default backend)."""
+    if name not in IMPLEMENTATIONS:
+        raise ValueError(f"attention {name!r} is not one of {list(IMPLEMENTATIONS)}")
+    if name != "auto":
+        return name
+    return AUTO.get(platform or jax.default_backend(), AUTO_DEFAULT)
+
+
+def attend(
+    name: str,
+    q_BxQxHxE: jax.Array,
+    k_prefix_BxPxHxE: jax.Array,
+    v_prefix_BxPxHxE: jax.Array,
+    k_seg_BxQxHxE: jax.Array,
+    v_seg_BxQxHxE: jax.Array,
+) -> jax.Array:
+    """Segment attention (the contract of `segment_attention`) by implementation `name`."""
+    args = (q_BxQxHxE, k_prefix_BxPxHxE, v_prefix_BxPxHxE, k_seg_BxQxHxE, v_seg_BxQxHxE)
+    _check(*args[:4])
+    impl = resolve(name)
+    if impl == "blockwise":
+        from seqpipe import blockwise
+
+        return blockwise.blockwise_attention(*args)
+    if impl == "splash":
+        from seqpipe import splash
+
+        return splash.splash_attention(*args)
+    return segment_attention(*args)
 
 
 def _check(q_BxQxHxE, k_prefix_BxPxHxE, v_prefix_BxPxHxE, k_seg_BxQxHxE):

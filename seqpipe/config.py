@@ -22,6 +22,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 SOURCES = ("stdlib", "text", "tokens")
 TOKENIZERS = ("bpe", "byte")
 REMAT_POLICIES = tuple(remat.POLICIES)
+# seqpipe.attention.IMPLEMENTATIONS, named here so that loading a config imports no jax.
+ATTENTION = ("auto", "xla", "blockwise", "splash")
 # Keys whose value is a name or an integer: an override is read from its own text (an
 # integer if it is one, else a name), never coerced to the type of the value it replaces,
 # so a file's `inflight=6` can be overridden back to `full`. Their sections are not type-safe.
@@ -99,6 +101,7 @@ SCHEMA = {
     "model.num_heads": _POSITIVE_INT,
     "model.d_ff": _POSITIVE_INT,
     "model.dtype": Key(str, choices=DTYPES),
+    "model.attention": Key(str, choices=ATTENTION),
     "model.param_dtype": Key(str, choices=DTYPES),
     "model.rope_base": Key(float, low=0.0, low_open=True),
     "model.init_std": Key(float, low=0.0, low_open=True),
@@ -154,6 +157,9 @@ def base_config() -> ml_collections.ConfigDict:
         param_dtype="float32",
         rope_base=10000.0,
         init_std=0.02,
+        # Segment attention: xla (whole score matrices; the tests' oracle), blockwise
+        # (O(block) memory, any backend), splash (Pallas, TPU), auto (the best per backend).
+        attention="auto",
     )
     c.mesh = dict(data=1, stage=1)
     # Not type-safe: `inflight` is a name or an integer (validate checks every key's type).

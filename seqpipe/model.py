@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from seqpipe.attention import rope, segment_attention
+from seqpipe.attention import attend, rope
 
 Params = dict[str, Any]
 
@@ -31,6 +31,7 @@ class GPTConfig:
     param_dtype: str = "float32"
     rope_base: float = 10000.0
     init_std: float = 0.02
+    attention: str = "auto"  # a name in attention.IMPLEMENTATIONS
 
     @property
     def head_dim(self) -> int:
@@ -151,8 +152,13 @@ def layer(
     q = rope(mm("wq", h_BxQxD), offset, cfg.rope_base)
     k_seg = rope(mm("wk", h_BxQxD), offset, cfg.rope_base)
     v_seg = mm("wv", h_BxQxD)
-    attn_BxQxHxE = segment_attention(
-        q, k_prefix_BxPxHxE.astype(k_seg.dtype), v_prefix_BxPxHxE.astype(v_seg.dtype), k_seg, v_seg
+    attn_BxQxHxE = attend(
+        cfg.attention,
+        q,
+        k_prefix_BxPxHxE.astype(k_seg.dtype),
+        v_prefix_BxPxHxE.astype(v_seg.dtype),
+        k_seg,
+        v_seg,
     )
     x_BxQxD = x_BxQxD + mm("wo", attn_BxQxHxE)
     h_BxQxD = rms_norm(x_BxQxD, p["mlp_norm"])

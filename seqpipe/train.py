@@ -24,6 +24,7 @@ import optax
 from ml_collections import ConfigDict
 
 from seqpipe import (
+    attention,
     checkpoint,
     data,
     hlo,
@@ -253,6 +254,7 @@ def run(config: ConfigDict, workdir: str) -> list[dict]:
     """Train to config.train.steps (or train.stop_at), resuming from the newest checkpoint
     in workdir; returns the records logged by this invocation."""
     config = config_lib.resolve(config, jax.device_count())
+    check_attention(config.model.attention, jax.default_backend())
     trainer = Trainer(config, workdir)
     try:
         if trainer.start >= trainer.end:
@@ -333,6 +335,7 @@ class Trainer:
             tuple(t.inject_nan_at),
         )
         eval_fn = make_eval_fn(config, self.mesh)
+        self.log.print(f"attention: {attention_line(config.model.attention)}")
         self._start_reporting()
         pending = None  # the step dispatched last, not yet waited for
         kept = (
@@ -485,6 +488,13 @@ def compile_only(config: ConfigDict, devices: list | None = None) -> dict:
     whatever its trip count)."""
     devices = jax.devices() if devices is None else devices
     config = config_lib.resolve(config, len(devices))
+    # Resolved for the devices compiled for (a TPU slice's from this CPU, say), not this
+    # process's default backend.
+    platform = devices[0].platform
+    check_attention(config.model.attention, platform)
+    config = config.copy_and_resolve_references()
+    with config.unlocked():
+        config.model.attention = attention.resolve(config.model.attention, platform)
     t = config.train
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.stage, devices)
     tx = optim.make_optimizer(t)
@@ -522,7 +532,10 @@ def compile_only(config: ConfigDict, devices: list | None = None) -> dict:
         "schedule": config.pipeline.schedule,
         "microbatches": config.pipeline.microbatches,
         "segments": config.pipeline.segments,
-        "params": model.num_params(jax.eval_shape(model.init_params, cfg, jax.random.key(0))),
+        "attention": config.model.attention,
+        "params": model.num_params(
+            jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
+        ),
         "layers_per_stage": list(layout.of_config(config).layers_per_chunk),
         **bubble_fractions(config),
         "memory_per_device_bytes": memory,
@@ -535,6 +548,20 @@ def compile_only(config: ConfigDict, devices: list | None = None) -> dict:
         "flops_per_step": flops_per_token * t.global_batch_size * t.seq_len,
         "compile_s": round(seconds, 1),
     }
+
+
+def check_attention(name: str, platform: str) -> None:
+    """ConfigError for an attention the platform cannot run (the TPU kernel elsewhere)."""
+    if attention.resolve(name, platform) == "splash" and platform != "tpu":
+        raise config_lib.ConfigError(
+            f"model.attention=splash is a TPU kernel and this is {platform}; use auto or blockwise"
+        )
+
+
+def attention_line(name: str) -> str:
+    """Which segment attention runs, for the log: `auto` says what it picked."""
+    picked = attention.resolve(name)
+    return picked if name != "auto" else f"{picked} (auto on {jax.default_backend()})"
 
 
 def _bytes_per_device(tree) -> int:

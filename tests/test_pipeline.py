@@ -1,8 +1,11 @@
 """Every schedule's loss and gradients equal the un-pipelined reference (the oracle).
 
 The default run takes an all-pairs sample of the matrix (schedule x mesh x segments x
-partition x micro-batches vs stages x virtual stages); `make test-all` runs all of it.
+partition x micro-batches vs stages x virtual stages x attention); `make test-all` runs all
+of it. The reference always runs the `xla` attention, the oracle of the others.
 """
+
+import dataclasses
 
 import jax
 import numpy as np
@@ -26,7 +29,8 @@ SEGMENTS = (1, 2, 3, 4)
 PARTITIONS = ("uniform", "flops")
 MICROBATCHES = ("fewer", "equal", "more")  # than stages
 VIRTUAL = (1, 2)
-FACTORS = (SCHEDULES, MESHES, SEGMENTS, PARTITIONS, MICROBATCHES, VIRTUAL)
+ATTENTION = ("xla", "blockwise")  # the pipelined model's; the others test_attention checks
+FACTORS = (SCHEDULES, MESHES, SEGMENTS, PARTITIONS, MICROBATCHES, VIRTUAL, ATTENTION)
 SEQ_LEN = 16
 reference_loss_and_grads = jax.jit(reference.loss_and_grads, static_argnums=2)
 
@@ -37,7 +41,7 @@ def microbatch_count(relation: str, stages: int, virtual: int) -> int:
     return {"fewer": stages - 1, "equal": stages, "more": stages + 2}[relation]
 
 
-def valid(schedule, mesh, segments, part, relation, virtual) -> bool:
+def valid(schedule, mesh, segments, part, relation, virtual, attention="auto") -> bool:
     interleaved = schedule_lib.GENERATORS[schedule].interleaved
     if virtual > 1 and not interleaved:
         return False
@@ -48,10 +52,17 @@ def valid(schedule, mesh, segments, part, relation, virtual) -> bool:
     return microbatch_count(relation, mesh[1], virtual) >= 1
 
 
-def make_config(schedule, mesh, segments, part, relation, virtual):
+def make_config(schedule, mesh, segments, part, relation, virtual, attention="auto"):
     data, stages = mesh
     c = config_lib.base_config()
-    c.model.update(vocab_size=61, num_layers=stages * virtual, d_model=16, num_heads=2, d_ff=24)
+    c.model.update(
+        vocab_size=61,
+        num_layers=stages * virtual,
+        d_model=16,
+        num_heads=2,
+        d_ff=24,
+        attention=attention,
+    )
     c.mesh.update(data=data, stage=stages)
     m = microbatch_count(relation, stages, virtual)
     c.pipeline.update(
@@ -74,7 +85,8 @@ def check_against_reference(case, config=None, loss_rtol=LOSS_RTOL, grad_rtol=GR
     tokens = jax.random.randint(
         jax.random.key(1), (config.train.global_batch_size, SEQ_LEN + 1), 0, spec.cfg.vocab_size
     )
-    ref_loss, ref_grads = reference_loss_and_grads(params, tokens, spec.cfg)
+    oracle = dataclasses.replace(spec.cfg, attention="xla")
+    ref_loss, ref_grads = reference_loss_and_grads(params, tokens, oracle)
     tokens = jax.device_put(tokens, sharding.batch_sharding(mesh))
     loss, grads = jax.jit(lambda p, t: canonical_loss_and_grads(p, t, spec, mesh))(params, tokens)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=loss_rtol)
@@ -83,8 +95,8 @@ def check_against_reference(case, config=None, loss_rtol=LOSS_RTOL, grad_rtol=GR
 
 
 def case_id(case):
-    schedule, (d, s), k, part, rel, v = case
-    return f"{schedule}-{d}x{s}-K{k}-{part}-M{rel}-V{v}"
+    schedule, (d, s), k, part, rel, v, *attention = case
+    return "-".join([f"{schedule}-{d}x{s}-K{k}-{part}-M{rel}-V{v}", *attention])
 
 
 SAMPLE = all_pairs(FACTORS, valid)
@@ -282,8 +294,9 @@ def test_pipelined_eval_matches_the_model(case):
 
 def test_the_executors_residual_layout_is_checked_against_the_probe():
     """The backward rebuilds each vjp from a probe's layout; the forward checks that its own
-    layout is that one (`same_as`), which tells segments' layouts apart."""
-    config = make_config("seq1f1b", (1, 2), 2, "uniform", "equal", 1)
+    layout is that one (`same_as`), which tells segments' layouts apart (under `xla`,
+    whose prefix probabilities differ in shape; `blockwise` keeps nothing prefix-shaped)."""
+    config = make_config("seq1f1b", (1, 2), 2, "uniform", "equal", 1, "xla")
     config.pipeline.remat = "none"
     spec = pipeline.make_spec(config)
     first, second = (units.SegmentUnit(spec, k) for k in (0, 1))

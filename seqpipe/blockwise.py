@@ -1,0 +1,226 @@
+"""Segment attention in blocks (FlashAttention-2 in plain JAX): O(block_q x block_k) scores.
+
+The contract of `attention.segment_attention`: queries at absolute positions [P, P + Q)
+see the prefix's P keys unmasked and their own Q keys up to the diagonal. The forward
+loops over query blocks; for each, over the prefix's key blocks and then its own key blocks
+up to the diagonal (the ones above it are never visited), with an online softmax in
+float32. It keeps the output and the rows' log-sum-exp; the hand-written backward
+recomputes each block's probabilities from them (autodiff of the loops would store every
+block). The backward loops over key blocks outside, query blocks inside, accumulating dq.
+
+No array is padded or concatenated, so the prefix is read where it lives: a length that
+is not a multiple of the block gets a last block that starts earlier (it overlaps the one
+before), and a mask drops the overlap. Overlapping query rows are computed twice, to the
+same values (written twice in the forward, masked out of the backward's sums).
+
+Letters: b rows, Q queries (the segment), P prefix keys, H heads of width E; bq, bk the
+block sizes (capped by the lengths).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+BLOCK_Q = 512
+BLOCK_K = 512
+
+
+class _Blocks:
+    """Block `i` of a length cut into blocks of `size`: the last one is moved back to end
+    at the length (so it overlaps its neighbour), and `fresh` masks what earlier blocks
+    covered."""
+
+    def __init__(self, length: int, size: int):
+        self.length, self.size = length, min(size, length)
+        self.count = -(-length // self.size) if length else 0
+
+    def start(self, i):
+        return jnp.minimum(i * self.size, self.length - self.size)
+
+    def positions(self, i):
+        return self.start(i) + jnp.arange(self.size)
+
+    def fresh(self, i):
+        return self.positions(i) >= i * self.size
+
+
+def _slice(x_BxLxHxE, start, size):
+    return jax.lax.dynamic_slice_in_dim(x_BxLxHxE, start, size, axis=1)
+
+
+def _scores(q_b, k_b):
+    scale = q_b.shape[-1] ** -0.5
+    return jnp.einsum("bqhe,bkhe->bhqk", q_b, k_b, preferred_element_type=jnp.float32) * scale
+
+
+def _own_blocks_seen(qb: _Blocks, kb: _Blocks, i):
+    """How many own key blocks query block i visits: up to its last row's diagonal."""
+    last = qb.start(i) + qb.size - 1
+    return jnp.minimum(kb.count, last // kb.size + 1)
+
+
+def _first_query_block(qb: _Blocks, kb: _Blocks, j):
+    """The first query block whose rows reach own key block j's first key."""
+    return jnp.minimum(kb.start(j) // qb.size, qb.count - 1)
+
+
+def _forward(q, k_prefix, v_prefix, k_seg, v_seg, block_q, block_k):
+    b, q_len, h, e = q.shape
+    qb, pb, kb = (
+        _Blocks(q_len, block_q),
+        _Blocks(k_prefix.shape[1], block_k),
+        _Blocks(q_len, block_k),
+    )
+
+    def query_block(i, carry):
+        out, lse = carry
+        q_i = _slice(q, qb.start(i), qb.size)
+        rows = qb.positions(i)
+
+        def visit(state, k_j, v_j, mask_QxK):
+            m, total, acc = state
+            s = jnp.where(mask_QxK, _scores(q_i, k_j), -jnp.inf)
+            m_new = jnp.maximum(m, s.max(-1))
+            p = jnp.exp(s - m_new[..., None])
+            alpha = jnp.exp(m - m_new)
+            pv = jnp.einsum(
+                "bhqk,bkhe->bqhe", p.astype(v_j.dtype), v_j, preferred_element_type=jnp.float32
+            )
+            acc = acc * jnp.swapaxes(alpha, 1, 2)[..., None] + pv
+            return m_new, total * alpha + p.sum(-1), acc
+
+        def prefix_block(j, state):
+            k_j, v_j = (_slice(x, pb.start(j), pb.size) for x in (k_prefix, v_prefix))
+            return visit(state, k_j, v_j, pb.fresh(j)[None, :])
+
+        def own_block(j, state):
+            k_j, v_j = (_slice(x, kb.start(j), kb.size) for x in (k_seg, v_seg))
+            cols = kb.positions(j)
+            return visit(state, k_j, v_j, kb.fresh(j)[None, :] & (cols[None, :] <= rows[:, None]))
+
+        state = (
+            jnp.full((b, h, qb.size), -jnp.inf, jnp.float32),
+            jnp.zeros((b, h, qb.size), jnp.float32),
+            jnp.zeros((b, qb.size, h, e), jnp.float32),
+        )
+        if pb.count:  # an empty prefix has no blocks to trace
+            state = jax.lax.fori_loop(0, pb.count, prefix_block, state)
+        m, total, acc = jax.lax.fori_loop(0, _own_blocks_seen(qb, kb, i), own_block, state)
+        o_i = (acc / jnp.swapaxes(total, 1, 2)[..., None]).astype(out.dtype)
+        out = jax.lax.dynamic_update_slice_in_dim(out, o_i, qb.start(i), axis=1)
+        lse = jax.lax.dynamic_update_slice_in_dim(lse, m + jnp.log(total), qb.start(i), axis=2)
+        return out, lse
+
+    init = (jnp.zeros_like(q), jnp.zeros((b, h, q_len), jnp.float32))
+    return jax.lax.fori_loop(0, qb.count, query_block, init)
+
+
+def _backward(q, k_prefix, v_prefix, k_seg, v_seg, out, lse, d_out, block_q, block_k):
+    f32 = jnp.float32
+    q_len = q.shape[1]
+    qb, pb, kb = (
+        _Blocks(q_len, block_q),
+        _Blocks(k_prefix.shape[1], block_k),
+        _Blocks(q_len, block_k),
+    )
+    # D = rowsum(dO * O): the softmax backward's row term, once for all blocks.
+    delta = jnp.swapaxes(jnp.sum(d_out.astype(f32) * out.astype(f32), -1), 1, 2)
+
+    def key_pass(blocks: _Blocks, k_all, v_all, first_query_block, causal):
+        """dK, dV of one key range (float32) and what its blocks add to dq."""
+
+        def key_block(j, carry):
+            dq, dk, dv = carry
+            k_j, v_j = (_slice(x, blocks.start(j), blocks.size) for x in (k_all, v_all))
+            cols, fresh = blocks.positions(j), blocks.fresh(j)
+
+            def query_block(i, inner):
+                dq, dk_j, dv_j = inner
+                start = qb.start(i)
+                q_i, do_i = _slice(q, start, qb.size), _slice(d_out, start, qb.size)
+                lse_i = jax.lax.dynamic_slice_in_dim(lse, start, qb.size, axis=2)
+                delta_i = jax.lax.dynamic_slice_in_dim(delta, start, qb.size, axis=2)
+                rows = qb.positions(i)
+                # Rows an earlier query block already covered add nothing here.
+                mask = fresh[None, :] & (rows >= i * qb.size)[:, None]
+                if causal:
+                    mask &= cols[None, :] <= rows[:, None]
+                p = jnp.where(mask, jnp.exp(_scores(q_i, k_j) - lse_i[..., None]), 0.0)
+                dv_j += jnp.einsum(
+                    "bhqk,bqhe->bkhe", p.astype(q.dtype), do_i, preferred_element_type=f32
+                )
+                dp = jnp.einsum("bqhe,bkhe->bhqk", do_i, v_j, preferred_element_type=f32)
+                ds = (p * (dp - delta_i[..., None]) * q.shape[-1] ** -0.5).astype(q.dtype)
+                dk_j += jnp.einsum("bhqk,bqhe->bkhe", ds, q_i, preferred_element_type=f32)
+                dq_i = jnp.einsum("bhqk,bkhe->bqhe", ds, k_j, preferred_element_type=f32)
+                dq = jax.lax.dynamic_update_slice_in_dim(
+                    dq, _slice(dq, start, qb.size) + dq_i, start, axis=1
+                )
+                return dq, dk_j, dv_j
+
+            zeros = jnp.zeros(k_j.shape, f32)
+            lo = first_query_block(j)
+            dq, dk_j, dv_j = jax.lax.fori_loop(lo, qb.count, query_block, (dq, zeros, zeros))
+
+            def add(acc, block):  # an overlapping last block adds zeros where it overlaps
+                start = blocks.start(j)
+                return jax.lax.dynamic_update_slice_in_dim(
+                    acc, _slice(acc, start, blocks.size) + block, start, axis=1
+                )
+
+            return dq, add(dk, dk_j), add(dv, dv_j)
+
+        return key_block
+
+    dq = jnp.zeros(q.shape, f32)
+    dkp, dvp = jnp.zeros(k_prefix.shape, f32), jnp.zeros(v_prefix.shape, f32)
+    prefix = key_pass(pb, k_prefix, v_prefix, lambda j: 0, causal=False)
+    if pb.count:
+        dq, dkp, dvp = jax.lax.fori_loop(0, pb.count, prefix, (dq, dkp, dvp))
+    dks, dvs = jnp.zeros(k_seg.shape, f32), jnp.zeros(v_seg.shape, f32)
+    own = key_pass(kb, k_seg, v_seg, functools.partial(_first_query_block, qb, kb), causal=True)
+    dq, dks, dvs = jax.lax.fori_loop(0, kb.count, own, (dq, dks, dvs))
+    return tuple(
+        g.astype(x.dtype)
+        for g, x in zip(
+            (dq, dkp, dvp, dks, dvs), (q, k_prefix, v_prefix, k_seg, v_seg), strict=True
+        )
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def blockwise_attention(
+    q_BxQxHxE: jax.Array,
+    k_prefix_BxPxHxE: jax.Array,
+    v_prefix_BxPxHxE: jax.Array,
+    k_seg_BxQxHxE: jax.Array,
+    v_seg_BxQxHxE: jax.Array,
+    block_q: int = BLOCK_Q,
+    block_k: int = BLOCK_K,
+) -> jax.Array:
+    """`attention.segment_attention`'s contract, one [b, H, bq, bk] score block at a time."""
+    args = (q_BxQxHxE, k_prefix_BxPxHxE, v_prefix_BxPxHxE, k_seg_BxQxHxE, v_seg_BxQxHxE)
+    return _forward(*args, block_q, block_k)[0]
+
+
+def _fwd(q, k_prefix, v_prefix, k_seg, v_seg, block_q, block_k):
+    out, lse = _forward(q, k_prefix, v_prefix, k_seg, v_seg, block_q, block_k)
+    return out, (q, k_prefix, v_prefix, k_seg, v_seg, out, lse)
+
+
+def _bwd(block_q, block_k, residuals, d_out):
+    return _backward(*residuals, d_out, block_q, block_k)
+
+
+blockwise_attention.defvjp(_fwd, _bwd)
+
+
+def executed_flops(q_len: int, prefix_len: int, width: int, block_q=BLOCK_Q, block_k=BLOCK_K):
+    """Forward matmul FLOPs (QK and PV, per row) the loops run for one segment, `width` =
+    H * E: the blocks visited, each whole (the diagonal's masked half and an overlapping
+    last block included)."""
+    qb, pb, kb = _Blocks(q_len, block_q), _Blocks(prefix_len, block_k), _Blocks(q_len, block_k)
+    own = sum(int(_own_blocks_seen(qb, kb, i)) for i in range(qb.count))
+    keys = qb.count * pb.count * pb.size + own * kb.size
+    return 2 * 2 * qb.size * keys * width

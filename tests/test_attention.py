@@ -1,0 +1,127 @@
+"""Every segment attention implementation against `xla` (the einsum oracle): the output and
+all five cotangents (dq, prefix dK/dV, own dK/dV), segment by segment over a sequence."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from seqpipe import attention, blockwise, splash
+from seqpipe import config as config_lib
+from seqpipe.attention import segment_attention
+
+RTOL = ATOL = 1e-5  # float32 on CPU: both compute in float32
+NAMES = ("out", "dq", "dk_prefix", "dv_prefix", "dk_own", "dv_own")
+
+
+def sequence(length, b=2, h=3, e=8, seed=0):
+    """q, k, v and an output cotangent of a whole sequence, [b, L, H, E] each."""
+    keys = jax.random.split(jax.random.key(seed), 4)
+    return [jax.random.normal(key, (b, length, h, e), jnp.float32) for key in keys]
+
+
+@functools.cache
+def _out_and_grads(fn):
+    def run(q, kp, vp, ks, vs, g):
+        out, vjp = jax.vjp(fn, q, kp, vp, ks, vs)
+        return (out, *vjp(g))
+
+    return jax.jit(run)
+
+
+def check_segments(fn, lengths, **shape):
+    """fn against xla on each segment of a sequence cut into `lengths` (prefix 0 first)."""
+    q, k, v, g = sequence(sum(lengths), **shape)
+    offset = 0
+    for length in lengths:
+        own = slice(offset, offset + length)
+        args = (q[:, own], k[:, :offset], v[:, :offset], k[:, own], v[:, own], g[:, own])
+        want = _out_and_grads(segment_attention)(*args)
+        got = _out_and_grads(fn)(*args)
+        for name, x, y in zip(NAMES, got, want, strict=True):
+            np.testing.assert_allclose(
+                x, y, rtol=RTOL, atol=ATOL, err_msg=f"{name}, segments {lengths} at {offset}"
+            )
+        offset += length
+
+
+# Eight unequal segments: segment k = 1..8 of a sequence, the first with prefix 0, of
+# lengths that are not multiples of the blocks (4 queries, 3 keys), shorter and longer
+# than a block. (Each segment shape compiles twice; this CPU has little to spare.)
+LENGTHS = (4, 1, 6, 2, 3, 9, 1, 5)
+small_blocks = functools.partial(blockwise.blockwise_attention, block_q=4, block_k=3)
+
+
+def test_blockwise_matches_xla_on_every_segment_of_eight():
+    check_segments(small_blocks, LENGTHS)
+
+
+def test_blockwise_with_default_blocks():
+    """The default blocks of 512: three over 1100 queries (the last overlapping), one over
+    a short segment after them."""
+    check_segments(blockwise.blockwise_attention, (1100, 300), b=1, h=2, e=16)
+
+
+def test_blockwise_in_bfloat16_matches_xla_within_rounding():
+    """bfloat16 inputs (as training runs): both cast probabilities to bfloat16 before
+    their matmuls, in another order, so they agree to bfloat16's rounding (2^-8), not
+    to float32's."""
+    q, k, v, g = (x.astype(jnp.bfloat16) for x in sequence(19))
+    args = (q[:, 11:], k[:, :11], v[:, :11], k[:, 11:], v[:, 11:], g[:, 11:])
+    want = _out_and_grads(segment_attention)(*args)
+    got = _out_and_grads(small_blocks)(*args)
+    for name, x, y in zip(NAMES, got, want, strict=True):
+        x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+        scale = np.abs(y).max()
+        assert np.abs(x - y).max() <= 2e-2 * scale, name
+
+
+def test_blockwise_keeps_no_score_matrix():
+    """Compiled temporaries stay far below one float32 [b, H, Q, P + Q] score matrix, which
+    the xla path needs several of (so this test can fail)."""
+    b, h, e, prefix, q_len = 1, 2, 16, 6144, 2048
+    args = [jnp.zeros((b, n, h, e)) for n in (q_len, prefix, prefix, q_len, q_len, q_len)]
+    scores = b * h * q_len * (prefix + q_len) * 4
+
+    def temp(fn):
+        compiled = _out_and_grads(fn).lower(*args).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    assert temp(segment_attention) >= scores
+    # About four [b, H, 512, 512] float32 blocks (scores, probabilities and their
+    # gradients) and float32 dq, dK, dV: 11 MiB here, against 128 MiB of scores.
+    assert temp(blockwise.blockwise_attention) <= scores / 8
+
+
+def test_splash_in_interpret_mode_matches_xla():
+    """Pallas interpret mode is slow on CPU: two segments, the first with prefix 0, both
+    padded to the 128-blocks (queries 130 -> 256 and 6 -> 128, keys 136 -> 256)."""
+    check_segments(functools.partial(splash.splash_attention, interpret=True), (130, 6), h=2)
+
+
+def test_auto_picks_per_backend():
+    assert attention.resolve("auto", "tpu") == "splash"
+    assert attention.resolve("auto", "cpu") == "blockwise"  # measured faster than xla here
+    assert attention.resolve("auto", "gpu") == "blockwise"
+    assert attention.resolve("xla", "tpu") == "xla"
+    with pytest.raises(ValueError, match="not one of"):
+        attention.resolve("flash")
+
+
+def test_config_names_every_implementation_and_rejects_others():
+    assert config_lib.ATTENTION == attention.IMPLEMENTATIONS
+    c = config_lib.base_config()
+    c.model.attention = "flash"
+    with pytest.raises(config_lib.ConfigError, match=r"model.attention='flash' is not valid"):
+        config_lib.validate(c)
+
+
+def test_the_tpu_kernel_is_refused_off_tpu_in_one_line():
+    from seqpipe import train
+
+    with pytest.raises(config_lib.ConfigError, match="splash is a TPU kernel and this is cpu"):
+        train.check_attention("splash", "cpu")
+    train.check_attention("auto", "cpu")
+    train.check_attention("splash", "tpu")
