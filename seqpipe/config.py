@@ -130,6 +130,7 @@ SCHEMA = {
     "train.eval_batches": _COUNT,
     "train.stop_at": _COUNT,
     "train.max_bad_steps": _POSITIVE_INT,
+    "train.shard_optimizer": Key(str, choices=("auto", "on", "off")),
     "checkpoint.every": _COUNT,
     "checkpoint.keep": _COUNT,
     "checkpoint.async_save": Key(bool),
@@ -200,6 +201,9 @@ def base_config() -> ml_collections.ConfigDict:
         # in a row stop the run, without saving.
         max_bad_steps=10,
         inject_nan_at=(),  # for tests only: make the loss and gradients of these steps NaN
+        # The optimizer state split over mesh.data (ZeRO-1, Megatron's distributed
+        # optimizer): "on", "off", or "auto" (on when mesh.data > 1). See `shards_optimizer`.
+        shard_optimizer="auto",
     )
     # Checkpoints under WORKDIR/checkpoints: every `every` steps (0: only at the end), the
     # newest `keep` kept (0: all), written by a background thread when async_save.
@@ -421,6 +425,16 @@ def mesh_sizes(mesh: ml_collections.ConfigDict, num_devices: int | None = None) 
     )
     sizes[open_axis] = num_devices // fixed
     return sizes
+
+
+def shards_optimizer(config: ml_collections.ConfigDict) -> bool:
+    """Whether each data replica keeps and updates only its 1/mesh.data of the optimizer
+    state (`seqpipe.sharding.state_shardings`). "auto" turns it on wherever there is more
+    than one replica: gradients are reduce-scattered instead of all-reduced and the new
+    parameters all-gathered, the same bytes on the wire as one all-reduce, and the
+    update's arithmetic and the moments' memory fall by 1/mesh.data."""
+    mode, data = config.train.shard_optimizer, config.mesh.data
+    return mode == "on" or (mode == "auto" and data > 1)
 
 
 def resolve(config: ml_collections.ConfigDict, num_devices: int) -> ml_collections.ConfigDict:

@@ -28,7 +28,7 @@ from flax import struct
 from jax.sharding import PartitionSpec as P
 
 from seqpipe import carry as carry_lib
-from seqpipe import units
+from seqpipe import sharding, units
 from seqpipe.carry import Carry, write_slot
 from seqpipe.model import Params
 from seqpipe.sharding import DATA, STAGE
@@ -414,14 +414,37 @@ def tick(ctx: Context, inp: StageInputs, carry: Carry, row: dict) -> Carry:
 # --------------------------------------------------------------------------- the step
 
 
-def reduce(final: Carry) -> tuple[jax.Array, Params, Params] | jax.Array:
+_LAYERS = jax.tree_util.DictKey("layers")
+
+
+def reduce(final: Carry, scatter: bool = False) -> tuple[jax.Array, Params, Params] | jax.Array:
     """The step's only collectives over `stage` and `data`, after the loop: the mean
-    loss, and unless this was an evaluation the stage's gradients and the shared ones."""
+    loss, and unless this was an evaluation the stage's gradients and the shared ones.
+
+    With `scatter` (the sharded optimizer) a gradient is reduce-scattered over `data`
+    along `sharding.data_split_dim`: each replica gets the mean of its share alone, for
+    half the bytes of an all-reduce (leaves that do not split are all-reduced)."""
     loss = jax.lax.pmean(jax.lax.psum(final.loss, STAGE), DATA)
     if not final.grads:
         return loss
-    grads_shared = jax.lax.pmean(jax.lax.psum(final.grads["shared"], STAGE), DATA)
-    grads_layers = jax.lax.pmean(final.grads["layers"], DATA)
+    data = jax.lax.axis_size(DATA) if scatter else 1
+
+    def mean(g, dim):
+        if dim is None:
+            return jax.lax.pmean(g, DATA)
+        return jax.lax.psum_scatter(g, DATA, scatter_dimension=dim, tiled=True) / data
+
+    def shared(path, g):
+        return mean(g, sharding.data_split_dim(path, g.shape, data))
+
+    def layer(path, g):  # [V, n, ...] here, [N, ...] among the parameters
+        dim = sharding.data_split_dim((_LAYERS, *path), (None, *g.shape[2:]), data)
+        return mean(g, None if dim is None else dim + 1)
+
+    grads_shared = jax.tree_util.tree_map_with_path(
+        shared, jax.lax.psum(final.grads["shared"], STAGE)
+    )
+    grads_layers = jax.tree_util.tree_map_with_path(layer, final.grads["layers"])
     return loss, jax.tree.map(lambda g: g[None], grads_layers), grads_shared
 
 
@@ -435,9 +458,15 @@ def program_rows(spec: PipelineSpec) -> dict[str, jax.Array]:
     }
 
 
-def stage_step(spec: PipelineSpec, layers_VxN: Params, shared: Params, tokens_BxL1: jax.Array):
+def stage_step(
+    spec: PipelineSpec,
+    layers_VxN: Params,
+    shared: Params,
+    tokens_BxL1: jax.Array,
+    scatter: bool = False,
+):
     """Runs on one (data, stage) device: the replica's loss and this stage's gradients
-    (the loss alone in an evaluation)."""
+    (the loss alone in an evaluation); with `scatter`, this replica's share of them."""
     M = spec.schedule.microbatches
     rows, seq_len = tokens_BxL1.shape[0] // M, tokens_BxL1.shape[1] - 1
     ctx = Context(spec, rows, 1.0 / (tokens_BxL1.shape[0] * seq_len))
@@ -454,10 +483,10 @@ def stage_step(spec: PipelineSpec, layers_VxN: Params, shared: Params, tokens_Bx
         jax.lax.axis_index(STAGE),
     )
     final, _ = jax.lax.scan(lambda c, row: (tick(ctx, inp, c, row), None), init, program_rows(spec))
-    return reduce(final)
+    return reduce(final, scatter)
 
 
-def _on_stages(params: Params, tokens_BxL1, spec: PipelineSpec, mesh, out_specs):
+def _on_stages(params: Params, tokens_BxL1, spec: PipelineSpec, mesh, out_specs, scatter=False):
     """`stage_step` on every (data, stage) device of the mesh. `params["layers"]` is in
     stage order (`seqpipe.layout`): each stage's block is its V chunks, viewed as
     [V, n, ...] where it lies; the layer gradients return in the same order."""
@@ -468,7 +497,7 @@ def _on_stages(params: Params, tokens_BxL1, spec: PipelineSpec, mesh, out_specs)
         chunks = jax.tree.map(lambda w: w.reshape(V, n, *w.shape[1:]), layers)
         if spec.forward_only:
             return stage_step(spec, chunks, sh, tok)
-        loss, grads, grads_shared = stage_step(spec, chunks, sh, tok)
+        loss, grads, grads_shared = stage_step(spec, chunks, sh, tok, scatter)
         return loss, jax.tree.map(lambda g: g.reshape(V * n, *g.shape[3:]), grads), grads_shared
 
     body = jax.shard_map(
@@ -485,13 +514,25 @@ def _on_stages(params: Params, tokens_BxL1, spec: PipelineSpec, mesh, out_specs)
 
 
 def loss_and_grads(
-    params: Params, tokens_BxL1: jax.Array, spec: PipelineSpec, mesh: jax.sharding.Mesh
+    params: Params,
+    tokens_BxL1: jax.Array,
+    spec: PipelineSpec,
+    mesh: jax.sharding.Mesh,
+    scatter: bool = False,
 ) -> tuple[jax.Array, Params]:
     """Pipelined loss and gradients, equal to `reference.loss_and_grads` up to float rounding
     once both are in one order: `params["layers"]` and the returned gradients of them are
-    in stage order (`seqpipe.layout`), so each stage's block is its V chunks."""
+    in stage order (`seqpipe.layout`), so each stage's block is its V chunks.
+
+    With `scatter` (the sharded optimizer) the gradients come back in the optimizer
+    moments' shardings (`sharding.gradient_shardings`): reduce-scattered over `data`."""
+    data = mesh.shape[DATA] if scatter else 1
+    specs = jax.tree_util.tree_map_with_path(
+        lambda p, x: sharding.leaf_spec(p, x.shape, data), params
+    )
+    shared_specs = {k: v for k, v in specs.items() if k != "layers"}
     loss, grads_layers, grads_shared = _on_stages(
-        params, tokens_BxL1, spec, mesh, (P(), P(STAGE), P())
+        params, tokens_BxL1, spec, mesh, (P(), specs["layers"], shared_specs), scatter
     )
     return loss, {**grads_shared, "layers": grads_layers}
 

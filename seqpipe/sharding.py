@@ -37,11 +37,65 @@ def in_layers(path) -> bool:
     return any(getattr(k, "key", None) == "layers" for k in path)
 
 
-def state_shardings(state_shapes, mesh: Mesh):
-    """Layer weights (and their optimizer moments) split over `stage` by blocks of layers;
-    everything else replicated. With one stage this is plain replication."""
+def in_optimizer(path) -> bool:
+    """Whether a train-state path lies under its "opt_state" key."""
+    return bool(path) and getattr(path[0], "key", None) == "opt_state"
 
-    def spec(path, _):
-        return NamedSharding(mesh, P(STAGE) if in_layers(path) else P())
+
+def data_split_dim(path, shape: Sequence[int], data: int) -> int | None:
+    """The dimension of a parameter-shaped leaf (a gradient, an Adam moment) that the
+    sharded optimizer splits over `data`: the largest one `data` divides (the first of
+    equals), never a layer leaf's layer axis, which `stage` splits. None (the leaf stays
+    whole on every replica) with one replica, for scalars (optax's counts) and for a leaf
+    no dimension of which `data` divides (say a norm gain of 50 on 4 replicas)."""
+    if data == 1:
+        return None
+    first = 1 if in_layers(path) else 0
+    dims = [d for d in range(first, len(shape)) if shape[d] % data == 0]
+    return max(dims, key=lambda d: shape[d], default=None)
+
+
+def leaf_spec(path, shape: Sequence[int], data: int = 1) -> P:
+    """A parameter-shaped leaf's spec: layers split over `stage` by blocks of layers, and
+    with `data` > 1 the dimension `data_split_dim` picks split over `data` as well."""
+    parts = [STAGE if in_layers(path) else None] + [None] * (len(shape) - 1)
+    dim = data_split_dim(path, shape, data)
+    if dim is not None:
+        parts[dim] = DATA
+    while parts and parts[-1] is None:  # P(STAGE), not P(STAGE, None, ...)
+        parts.pop()
+    return P(*parts)
+
+
+def state_shardings(state_shapes, mesh: Mesh, shard_optimizer: bool = False):
+    """Layer weights (and their optimizer moments) split over `stage` by blocks of layers;
+    everything else replicated. With one stage this is plain replication.
+
+    With `shard_optimizer` (ZeRO-1, Megatron's distributed optimizer) every optimizer leaf
+    under "opt_state" is also split over `data` (`data_split_dim`): each replica keeps
+    and updates its 1/data share of the moments; parameters stay whole on every replica."""
+    data = mesh.shape[DATA]
+
+    def spec(path, x):
+        split = shard_optimizer and in_optimizer(path)
+        return NamedSharding(mesh, leaf_spec(path, x.shape, data if split else 1))
 
     return jax.tree_util.tree_map_with_path(spec, state_shapes)
+
+
+def gradient_shardings(params, mesh: Mesh, shard_optimizer: bool):
+    """Where the step's gradients go: the moments' shardings (each replica reduces only
+    its share) with the sharded optimizer, else the parameters'."""
+    data = mesh.shape[DATA] if shard_optimizer else 1
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: NamedSharding(mesh, leaf_spec(path, x.shape, data)), params
+    )
+
+
+def split_table(params, data: int) -> list[tuple[str, tuple[int, ...], int | None]]:
+    """(leaf, shape, dimension split over `data` or None) for every parameter: what the
+    sharded optimizer does with each (`--compile_only` prints the leaves kept whole)."""
+    return [
+        (jax.tree_util.keystr(path), tuple(x.shape), data_split_dim(path, x.shape, data))
+        for path, x in jax.tree_util.tree_leaves_with_path(params)
+    ]

@@ -8,6 +8,7 @@ SIGTERM or SIGINT finishes the current step, saves, and returns; a second SIGINT
 
 import contextlib
 import dataclasses
+import math
 import os
 import signal
 import sys
@@ -59,7 +60,8 @@ def make_grad_fn(config: ConfigDict, mesh: jax.sharding.Mesh) -> GradFn:
             params, tokens, cfg, remat.POLICIES[config.pipeline.remat].reference
         )
     spec = pipeline.make_spec(config)
-    return lambda params, tokens: pipeline.loss_and_grads(params, tokens, spec, mesh)
+    scatter = config_lib.shards_optimizer(config)
+    return lambda params, tokens: pipeline.loss_and_grads(params, tokens, spec, mesh, scatter)
 
 
 def _init_fn(config: ConfigDict, tx: optax.GradientTransformation) -> Callable:
@@ -79,7 +81,8 @@ def abstract_state(
 ) -> State:
     """Shapes, dtypes and shardings of the train state, with nothing allocated."""
     shapes = jax.eval_shape(_init_fn(config, tx), jax.random.key(config.train.seed))
-    return checkpoint.abstract(shapes, sharding.state_shardings(shapes, mesh))
+    shardings = sharding.state_shardings(shapes, mesh, config_lib.shards_optimizer(config))
+    return checkpoint.abstract(shapes, shardings)
 
 
 def init_state(
@@ -92,16 +95,31 @@ def init_state(
 
 
 def make_train_step(
-    grad_fn: GradFn, tx: optax.GradientTransformation, lr_fn, inject_nan_at: tuple = ()
+    grad_fn: GradFn,
+    tx: optax.GradientTransformation,
+    lr_fn,
+    mesh: jax.sharding.Mesh,
+    shard_optimizer: bool = False,
+    inject_nan_at: tuple = (),
 ) -> Callable:
     """The jitted step. A non-finite loss or gradient norm leaves the parameters and the
     optimizer state as they were (`metrics["skipped"]` is 1); only the step count moves on.
+
+    With `shard_optimizer` the gradients arrive (or are put) in the moments' shardings,
+    split over `data`; each replica updates its share of the moments and the parameters,
+    and pinning the new state to `sharding.state_shardings` makes XLA all-gather the
+    parameters back onto every replica. The state leaves in the shardings it came in.
 
     `inject_nan_at` (tests only) makes the loss and gradients of those steps NaN.
     """
 
     def train_step(state: State, tokens: jax.Array) -> tuple[State, dict]:
+        shardings = sharding.state_shardings(state, mesh, shard_optimizer)
         loss, grads = grad_fn(state["params"], tokens)
+        # The pipeline already returns them so; without one, XLA reduce-scatters here.
+        grads = jax.lax.with_sharding_constraint(
+            grads, sharding.gradient_shardings(grads, mesh, shard_optimizer)
+        )
         if inject_nan_at:
             poison = jnp.isin(state["step"] + 1, jnp.asarray(inject_nan_at))
             loss = jnp.where(poison, jnp.nan, loss)
@@ -117,6 +135,7 @@ def make_train_step(
             "params": keep(params, state["params"]),
             "opt_state": keep(opt_state, state["opt_state"]),
         }
+        new_state = jax.lax.with_sharding_constraint(new_state, shardings)
         metrics = {
             "loss": loss,
             "grad_norm": grad_norm,
@@ -308,7 +327,12 @@ class Trainer:
         """Steps start+1 .. end (or until a signal); returns the records logged."""
         config, t = self.config, self.config.train
         step_fn = make_train_step(
-            make_grad_fn(config, self.mesh), self.tx, optim.lr_schedule(t), tuple(t.inject_nan_at)
+            make_grad_fn(config, self.mesh),
+            self.tx,
+            optim.lr_schedule(t),
+            self.mesh,
+            config_lib.shards_optimizer(config),
+            tuple(t.inject_nan_at),
         )
         eval_fn = make_eval_fn(config, self.mesh)
         self.log.print(f"attention: {attention_line(config.model.attention)}")
@@ -478,7 +502,10 @@ def compile_only(config: ConfigDict, devices: list | None = None) -> dict:
     batch = jax.ShapeDtypeStruct(
         (t.global_batch_size, t.seq_len + 1), jnp.int32, sharding=sharding.batch_sharding(mesh)
     )
-    step_fn = make_train_step(make_grad_fn(config, mesh), tx, optim.lr_schedule(t))
+    shard_optimizer = config_lib.shards_optimizer(config)
+    step_fn = make_train_step(
+        make_grad_fn(config, mesh), tx, optim.lr_schedule(t), mesh, shard_optimizer
+    )
     start = time.perf_counter()
     compiled = step_fn.lower(state, batch).compile()
     seconds = time.perf_counter() - start
@@ -491,8 +518,16 @@ def compile_only(config: ConfigDict, devices: list | None = None) -> dict:
     peak = max(memory["total"], evaluation["total"])
     cfg = GPTConfig.from_config(config.model)
     flops_per_token = model.flops_per_token(cfg, t.seq_len)
+    split = sharding.split_table(state["params"], config.mesh.data)
     return {
         "mesh": {"data": config.mesh.data, "stage": config.mesh.stage},
+        "shard_optimizer": shard_optimizer,
+        # From the shardings: each part of the train state (the step's arguments) per device.
+        "state_bytes_per_device": {k: _bytes_per_device(v) for k, v in state.items()},
+        # Leaves whose moments stay whole on every replica: no dimension divides mesh.data.
+        "optimizer_kept_whole": [name for name, _, dim in split if dim is None]
+        if shard_optimizer
+        else [],
         "device_kind": mesh.devices.flat[0].device_kind,
         "schedule": config.pipeline.schedule,
         "microbatches": config.pipeline.microbatches,
@@ -527,6 +562,13 @@ def attention_line(name: str) -> str:
     """Which segment attention runs, for the log: `auto` says what it picked."""
     picked = attention.resolve(name)
     return picked if name != "auto" else f"{picked} (auto on {jax.default_backend()})"
+
+
+def _bytes_per_device(tree) -> int:
+    """Bytes of `tree`'s shape structs on one device, from their shardings."""
+    return sum(
+        math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree)
+    )
 
 
 def _memory(compiled) -> dict[str, int]:

@@ -160,11 +160,32 @@ def test_restore_into_another_mesh(tmp_path):
         for path, x in jax.tree_util.tree_leaves_with_path(s24["opt_state"])
         if "layers" in jax.tree_util.keystr(path)
     ]
-    assert moments and all(x.sharding.spec == P(sharding.STAGE) for x in moments)
+    # Split over stages by layers, and over the two replicas (the sharded optimizer).
+    assert moments and all(
+        x.sharding.spec[0] == sharding.STAGE and sharding.DATA in x.sharding.spec[1:]
+        for x in moments
+    )
     # Step 4 on the pipelined 2 x 4 mesh from the 8 x 1 checkpoint: same loss as straight on.
     resumed = train.run(tiny_config(**{**PIPELINED, "train.stop_at": "4"}), str(tmp_path / "run"))
     assert [r["step"] for r in resumed] == [4]
     np.testing.assert_allclose(resumed[0]["loss"], straight[-1]["loss"], rtol=1e-5)
+
+
+def test_a_sharded_optimizer_resumes_on_another_mesh_and_unsharded(tmp_path):
+    """Saved with the optimizer state split over 2 replicas (2 x 4), resumed split over 4
+    (4 x 2) and then whole on every replica: the losses of a straight run."""
+    on = {**PIPELINED, "train.shard_optimizer": "on"}
+    straight = train.run(tiny_config(**on, **{"train.stop_at": "4"}), str(tmp_path / "a"))
+    run = str(tmp_path / "b")
+    train.run(tiny_config(**on, **{"train.stop_at": "2"}), run)
+    four = {"mesh.data": "4", "mesh.stage": "2", "train.stop_at": "3"}
+    resumed = train.run(tiny_config(**{**on, **four}), run)
+    off = {"train.shard_optimizer": "off", "train.stop_at": "4"}
+    resumed += train.run(tiny_config(**PIPELINED, **off), run)
+    assert [r["step"] for r in resumed] == [3, 4]
+    np.testing.assert_allclose(
+        [r["loss"] for r in resumed], [r["loss"] for r in straight[2:]], rtol=1e-6
+    )
 
 
 def test_checkpoint_dir_layout(tmp_path):

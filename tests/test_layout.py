@@ -5,6 +5,7 @@ import jax
 import numpy as np
 from test_pipeline import make_config
 
+from seqpipe import config as config_lib
 from seqpipe import hlo, layout, optim, sharding, train
 
 
@@ -56,7 +57,11 @@ def _step_collectives(config) -> tuple[dict, dict]:
         sharding=sharding.batch_sharding(mesh),
     )
     step = train.make_train_step(
-        train.make_grad_fn(config, mesh), tx, optim.lr_schedule(config.train)
+        train.make_grad_fn(config, mesh),
+        tx,
+        optim.lr_schedule(config.train),
+        mesh,
+        config_lib.shards_optimizer(config),
     )
     comps = hlo.computations(step.lower(state, batch).compile().as_text())
     inside = hlo.inside_loops(comps)

@@ -280,6 +280,11 @@ def test_compile_only_prints_memory_and_flops(tmp_path):
     cfg = model.GPTConfig.from_config(config.model)
     assert result["flops_per_step"] == model.flops_per_token(cfg, 16) * 8 * 16
     assert 0 < result["bubble"] < 1 and result["mesh"] == {"data": 2, "stage": 4}
+    # Two replicas: the optimizer state split over them (every leaf of this model splits),
+    # two moments per parameter at half the parameters' bytes each.
+    state = result["state_bytes_per_device"]
+    assert result["shard_optimizer"] and result["optimizer_kept_whole"] == []
+    assert state["opt_state"] - state["params"] == 8  # 8: optax's two replicated counts
     assert not workdir.exists()  # nothing allocated, nothing written
 
 
