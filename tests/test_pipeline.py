@@ -223,8 +223,8 @@ def test_broken_kv_gradient_is_caught():
     stop = jax.lax.stop_gradient
     original = model.layer
 
-    def detached(p, x, k, v, offset, cfg):
-        return original(p, x, stop(k), stop(v), offset, cfg)
+    def detached(p, x, k, v, offset, cfg, *taps):
+        return original(p, x, stop(k), stop(v), offset, cfg, *taps)
 
     model.layer = detached
     try:
