@@ -89,14 +89,9 @@ def make_spec(config, seq_len: int | None = None) -> PipelineSpec:
         multiple=p.partition_multiple,
         **partition.model_dims(cfg),
     )
-    layers = partition.stage_layers(
-        p.layers_per_stage,
-        cfg.num_layers,
-        config.mesh.stage,
-        p.virtual_stages,
-        seq_len=seq_len or config.train.seq_len,
-        **partition.model_dims(cfg, with_layers=False),
-    )
+    # The train state's placement, whatever `seq_len` says: the step must read the layers
+    # where the state holds them.
+    layers = layout.of_config(config).layers_per_chunk
     table = schedule.build(
         p.schedule,
         config.mesh.stage,
