@@ -29,6 +29,7 @@ restores the run stops with one line instead of starting from scratch over them.
 
 import errno
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -111,9 +112,15 @@ def metadata(config: ConfigDict) -> dict:
 
 
 def save(
-    manager: ocp.CheckpointManager, step: int, state: Any, data_state: dict, config: ConfigDict
+    manager: ocp.CheckpointManager,
+    step: int,
+    state: Any,
+    data_state: dict,
+    config: ConfigDict,
+    data_id: dict | None = None,
 ) -> bool:
-    """Start saving step `step` (returns once the arrays are off the device); False if present."""
+    """Start saving step `step` (returns once the arrays are off the device); False if present.
+    `data_id` (`seqpipe.data.identity` of the training stream) is kept in `meta`."""
     if step in manager.all_steps():
         return False
     # Refuse up front what cannot fit: a save that runs out of space half-way leaves a
@@ -124,7 +131,7 @@ def save(
         raise SaveError(_failed(manager, step, f"{need:,} bytes needed, {free:,} free"))
     # A copy of the layers in canonical order (none with V = 1), freed once on the host.
     state = layout.on_arrays(layout.to_canonical, state, layout.of_config(config))
-    meta = {**metadata(config), "checksums": checksums(state)}
+    meta = {**metadata(config), "tokens": data_id, "checksums": checksums(state)}
     args = ocp.args.Composite(
         state=ocp.args.StandardSave(state),
         data=ocp.args.JsonSave(data_state),
@@ -158,6 +165,11 @@ def _reason(e: Exception) -> str:
     # orbax and tensorstore wrap the file system's error in their own; say the cause.
     if "No space left on device" in str(e) or getattr(e, "errno", None) == errno.ENOSPC:
         return "no space left on device"
+    # A TensorStore read error spells out its whole spec; the array's path says enough.
+    if str(e).startswith("Encountered error while reading array") and (
+        paths := re.findall(r"'path': '([^']*?)/?',", str(e))
+    ):
+        return f"array {paths[-1]} cannot be read"
     lines = str(e).strip().splitlines()
     return f"{type(e).__name__}: {lines[-1][:200] if lines else ''}"
 
@@ -176,31 +188,44 @@ def _failed(manager: ocp.CheckpointManager, step: int | None, reason: str) -> st
 
 
 def restore_latest(
-    manager: ocp.CheckpointManager, abstract_state: Any, config: ConfigDict
-) -> tuple[int, Any, dict] | None:
+    manager: ocp.CheckpointManager,
+    abstract_state: Any,
+    config: ConfigDict,
+    data_id: dict | None = None,
+) -> tuple[int, Any, dict | None] | None:
     """(step, state, data_state) of the newest checkpoint that restores, or None if there is
     none; a damaged one is moved aside, with a line on stderr, and the one before tried.
+    data_state is None when the checkpoint was trained on other data than `data_id`
+    (`seqpipe.data.identity`) and data.allow_source_change lets it go on: the new data is
+    read from its start.
 
     `abstract_state` is a tree of `jax.ShapeDtypeStruct` carrying the target shardings;
     arrays are read directly into them, whatever mesh wrote the checkpoint, then their
     layers put in this config's stage order.
+
+    With several processes each reads its own shards, so a damaged file may fail one
+    process's read alone; they agree on the read before the checksums (a computation over
+    every process's arrays, which a process left behind would never join), so all go on
+    from the same step.
     """
     directory = Path(manager.directory)
     damaged = []
     for step in sorted(manager.all_steps(), reverse=True):
+        read, reason = None, None
         try:
-            restored = _restore_step(manager, step, abstract_state, config)
+            read = _read_step(manager, step, abstract_state, config, data_id)
         except ConfigError:
             raise  # a checkpoint of another model is not damaged: the config is wrong
         except Exception as e:  # orbax's and tensorstore's errors, and Damaged
-            restored, reason = None, _reason(e)
-        if jax.process_count() > 1:  # every process goes on from the same step
-            from jax.experimental import multihost_utils
-
-            ok = multihost_utils.process_allgather(np.int32(restored is not None))
-            if restored is not None and not np.all(ok):
-                restored, reason = None, "another process could not restore its part"
-        if restored is not None:
+            reason = _reason(e)
+        reason = _agree(reason, "another process could not read its part")
+        if reason is None:
+            try:
+                _check(read[0], read[1])
+            except Damaged as e:
+                reason = str(e)
+            reason = _agree(reason, "another process found a checksum that differs")
+        if reason is None:
             if damaged:
                 _set_aside(manager, [s for s, _ in damaged])
                 print(
@@ -211,7 +236,12 @@ def restore_latest(
                     file=sys.stderr,
                     flush=True,
                 )
-            return restored
+            restored, _, data_state, note = read
+            if note:
+                print(note, file=sys.stderr, flush=True)
+            placement = layout.of_config(config)
+            state = layout.on_arrays(layout.to_stage_order, restored, placement, donate=True)
+            return step, state, data_state
         damaged.append((step, reason))
     if damaged:
         steps = ", ".join(f"{s} ({r})" for s, r in damaged)
@@ -222,8 +252,26 @@ def restore_latest(
     return None
 
 
-def _restore_step(manager, step: int, abstract_state: Any, config: ConfigDict):
-    meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+def _agree(reason: str | None, other: str) -> str | None:
+    """This process's failure, or `other` if another process failed: None only if none did."""
+    if jax.process_count() == 1:
+        return reason
+    from jax.experimental import multihost_utils
+
+    ok = multihost_utils.process_allgather(np.int32(reason is None))
+    return other if reason is None and not np.all(ok) else reason
+
+
+def _read_step(manager, step: int, abstract_state: Any, config: ConfigDict, data_id):
+    """(canonical state, saved checksums, data state or None, a note or None); this
+    process's part only.
+
+    Read through the items' handlers, not `manager.restore`: orbax's Checkpointer waits at
+    a barrier of all processes after reading, and a process whose read raised skips it,
+    so the others would pair that barrier with its next collective and hang or fail."""
+    step_dir = Path(manager.directory) / str(step)
+    json = ocp.JsonCheckpointHandler()
+    meta = json.restore(step_dir / "meta", args=ocp.args.JsonRestore())
     if not isinstance(meta, dict):
         raise Damaged(f"meta holds {type(meta).__name__}, not a dict")
     expected = metadata(config)
@@ -237,29 +285,52 @@ def _restore_step(manager, step: int, abstract_state: Any, config: ConfigDict):
             f"{where} was trained with another batch order ({diff}), so its data "
             "position does not carry over; use the same values or a fresh --workdir"
         )
-    # Checkpoints from before the source was saved carry no "source": not checked.
-    if meta.get("source", expected["source"]) != expected["source"]:
+    note = _data_change(meta, config, data_id, where)
+    target = layout.canonical_abstract(abstract_state, layout.of_config(config))
+    handler = ocp.StandardCheckpointHandler()
+    try:
+        state = handler.restore(step_dir / "state", args=ocp.args.StandardRestore(target))
+    finally:
+        handler.close()
+    data = json.restore(step_dir / "data", args=ocp.args.JsonRestore())
+    if not isinstance(data, dict):
+        raise Damaged(f"data holds {type(data).__name__}, not a dict")
+    return state, meta.get("checksums"), None if note else data, note
+
+
+def _data_change(meta: dict, config: ConfigDict, data_id: dict | None, where: str) -> str | None:
+    """None if the checkpoint was trained on this data; else a ConfigError, or with
+    data.allow_source_change the line that says the new data starts from its beginning.
+    Checkpoints from before the source (or the data's identity) was saved are not checked."""
+    source = config.data.source
+    if meta.get("source", source) != source:
+        was, now = f"data.source={meta['source']}", f"data.source={source}"
+    elif data_id and meta.get("tokens") and meta["tokens"] != data_id:
+        old = meta["tokens"]
+        was = f"other data ({old.get('tokens')} tokens, digest {old.get('digest')})"
+        now = f"this data.source={source} ({data_id['tokens']} tokens, digest {data_id['digest']})"
+    else:
+        return None
+    if not config.data.allow_source_change:
         raise ConfigError(
-            f"{where} was trained on data.source={meta['source']}, not "
-            f"data.source={expected['source']}: its data position counts batches of the other "
-            "data; resume with that source, or use a fresh --workdir"
+            f"{where} was trained on {was}, not {now}: its data position counts batches of "
+            "the other data; resume with that data, set data.allow_source_change=True to go "
+            "on from its weights with the new data read from its start, or use a fresh --workdir"
         )
-    placement = layout.of_config(config)
-    target = layout.canonical_abstract(abstract_state, placement)
-    restored = manager.restore(
-        step,
-        args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()
-        ),
+    return (
+        f"note: {where} was trained on {was}; going on from its weights and optimizer state "
+        f"on {now}, read from its start (data.allow_source_change=True)"
     )
-    if "checksums" in meta:  # checkpoints written before checksums restore unchecked
-        now = checksums(restored["state"])
-        if bad := sorted(k for k in now if now[k] != meta["checksums"].get(k)):
-            raise Damaged(f"the checksum of {bad[0]} differs from the one saved")
-    if not isinstance(restored["data"], dict):
-        raise Damaged(f"data holds {type(restored['data']).__name__}, not a dict")
-    state = layout.on_arrays(layout.to_stage_order, restored["state"], placement, donate=True)
-    return step, state, restored["data"]
+
+
+def _check(state: Any, saved: dict | None) -> None:
+    """Damaged if an array's checksum differs from the saved one (checkpoints written
+    before checksums have none: unchecked). Every process computes every array's."""
+    if saved is None:
+        return
+    now = checksums(state)
+    if bad := sorted(k for k in now if now[k] != saved.get(k)):
+        raise Damaged(f"the checksum of {bad[0]} differs from the one saved")
 
 
 def _set_aside(manager: ocp.CheckpointManager, steps: list[int]) -> None:

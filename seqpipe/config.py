@@ -141,6 +141,7 @@ SCHEMA = {
     "data.eval_fraction": Key(float, low=0.0, high=1.0, low_open=True, high_open=True),
     "data.cache_dir": Key(str),
     "data.tokenizer_path": Key(str),
+    "data.allow_source_change": Key(bool),
 }
 OWN_RULES = ("mesh.data", "mesh.stage", "pipeline.inflight", "train.inject_nan_at")
 
@@ -216,6 +217,9 @@ def base_config() -> ml_collections.ConfigDict:
         eval_fraction=0.02,
         cache_dir="",
         tokenizer_path="",
+        # Resume a checkpoint trained on other data (another source, path or content):
+        # its weights and optimizer state go on, the new data is read from its start.
+        allow_source_change=False,
     )
     return c
 

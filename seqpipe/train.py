@@ -29,6 +29,7 @@ from seqpipe import (
     data,
     hlo,
     layout,
+    logs,
     model,
     optim,
     partition,
@@ -276,13 +277,23 @@ class Trainer:
     """
 
     def __init__(self, config: ConfigDict, workdir: str):
-        t = config.train
         self.config, self.workdir = config, workdir
         workdir_lib.check(workdir)  # a file, or read-only: refused before any work
+        # Third-party logs: warnings on the console, all in the workdir's log once it is ours.
+        self.logs = logs.Capture()
+        try:
+            self._start(config, workdir)
+        except BaseException:
+            self.logs.close()
+            raise
+
+    def _start(self, config: ConfigDict, workdir: str) -> None:
+        t = config.train
         self.mesh = sharding.make_mesh(config.mesh.data, config.mesh.stage)
         rows = data.local_rows(config, self.mesh)
         # The data is checked before the workdir is touched: a refusal leaves nothing.
         train_tokens, eval_tokens, tokenizer = data.read_corpus(config)
+        self.data_id = data.identity(train_tokens)  # what the checkpoints' data position counts
         self.lock = workdir_lib.Lock(workdir, jax.process_index())  # one run per workdir
         self.manager = None
         try:
@@ -298,6 +309,7 @@ class Trainer:
             self.manager = checkpoint.make_manager(workdir, config)
             restored = self.restore()
             self.lock.record_owner()
+            self.logs.open(workdir, jax.process_index())
         except BaseException:
             if self.manager is not None:
                 self.manager.close()
@@ -315,10 +327,11 @@ class Trainer:
     def restore(self) -> bool:
         """The newest checkpoint's state and data position, or a fresh state at step 0."""
         abstract = abstract_state(self.config, self.mesh, self.tx)
-        restored = checkpoint.restore_latest(self.manager, abstract, self.config)
+        restored = checkpoint.restore_latest(self.manager, abstract, self.config, self.data_id)
         if restored:
             self.start, self.state, data_state = restored
-            self.batches.set_state(data_state)
+            if data_state is not None:  # None: other data, allowed, read from its start
+                self.batches.set_state(data_state)
         else:
             self.start, self.state = 0, init_state(self.config, self.mesh, self.tx)
         return bool(restored)
@@ -446,7 +459,9 @@ class Trainer:
 
     def _save(self, step: int) -> None:
         checkpoint.wait(self.manager, self.saved_step)  # the previous write's failure surfaces here
-        checkpoint.save(self.manager, step, self.state, self.batches.get_state(), self.config)
+        checkpoint.save(
+            self.manager, step, self.state, self.batches.get_state(), self.config, self.data_id
+        )
         self.saved_step = step
 
     @contextlib.contextmanager
@@ -475,6 +490,7 @@ class Trainer:
         finally:
             self.manager.close()
             self.log.close()
+            self.logs.close()
             self.lock.release()
 
 

@@ -3,6 +3,7 @@
 process with 8 devices reaches; both write checkpoints and only process 0 logs."""
 
 import json
+import shutil
 import signal
 import socket
 import subprocess
@@ -154,3 +155,138 @@ def test_a_signal_to_one_process_stops_both_at_the_same_step(tmp_path, sig, targ
     steps = [int(p.name) for p in checkpoint.directory(tmp_path).iterdir() if p.name.isdigit()]
     assert steps == [stopped]
     assert _losses(tmp_path).keys() == set(range(1, stopped + 1))
+
+
+def _launch(workdir, overrides) -> list[subprocess.CompletedProcess]:
+    """train.py as two processes on one workdir; both are waited for (killed on a hang)."""
+    port = _free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "train.py", *tiny_args(**overrides), "--workdir", str(workdir)]
+            + [
+                "--coordinator",
+                f"127.0.0.1:{port}",
+                "--num_processes",
+                "2",
+                "--process_id",
+                str(i),
+            ],
+            cwd=REPO,
+            env=_process_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    return [
+        subprocess.CompletedProcess(p.args, p.returncode, out, err)
+        for p, (out, err) in zip(procs, outs, strict=True)
+    ]
+
+
+# 1 x 8: process 0 holds stages 0-3 and process 1 stages 4-7, so each writes and reads only
+# its own layers: damage in process 1's file is seen by process 1 alone.
+ONE_BY_EIGHT = {
+    **PIPELINED,
+    "mesh.data": "1",
+    "mesh.stage": "8",
+    "model.num_layers": "8",
+    "train.steps": "4",
+    "checkpoint.every": "1",
+    "checkpoint.keep": "0",
+}
+
+
+@pytest.fixture(scope="module")
+def trained_two_processes(tmp_path_factory):
+    """Checkpoints 1 and 2 of a two-process run, and its losses."""
+    workdir = tmp_path_factory.mktemp("multi") / "w"
+    procs = _launch(workdir, {**ONE_BY_EIGHT, "train.stop_at": "2"})
+    for p in procs:
+        assert p.returncode == 0, p.stderr[-3000:]
+    return workdir, _losses(workdir)
+
+
+def _process_1_data_file(step_dir):
+    files = list((step_dir / "state").rglob("ocdbt.process_1/d/*"))
+    assert files, sorted(str(p) for p in (step_dir / "state").rglob("*"))
+    return max(files, key=lambda p: p.stat().st_size)
+
+
+def _truncate(f):
+    with open(f, "r+b") as fh:
+        fh.truncate(f.stat().st_size // 2)
+
+
+def _overwrite_8_bytes(f):
+    with open(f, "r+b") as fh:
+        fh.seek(f.stat().st_size // 2)
+        fh.write(b"\xa5" * 8)
+
+
+@pytest.mark.parametrize("damage", [_truncate, _overwrite_8_bytes], ids=["truncated", "8-bytes"])
+def test_a_damaged_checkpoint_makes_both_processes_fall_back_to_the_same_step(
+    trained_two_processes, tmp_path, damage
+):
+    """Process 1's data file of checkpoint 2 damaged on disk: only process 1 reads it, yet
+    both processes set checkpoint 2 aside, resume from step 1 and recompute step 2 exactly."""
+    source, losses = trained_two_processes
+    workdir = tmp_path / "w"
+    shutil.copytree(source, workdir)
+    ckpt = checkpoint.directory(workdir)
+    damage(_process_1_data_file(ckpt / "2"))
+    procs = _launch(workdir, {**ONE_BY_EIGHT, "train.stop_at": "3"})
+    for i, p in enumerate(procs):
+        assert p.returncode == 0, (i, p.stderr[-3000:])
+        (line,) = [x for x in p.stderr.splitlines() if "damaged" in x]
+        assert line.startswith(f"warning: checkpoint {ckpt}/2 is damaged ("), (i, line)
+        if damage is _truncate:  # the array, not TensorStore's spec
+            assert "(array " in line and " cannot be read)" in line, line
+        assert line.endswith(f"; moved aside to {ckpt}/2.damaged; resuming from step 1"), line
+    # gloo prints its connections on stdout, among the run's lines.
+    assert f"resumed from {ckpt}/1" in procs[0].stdout.splitlines(), procs[0].stdout
+    assert checkpoint.complete_steps(ckpt) == [1, 2, 3]
+    assert (ckpt / "2.damaged").is_dir()
+    again = _losses(workdir)
+    assert sorted(again) == [1, 2, 3]
+    assert again[2] == losses[2]  # the step recomputed from checkpoint 1, bit for bit
+
+
+def test_a_checkpoint_one_process_cannot_read_is_set_aside_by_both(trained_two_processes, tmp_path):
+    """Process 1 alone fails to read checkpoint 2 (as a file its host cannot read): process 0,
+    which read its part, does not go on to the checksums without it (a collective process 1
+    would never join); both move checkpoint 2 aside and restore step 1."""
+    source, _ = trained_two_processes
+    workdir = tmp_path / "w"
+    shutil.copytree(source, workdir)
+    ckpt = checkpoint.directory(workdir)
+    port = _free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "tests/two_process_restore.py", str(workdir), str(port), str(i)],
+            cwd=REPO,
+            env=_process_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    reasons = ["another process could not read its part", "OSError: [Errno 5] Input/output error"]
+    for p, (out, err), reason in zip(procs, outs, reasons, strict=True):
+        assert p.returncode == 0, err[-3000:]
+        assert "restored step 1" in out.splitlines(), out
+        assert f"warning: checkpoint {ckpt}/2 is damaged ({reason}); moved aside" in err, err
+    assert checkpoint.complete_steps(ckpt) == [1]
+    assert (ckpt / "2.damaged").is_dir()

@@ -7,10 +7,12 @@ import subprocess
 import sys
 import time
 
+import orbax.checkpoint as ocp
 import pytest
+from hostile import run_train
 from test_train import REPO, read_events, subprocess_env, tiny_args, tiny_config
 
-from seqpipe import checkpoint, metrics, train
+from seqpipe import checkpoint, data, logs, metrics, train
 from seqpipe.config import ConfigError
 
 
@@ -23,6 +25,18 @@ def test_the_eta_leaves_the_first_step_out(monkeypatch):
     bar.restart(1)  # as MetricsLog.restart_clock after the first step
     bar.step = 3
     assert bar.text().endswith("1.00 step/s  eta 0:00:07"), bar.text()
+
+
+def test_the_trainer_restarts_the_eta_clock_after_each_runs_first_step(tmp_path, monkeypatch):
+    """On a terminal the bar is there; its clock restarts once the first step (with the
+    compilation) of each invocation is done, a resumed one too."""
+    restarts = []
+    monkeypatch.setattr(metrics, "_isatty", lambda: True)
+    monkeypatch.setattr(metrics.Progress, "restart", lambda self, step: restarts.append(step))
+    workdir = str(tmp_path / "w")
+    train.run(tiny_config(**{"train.stop_at": "2", "checkpoint.every": "2"}), workdir)
+    train.run(tiny_config(**{"train.stop_at": "4"}), workdir)
+    assert restarts == [1, 3]
 
 
 def test_tensorboard_is_on_disk_within_seconds_and_nothing_to_do_opens_none(tmp_path):
@@ -43,12 +57,43 @@ def test_tensorboard_is_on_disk_within_seconds_and_nothing_to_do_opens_none(tmp_
     assert len(list(workdir.glob("events.out.tfevents.*"))) == 1
 
 
-def test_resuming_on_another_data_source_is_refused(tmp_path):
-    train.run(tiny_config(**{"train.stop_at": "1"}), str(tmp_path / "w"))
-    (tmp_path / "t.txt").write_text("some text of my own\n" * 200)
-    other = {"data.source": "text", "data.path": str(tmp_path / "t.txt"), "train.stop_at": "2"}
+def test_resuming_on_other_data_is_refused_unless_allowed(tmp_path, capsys):
+    """Another data.source, or the same source with other content, is refused in one line;
+    the same data moved elsewhere is not; data.allow_source_change=True goes on from the
+    weights and reads the new data from its start."""
+    workdir = str(tmp_path / "w")
+    train.run(tiny_config(**{"train.stop_at": "1"}), workdir)
+    (tmp_path / "a.txt").write_text("some text of my own\n" * 200)
+    (tmp_path / "b.txt").write_text("other text, other windows\n" * 200)
+    text = {"data.source": "text", "train.stop_at": "2"}
+    a, b = ({**text, "data.path": str(tmp_path / n)} for n in ("a.txt", "b.txt"))
     with pytest.raises(ConfigError, match="trained on data.source=stdlib, not data.source=text"):
-        train.run(tiny_config(**other), str(tmp_path / "w"))
+        train.run(tiny_config(**a), workdir)
+    train.run(tiny_config(**a, **{"data.allow_source_change": "True"}), workdir)
+    err = capsys.readouterr().err
+    assert err == (
+        f"note: the checkpoint at {checkpoint.directory(workdir)}/1 was trained on "
+        "data.source=stdlib; going on from its weights and optimizer state on "
+        "data.source=text, read from its start (data.allow_source_change=True)\n"
+    ), err
+    # Step 2 read the first batch of a.txt: the saved position is one batch into it.
+    config = tiny_config(**a)
+    tokens, _, _ = data.read_corpus(config)
+    fresh = data.train_iterator(config, tokens, slice(0, config.train.global_batch_size))
+    next(fresh)
+    manager = checkpoint.make_manager(workdir, config)
+    try:
+        saved = manager.restore(2, args=ocp.args.Composite(data=ocp.args.JsonRestore()))["data"]
+    finally:
+        manager.close()
+    assert saved == fresh.get_state()
+    # b.txt under the same source: other data, refused; a.txt moved: the same data.
+    with pytest.raises(ConfigError, match=r"trained on other data \(\d+ tokens, digest "):
+        train.run(tiny_config(**{**b, "train.stop_at": "3"}), workdir)
+    (tmp_path / "a.txt").rename(tmp_path / "moved.txt")
+    moved = {**a, "data.path": str(tmp_path / "moved.txt"), "train.stop_at": "3"}
+    assert [r["step"] for r in train.run(tiny_config(**moved), workdir)] == [3]
+    assert "note:" not in capsys.readouterr().err
 
 
 def test_a_second_ctrl_c_is_one_line_and_the_next_start_resumes(tmp_path):
@@ -91,3 +136,44 @@ def test_a_second_ctrl_c_is_one_line_and_the_next_start_resumes(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(f"resumed from {checkpoint.directory(tmp_path)}/{newest}\n")
     assert not [p for p in checkpoint.directory(tmp_path).iterdir() if "tmp" in p.name]
+
+
+def test_third_party_logs_go_to_the_workdir_log_and_only_warnings_to_the_console(tmp_path):
+    """orbax logs its saves and restores at info level: all of it in train.log, none of it
+    on the console, where the run's own lines stay alone."""
+    workdir = tmp_path / "w"
+    for stop_at in ("1", "2"):  # a fresh run, then a resumed one (orbax restores)
+        proc = run_train(workdir, **{"train.stop_at": stop_at, "checkpoint.every": "1"})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.stderr == "", proc.stderr[-3000:]
+        assert all(line.startswith(OWN_LINES) for line in proc.stdout.splitlines()), proc.stdout
+    log = (workdir / "train.log").read_text().splitlines()
+    orbax = [x for x in log if " INFO absl " in x and "orbax" in x.lower()]
+    assert len(orbax) >= 4, log[:50]
+    assert sum(x.startswith("---- run started ") for x in log) == 2
+    assert any("Restoring" in x or "restor" in x for x in orbax), orbax
+
+
+OWN_LINES = ("attention: ", "step ", "resumed from ")
+
+
+def test_a_warning_reaches_the_console_and_the_log_holds_what_came_before_it_opened(
+    tmp_path, capsys
+):
+    import absl.logging
+
+    capture = logs.Capture()
+    try:
+        absl.logging.info("an info line while restoring")
+        absl.logging.warning("a warning line")
+        assert not list(tmp_path.iterdir())  # nothing written before open
+        capture.open(tmp_path)
+        absl.logging.info("an info line while training")
+    finally:
+        capture.close()
+    absl.logging.info("after the run")
+    err = capsys.readouterr().err
+    assert "a warning line" in err and "info line" not in err, err
+    text = (tmp_path / "train.log").read_text()
+    assert "an info line while restoring" in text and "a warning line" in text, text
+    assert "an info line while training" in text and "after the run" not in text, text

@@ -1,0 +1,126 @@
+"""Third-party logs (orbax, absl, jax, grain, tensorboardX): warnings and above on the
+console, everything from info up in `WORKDIR/train.log` (`train.<process>.log` for the
+other processes of a multi-process run).
+
+orbax logs a few lines per save and restore at info level, and a failed save (a full disk)
+used to bury the one line that matters under two thousand. Python's `logging` carries all
+of them (absl's logger included), so one capture on the root logger takes them all.
+
+Records are held in memory until the run owns its workdir and has restored its checkpoint
+(`open`): a refused run leaves the workdir as it was. The log file is appended to, a line
+marking each run's start; a write that fails (a full disk) stops the file, silently: the
+error that matters is reported by the run itself.
+"""
+
+import logging
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+_FORMAT = "%(asctime)s %(levelname)s %(name)s %(filename)s:%(lineno)d] %(message)s"
+
+
+def log_path(workdir: str | os.PathLike, process_index: int = 0) -> Path:
+    name = "train.log" if process_index == 0 else f"train.{process_index}.log"
+    return Path(workdir) / name
+
+
+class _Console(logging.Handler):
+    """Warnings and above to whatever sys.stderr is when they come (pytest swaps it)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.setFormatter(logging.Formatter("%(levelname)s:%(name)s:%(message)s"))
+
+    def emit(self, record):
+        try:
+            sys.stderr.write(self.format(record) + "\n")
+            sys.stderr.flush()
+        except Exception:
+            pass  # a console gone is no reason to stop training
+
+
+class _File(logging.Handler):
+    """Every record, buffered until `open`, then appended to the file line by line."""
+
+    def __init__(self):
+        super().__init__(logging.NOTSET)
+        self.setFormatter(logging.Formatter(_FORMAT))
+        self._buffer: list[logging.LogRecord] | None = []
+        self._file = None
+
+    def open(self, path: Path) -> None:
+        try:
+            self._file = open(path, "a")
+            self._file.write(
+                f"---- run started {time.strftime('%Y-%m-%d %H:%M:%S')}, pid {os.getpid()} "
+                f"on host {socket.gethostname()}\n"
+            )
+        except OSError:
+            self._file = None
+        buffered, self._buffer = self._buffer or [], None
+        for record in buffered:
+            self.emit(record)
+
+    def emit(self, record):
+        if self._buffer is not None:
+            self._buffer.append(record)
+            return
+        if self._file is None:
+            return
+        try:
+            self._file.write(self.format(record) + "\n")
+            self._file.flush()
+        except Exception:
+            self._drop_file()  # no traceback from logging: the run reports what failed
+
+    def _drop_file(self):
+        f, self._file = self._file, None
+        try:
+            f.close()
+        except Exception:
+            pass
+
+    def close(self):
+        self._buffer = None
+        if self._file is not None:
+            self._drop_file()
+        super().close()
+
+
+class Capture:
+    """Routes third-party logs for one run: start at once (buffering), `open(workdir)` once
+    the workdir is the run's, `close()` at the end (restores what it changed)."""
+
+    def __init__(self):
+        import absl.logging
+
+        self._absl = absl.logging
+        root = logging.getLogger()
+        # The plain stderr handler absl's logging.basicConfig() put there gives way to ours
+        # while the run lasts; other handlers (a user's, pytest's) stay as they are.
+        self._removed = [h for h in root.handlers if type(h) is logging.StreamHandler]
+        self._saved = (root.level, absl.logging.get_verbosity())
+        self._console, self._file = _Console(), _File()
+        for h in self._removed:
+            root.removeHandler(h)
+        root.addHandler(self._console)
+        root.addHandler(self._file)
+        root.setLevel(logging.INFO)
+        absl.logging.set_verbosity(absl.logging.INFO)  # absl's logger filters on its own
+
+    def open(self, workdir: str | os.PathLike, process_index: int = 0) -> None:
+        self._file.open(log_path(workdir, process_index))
+
+    def close(self) -> None:
+        root = logging.getLogger()
+        for h in (self._console, self._file):
+            root.removeHandler(h)
+            h.close()
+        for h in self._removed:
+            root.addHandler(h)
+        level, verbosity = self._saved
+        root.setLevel(level)
+        self._absl.set_verbosity(verbosity)
