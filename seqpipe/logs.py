@@ -1,6 +1,6 @@
 """Third-party logs (orbax, absl, jax, grain, tensorboardX): warnings and above on the
-console, everything from info up in `WORKDIR/train.log` (`train.<process>.log` for the
-other processes of a multi-process run).
+console, one line each, everything from info up (tracebacks too) in `WORKDIR/train.log`
+(`train.<process>.log` for the other processes of a multi-process run).
 
 orbax logs a few lines per save and restore at info level, and a failed save (a full disk)
 used to bury the one line that matters under two thousand. Python's `logging` carries all
@@ -28,15 +28,23 @@ def log_path(workdir: str | os.PathLike, process_index: int = 0) -> Path:
 
 
 class _Console(logging.Handler):
-    """Warnings and above to whatever sys.stderr is when they come (pytest swaps it)."""
+    """Warnings and above, one line each (a record's first line; its traceback and the rest
+    go to the log file only), to whatever sys.stderr is when they come (pytest swaps it).
+    One short write per record also keeps a background thread's record from splitting
+    the run's own last line."""
 
     def __init__(self):
         super().__init__(logging.WARNING)
-        self.setFormatter(logging.Formatter("%(levelname)s:%(name)s:%(message)s"))
+        self.log_file: Path | None = None  # named once open, for the rest of a record
 
     def emit(self, record):
         try:
-            sys.stderr.write(self.format(record) + "\n")
+            lines = record.getMessage().strip().splitlines() or [""]
+            line = f"{record.levelname}:{record.name}:{lines[0][:300]}"
+            cut = len(lines) > 1 or len(lines[0]) > 300 or record.exc_info or record.stack_info
+            if cut and self.log_file is not None:
+                line += f" (the rest in {self.log_file})"
+            sys.stderr.write(line + "\n")
             sys.stderr.flush()
         except Exception:
             pass  # a console gone is no reason to stop training
@@ -112,7 +120,9 @@ class Capture:
         absl.logging.set_verbosity(absl.logging.INFO)  # absl's logger filters on its own
 
     def open(self, workdir: str | os.PathLike, process_index: int = 0) -> None:
-        self._file.open(log_path(workdir, process_index))
+        path = log_path(workdir, process_index)
+        self._file.open(path)
+        self._console.log_file = path.absolute()
 
     def close(self) -> None:
         root = logging.getLogger()

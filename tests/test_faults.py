@@ -194,7 +194,9 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint(small_disk, leave
     # orbax logs its writers' errors itself; the last line is ours.
     last = proc.stderr.strip().splitlines()[-1]
     ckpt = checkpoint.directory(workdir)
-    assert last.startswith(f"error: saving the checkpoint of step 8 in {ckpt} failed ("), last
+    assert last.startswith(f"error: saving the checkpoint of step 8 in {ckpt} failed ("), (
+        proc.stderr[-2500:]
+    )
     assert last.endswith(
         f"{reason}); step 4 is the newest complete one, intact; free space there (or lower "
         "checkpoint.keep) and run again to resume"

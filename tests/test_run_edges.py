@@ -169,11 +169,19 @@ def test_a_warning_reaches_the_console_and_the_log_holds_what_came_before_it_ope
         assert not list(tmp_path.iterdir())  # nothing written before open
         capture.open(tmp_path)
         absl.logging.info("an info line while training")
+        try:
+            raise ValueError("RESOURCE_EXHAUSTED: a long spec\n  on many lines\n")
+        except ValueError:
+            absl.logging.exception("a save failed")  # what orbax's threads log on a full disk
     finally:
         capture.close()
     absl.logging.info("after the run")
     err = capsys.readouterr().err
-    assert "a warning line" in err and "info line" not in err, err
+    assert err.splitlines() == [
+        "WARNING:absl:a warning line",
+        f"ERROR:absl:a save failed (the rest in {tmp_path / 'train.log'})",
+    ], err
     text = (tmp_path / "train.log").read_text()
     assert "an info line while restoring" in text and "a warning line" in text, text
     assert "an info line while training" in text and "after the run" not in text, text
+    assert "Traceback" in text and "  on many lines" in text, text
