@@ -201,6 +201,12 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint(small_disk, leave
         f"{reason}); step 4 is the newest complete one, intact; free space there (or lower "
         "checkpoint.keep) and run again to resume"
     ), proc.stderr[-3000:]
+    # Above it, orbax's errors one line each (their tracebacks are in train.log): it used to
+    # be hundreds of lines of tracebacks.
+    before_ours = proc.stderr.strip().splitlines()[:-1]
+    assert all(x.startswith(("WARNING:", "ERROR:", "CRITICAL:")) for x in before_ours), proc.stderr[
+        -3000:
+    ]
     assert sorted(os.listdir(ckpt)) == ["4"]  # the partial save was removed
     assert _same(_restore_step(workdir, config, 4), before)
     # With space again, the same command resumes from step 4 and finishes.
