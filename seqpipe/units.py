@@ -179,7 +179,7 @@ class SegmentUnit:
         the segment, embedding `tokens_bxL` first on global chunk 0 (`first`: a run-time
         flag, or a bool fixed at trace time, when one chunk's unit is measured alone), then
         running the chunk's first `depth` layers (a run-time count; None: all n)."""
-        spec, length = self.spec, self.spec.lengths[self.seg]
+        spec, length = self.spec, self.spec.local_length(self.seg)
         offset, cfg = spec.offsets[self.seg], spec.cfg
 
         def unit_body(p_chunk, shared, x_in, k_prefix, v_prefix, taps=None):
@@ -190,7 +190,7 @@ class SegmentUnit:
             y, *rest = model.layers(
                 p_chunk, x, k_prefix, v_prefix, offset, cfg, spec.policy.checkpoint, taps, depth
             )
-            return jnp.pad(y, ((0, 0), (0, spec.seg_max - length), (0, 0))), *rest
+            return jnp.pad(y, ((0, 0), (0, spec.msg_len - length), (0, 0))), *rest
 
         return unit_body
 
@@ -243,7 +243,7 @@ class SegmentUnit:
 
     def head_loss(self, shared: Params, y, targets_bxL, scale: float = 1.0):
         """The head on the segment's rows of y: its summed token loss, scaled."""
-        length, cfg = self.spec.lengths[self.seg], self.spec.cfg
+        length, cfg = self.spec.local_length(self.seg), self.spec.cfg
         return model.head_loss_sum(shared, y[:, :length], targets_bxL, cfg) * scale
 
     def head(self, shared: Params, y, targets_bxL, scale: float = 1.0):
@@ -287,26 +287,28 @@ class SegmentUnit:
         kept: the executor casts them once per step)."""
         spec, cfg, sds = self.spec, self.spec.cfg, jax.ShapeDtypeStruct
         act = jnp.dtype(cfg.dtype)
-        shapes = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
+        shapes = model.param_shapes(cfg)
         if spec.policy.keeps_residuals:
             shapes = jax.tree.map(lambda x: sds(x.shape, act), shapes)
         chunk = jax.tree.map(lambda x: sds((self.n,) + x.shape[1:], x.dtype), shapes["layers"])
         shared = {k: x for k, x in shapes.items() if k != "layers"}
-        x_in = sds((rows, spec.seg_max, cfg.d_model), act)
-        prefix = sds((self.n, rows, spec.offsets[self.seg], cfg.num_heads, cfg.head_dim), act)
+        x_in = sds((rows, spec.msg_len, cfg.d_model), act)
+        prefix = sds((self.n, rows, spec.offsets[self.seg], cfg.local_heads, cfg.head_dim), act)
         tokens = sds((rows, spec.lengths[self.seg]), jnp.int32)
         return chunk, shared, x_in, prefix, prefix, tokens, tokens
 
     def kv_avals(self, rows: int) -> jax.ShapeDtypeStruct:
         """The segment's own K (or V), or its cotangent: [n, b, L_k, H, E]."""
         cfg = self.spec.cfg
-        shape = (self.n, rows, self.spec.lengths[self.seg], cfg.num_heads, cfg.head_dim)
+        shape = (self.n, rows, self.spec.lengths[self.seg], cfg.local_heads, cfg.head_dim)
         return jax.ShapeDtypeStruct(shape, cfg.dtype)
 
     def head_dy_aval(self, rows: int) -> jax.ShapeDtypeStruct:
-        """What a last-chunk unit keeps of its head: dy of its own positions."""
+        """What a last-chunk unit keeps of its head: dy of its own positions (this tensor
+        device's)."""
         cfg = self.spec.cfg
-        return jax.ShapeDtypeStruct((rows, self.spec.lengths[self.seg], cfg.d_model), cfg.dtype)
+        shape = (rows, self.spec.local_length(self.seg), cfg.d_model)
+        return jax.ShapeDtypeStruct(shape, cfg.dtype)
 
     def saved_avals(self, rows: int, first=None, depth: bool = False) -> tuple:
         """The abstract values one forward keeps for its backward (one stash slot); `depth`:
