@@ -437,7 +437,7 @@ def reduce(
     def mean(g, path, shape, lead: int):  # `shape`: as among the parameters
         if tensor > 1 and sharding.tensor_split_dim(path, shape) is None:
             g = jax.lax.psum(g, TENSOR)
-        dim = sharding.data_split_dim(path, shape, data)
+        dim = sharding.data_split_dim(path, shape, data, tensor)
         if dim is None:
             return jax.lax.pmean(g, DATA)
         return jax.lax.psum_scatter(g, DATA, scatter_dimension=dim + lead, tiled=True) / data
@@ -493,11 +493,11 @@ def stage_step(
     return reduce(final, scatter, spec.tensor)
 
 
-def param_specs(params: Params, data: int = 1) -> Params:
+def param_specs(params: Params, tensor: int, data: int = 1) -> Params:
     """Each parameter's PartitionSpec (`sharding.leaf_spec`): how the step's shard_map
     reads the parameters, and with `data` > 1 how it returns reduce-scattered gradients."""
     return jax.tree_util.tree_map_with_path(
-        lambda p, x: sharding.leaf_spec(p, x.shape, data), params
+        lambda p, x: sharding.leaf_spec(p, x.shape, data, tensor), params
     )
 
 
@@ -510,7 +510,7 @@ def _on_stages(params: Params, tokens_BxL1, spec: PipelineSpec, mesh, out_specs,
         raise ValueError(f"the mesh has tensor={mesh.shape[TENSOR]}, the spec {spec.tensor}")
     V, n = spec.virtual, spec.chunk_layers
     shared = {k: v for k, v in params.items() if k != "layers"}
-    specs = param_specs(params)
+    specs = param_specs(params, spec.tensor)
 
     def local(layers, sh, tok):  # this stage's [V * n] layers, as V chunks and back
         chunks = jax.tree.map(lambda w: w.reshape(V, n, *w.shape[1:]), layers)
@@ -545,7 +545,7 @@ def loss_and_grads(
 
     With `scatter` (the sharded optimizer) the gradients come back in the optimizer
     moments' shardings (`sharding.gradient_shardings`): reduce-scattered over `data`."""
-    specs = param_specs(params, mesh.shape[DATA] if scatter else 1)
+    specs = param_specs(params, spec.tensor, mesh.shape[DATA] if scatter else 1)
     shared_specs = {k: v for k, v in specs.items() if k != "layers"}
     loss, grads_layers, grads_shared = _on_stages(
         params, tokens_BxL1, spec, mesh, (P(), specs["layers"], shared_specs), scatter

@@ -65,30 +65,30 @@ def tensor_split_dim(path, shape: Sequence[int]) -> int | None:
     return dim if dim is not None and dim < len(shape) else None
 
 
-def data_split_dim(path, shape: Sequence[int], data: int) -> int | None:
+def data_split_dim(path, shape: Sequence[int], data: int, tensor: int = 1) -> int | None:
     """The dimension of a parameter-shaped leaf (a gradient, an Adam moment) that the
     sharded optimizer splits over `data`: the largest one `data` divides (the first of
-    equals), never a layer leaf's layer axis, which `stage` splits, nor the dimension
-    `tensor` splits. None (the leaf stays whole on every replica) with one replica, for
+    equals), never a layer leaf's layer axis, which `stage` splits, nor with `tensor` > 1
+    the dimension `tensor` splits. None (the leaf stays whole on every replica) with one replica, for
     scalars (optax's counts) and for a leaf no dimension of which `data` divides (say a
     norm gain of 50 on 4 replicas)."""
     if data == 1:
         return None
     first = 1 if in_layers(path) else 0
-    taken = tensor_split_dim(path, shape)
+    taken = tensor_split_dim(path, shape) if tensor > 1 else None
     dims = [d for d in range(first, len(shape)) if shape[d] % data == 0 and d != taken]
     return max(dims, key=lambda d: shape[d], default=None)
 
 
-def leaf_spec(path, shape: Sequence[int], data: int = 1) -> P:
-    """A parameter-shaped leaf's spec: layers split over `stage` by blocks of layers, the
-    heads, MLP columns or vocabulary over `tensor` (`tensor_split_dim`), and with
-    `data` > 1 the dimension `data_split_dim` picks over `data` as well."""
+def leaf_spec(path, shape: Sequence[int], data: int = 1, tensor: int = 1) -> P:
+    """A parameter-shaped leaf's spec: layers split over `stage` by blocks of layers, with
+    `tensor` > 1 the heads, MLP columns or vocabulary over `tensor` (`tensor_split_dim`),
+    and with `data` > 1 the dimension `data_split_dim` picks over `data` as well."""
     parts = [STAGE if in_layers(path) else None] + [None] * (len(shape) - 1)
-    tdim = tensor_split_dim(path, shape)
+    tdim = tensor_split_dim(path, shape) if tensor > 1 else None
     if tdim is not None:
         parts[tdim] = TENSOR
-    dim = data_split_dim(path, shape, data)
+    dim = data_split_dim(path, shape, data, tensor)
     if dim is not None:
         parts[dim] = DATA
     while parts and parts[-1] is None:  # P(STAGE), not P(STAGE, None, ...)
@@ -103,11 +103,11 @@ def state_shardings(state_shapes, mesh: Mesh, shard_optimizer: bool = False):
     With `shard_optimizer` (ZeRO-1, Megatron's distributed optimizer) every optimizer leaf
     under "opt_state" is also split over `data` (`data_split_dim`): each replica keeps
     and updates its 1/data share of the moments; parameters stay whole on every replica."""
-    data = mesh.shape[DATA]
+    data, tensor = mesh.shape[DATA], mesh.shape[TENSOR]
 
     def spec(path, x):
         split = shard_optimizer and in_optimizer(path)
-        return NamedSharding(mesh, leaf_spec(path, x.shape, data if split else 1))
+        return NamedSharding(mesh, leaf_spec(path, x.shape, data if split else 1, tensor))
 
     return jax.tree_util.tree_map_with_path(spec, state_shapes)
 
@@ -117,14 +117,17 @@ def gradient_shardings(params, mesh: Mesh, shard_optimizer: bool):
     its share) with the sharded optimizer, else the parameters'."""
     data = mesh.shape[DATA] if shard_optimizer else 1
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: NamedSharding(mesh, leaf_spec(path, x.shape, data)), params
+        lambda path, x: NamedSharding(mesh, leaf_spec(path, x.shape, data, mesh.shape[TENSOR])),
+        params,
     )
 
 
-def split_table(params, data: int) -> list[tuple[str, tuple[int, ...], int | None]]:
+def split_table(
+    params, data: int, tensor: int = 1
+) -> list[tuple[str, tuple[int, ...], int | None]]:
     """(leaf, shape, dimension split over `data` or None) for every parameter: what the
     sharded optimizer does with each (`--compile_only` prints the leaves kept whole)."""
     return [
-        (jax.tree_util.keystr(path), tuple(x.shape), data_split_dim(path, x.shape, data))
+        (jax.tree_util.keystr(path), tuple(x.shape), data_split_dim(path, x.shape, data, tensor))
         for path, x in jax.tree_util.tree_leaves_with_path(params)
     ]

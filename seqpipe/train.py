@@ -518,7 +518,7 @@ def compile_only(config: ConfigDict, devices: list | None = None) -> dict:
     peak = max(memory["total"], evaluation["total"])
     cfg = GPTConfig.from_config(config.model)
     flops_per_token = model.flops_per_token(cfg, t.seq_len)
-    split = sharding.split_table(state["params"], config.mesh.data)
+    split = sharding.split_table(state["params"], config.mesh.data, config.mesh.tensor)
     return {
         "mesh": {"data": config.mesh.data, "stage": config.mesh.stage, "tensor": config.mesh.tensor},
         "shard_optimizer": shard_optimizer,
