@@ -320,7 +320,9 @@ class SegmentUnit:
         run time (None) as in the executor; `depth`: with a run-time layer count."""
         spec = self.spec
         key = (spec.cfg, spec.remat, spec.lengths, self.seg, self.n, rows, first, self.split)
-        key += (depth,)
+        # The mesh being traced under: the vjp's avals carry it (with a `tensor` axis,
+        # a layout probed under one mesh does not rebuild under another).
+        key += (depth, jax.sharding.get_abstract_mesh())
         if key not in _LAYOUTS:
             _LAYOUTS[key] = _probe_layout(self, rows, first, depth)
         return _LAYOUTS[key]
