@@ -429,12 +429,12 @@ def mesh_sizes(mesh: ml_collections.ConfigDict, num_devices: int | None = None) 
         )
         return sizes
     (open_axis,) = open_axes
-    others = " * ".join(f"mesh.{a}" for a in (*MESH_AXES, "tensor") if a != open_axis)
+    (other,) = (axis for axis in MESH_AXES if axis != open_axis)
+    others = f"mesh.{other}={fixed}" if tensor == 1 else f"mesh.{other} * mesh.tensor = {fixed}"
     _require(
         num_devices % fixed == 0,
-        f"{others} = {fixed} does not divide the {num_devices} visible devices "
-        f"(mesh.{open_axis}=-1 takes what the others leave); change them to divide "
-        f"{num_devices}",
+        f"{others} does not divide the {num_devices} visible devices (mesh.{open_axis}=-1 "
+        f"takes what the others leave); change mesh.{other} to divide {num_devices}",
     )
     sizes[open_axis] = num_devices // fixed
     return sizes

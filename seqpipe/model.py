@@ -121,10 +121,33 @@ def num_params(params: Params) -> int:
     return sum(x.size for x in jax.tree.leaves(params))
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float = 1e-6) -> jax.Array:
+@jax.custom_vjp
+def rms_norm(x: jax.Array, weight: jax.Array) -> jax.Array:
+    """x / rms(x) * weight, computed in float32. Its backward keeps x (in its own dtype) and
+    the [..., 1] reciprocal rms, not float32 copies of x and of its normalised values (with
+    every residual kept, those were a third of a long-context layer's stash)."""
+    return _rms_norm_fwd(x, weight)[0]
+
+
+_RMS_EPS = 1e-6
+
+
+def _rms_norm_fwd(x, weight):
     x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (y * weight.astype(jnp.float32)).astype(x.dtype)
+    r = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + _RMS_EPS)
+    return (x32 * r * weight.astype(jnp.float32)).astype(x.dtype), (x, r, weight)
+
+
+def _rms_norm_bwd(saved, dy):
+    x, r, weight = saved
+    n = x.astype(jnp.float32) * r  # the normalised x
+    dn = dy.astype(jnp.float32) * weight.astype(jnp.float32)
+    dx = r * (dn - n * jnp.mean(dn * n, axis=-1, keepdims=True))
+    dw = jnp.sum(dy.astype(jnp.float32) * n, axis=tuple(range(x.ndim - 1)))
+    return dx.astype(x.dtype), dw.astype(weight.dtype)
+
+
+rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
 GELU_SCOPE = "gelu"  # marks its equations for `flops.breakdown` (see attention.NAME_SCOPE)
@@ -187,17 +210,27 @@ def layer(
     p = jax.tree.map(lambda w: w.astype(cfg.dtype), p)
     inputs = {}
 
+    t = cfg.tensor
+
+    def tap(name, y):
+        return y if taps is None else y + taps[name]
+
     def mm(name, a):
         spec, input_name = MATMULS[name]
         inputs[input_name] = a
-        y = jnp.einsum(spec, a, p[name])
-        return y if taps is None else y + taps[name]
+        return tap(name, jnp.einsum(spec, a, p[name]))
 
-    t = cfg.tensor
-    h_BxQxD = tensor.gather(rms_norm(x_BxQxD, p["attn_norm"]), t)
-    q = rope(mm("wq", h_BxQxD), offset, cfg.rope_base)
-    k_seg = rope(mm("wk", h_BxQxD), offset, cfg.rope_base)
-    v_seg = mm("wv", h_BxQxD)
+    def column_parallel(names, h_local):
+        """The matmuls `names` of the whole segment, gathered from this device's positions."""
+        if t == 1:
+            return [mm(name, h_local) for name in names]
+        h, ys = _gathered_matmuls(h_local, tuple(p[n] for n in names), names, t)
+        inputs[MATMULS[names[0]][1]] = h
+        return [tap(name, y) for name, y in zip(names, ys, strict=True)]
+
+    q, k_seg, v_seg = column_parallel(("wq", "wk", "wv"), rms_norm(x_BxQxD, p["attn_norm"]))
+    q = rope(q, offset, cfg.rope_base)
+    k_seg = rope(k_seg, offset, cfg.rope_base)
     attn_BxQxHxE = attend(
         cfg.attention,
         q,
@@ -207,12 +240,28 @@ def layer(
         v_seg,
     )
     x_BxQxD = x_BxQxD + tensor.scatter(mm("wo", attn_BxQxHxE), t)
-    h_BxQxD = tensor.gather(rms_norm(x_BxQxD, p["mlp_norm"]), t)
-    ff_BxQxF = gelu(mm("w_in", h_BxQxD))
+    (ff_BxQxF,) = column_parallel(("w_in",), rms_norm(x_BxQxD, p["mlp_norm"]))
+    ff_BxQxF = gelu(ff_BxQxF)
     x_BxQxD = x_BxQxD + tensor.scatter(mm("w_out", ff_BxQxF), t)
     if taps is None:
         return x_BxQxD, k_seg, v_seg
     return x_BxQxD, k_seg, v_seg, inputs
+
+
+def _gathered_matmuls(h_local, weights, names, t: int):
+    """(the gathered segment, its matmuls by `names`) from this device's positions. Under
+    a checkpoint that saves nothing, so that a backward keeps h_local, 1/t of the gathered
+    input the matmuls' transposes read, and gathers it again (Megatron-LM's sequence
+    parallelism); the matmuls themselves are not recomputed: their transposes need only
+    the gathered input."""
+
+    def run(h_local, weights):
+        h = tensor.gather(h_local, t)
+        return h, tuple(
+            jnp.einsum(MATMULS[n][0], h, w) for n, w in zip(names, weights, strict=True)
+        )
+
+    return jax.checkpoint(run, policy=jax.checkpoint_policies.nothing_saveable)(h_local, weights)
 
 
 def matmul_shapes(cfg: GPTConfig, lead: tuple[int, ...]) -> tuple[dict, dict]:

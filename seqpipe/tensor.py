@@ -83,7 +83,9 @@ def embed(table_VxD: jax.Array, tokens_BxQ: jax.Array, tensor: int) -> jax.Array
     local = tokens_BxQ - index(tensor) * rows
     mine = (local >= 0) & (local < rows)
     found = table_VxD[jnp.clip(local, 0, rows - 1)]
-    return scatter(jnp.where(mine[..., None], found, 0), tensor)
+    # A multiply by a [b, Q, 1] mask, not a where: its backward keeps the mask, not a
+    # [b, Q, D] one.
+    return scatter(found * mine[..., None].astype(found.dtype), tensor)
 
 
 def psum(x, tensor: int):
