@@ -423,18 +423,19 @@ def mesh_sizes(mesh: ml_collections.ConfigDict, num_devices: int | None = None) 
     if not open_axes:
         _require(
             fixed == num_devices,
-            f"mesh.data * mesh.stage * mesh.tensor = {fixed} but {num_devices} devices are "
-            "visible; set the mesh axes so their product matches, or mesh.data or mesh.stage "
-            "to -1",
+            f"{'mesh.data * mesh.stage' + (' * mesh.tensor' if tensor > 1 else '')} = "
+            f"{fixed} but {num_devices} devices are visible; set the mesh axes so their "
+            "product matches, or mesh.data or mesh.stage to -1",
         )
         return sizes
     (open_axis,) = open_axes
     (other,) = (axis for axis in MESH_AXES if axis != open_axis)
-    others = f"mesh.{other}={fixed}" if tensor == 1 else f"mesh.{other} * mesh.tensor = {fixed}"
+    named = f"mesh.{other}" if tensor == 1 else f"mesh.{other} * mesh.tensor"
     _require(
         num_devices % fixed == 0,
-        f"{others} does not divide the {num_devices} visible devices (mesh.{open_axis}=-1 "
-        f"takes what the others leave); change mesh.{other} to divide {num_devices}",
+        f"{named}{'=' if tensor == 1 else ' = '}{fixed} does not divide the {num_devices} "
+        f"visible devices (mesh.{open_axis}=-1 takes what {named} leaves); set {named} to a "
+        f"divisor of {num_devices}",
     )
     sizes[open_axis] = num_devices // fixed
     return sizes

@@ -7,12 +7,15 @@ The default run takes an all-pairs sample of schedule x mesh x segments x remat;
 `make test-all` runs the whole product.
 """
 
+import subprocess
+import sys
+
 import jax
 import numpy as np
 import pytest
 from pairwise import all_pairs, full_product
 from test_pipeline import SEQ_LEN, check_against_reference, make_config, microbatch_count
-from test_train import PIPELINED, tiny_config
+from test_train import PIPELINED, REPO, subprocess_env, tiny_args, tiny_config
 
 from seqpipe import config as config_lib
 from seqpipe import hlo, model, pipeline, sharding, tensor, train
@@ -168,3 +171,25 @@ def test_a_run_resumes_across_tensor_meshes(tmp_path):
     np.testing.assert_allclose(
         [r["loss"] for r in resumed], [r["loss"] for r in straight], rtol=1e-5
     )
+
+
+def test_verify_checks_a_tensor_parallel_pipeline(tmp_path):
+    """`python -m seqpipe.verify --config.mesh.tensor=2`: the configured pipeline on a
+    1 x 2 x 2 mesh against the reference, on a real batch."""
+    overrides = {
+        **PIPELINED,
+        "mesh.data": "1",
+        "mesh.stage": "2",
+        "mesh.tensor": "2",
+        "data.cache_dir": str(tmp_path / "cache"),
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "seqpipe.verify", *tiny_args(**overrides)],
+        cwd=REPO,
+        env=subprocess_env(devices=4),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip().endswith("OK")
