@@ -18,7 +18,7 @@ from test_pipeline import SEQ_LEN, check_against_reference, make_config, microba
 from test_train import PIPELINED, REPO, subprocess_env, tiny_args, tiny_config
 
 from seqpipe import config as config_lib
-from seqpipe import hlo, model, pipeline, sharding, tensor, train
+from seqpipe import hlo, model, optim, pipeline, sharding, tensor, train
 from seqpipe import schedule as schedule_lib
 
 SCHEDULES = schedule_lib.SCHEDULES
@@ -193,3 +193,27 @@ def test_verify_checks_a_tensor_parallel_pipeline(tmp_path):
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.strip().endswith("OK")
+
+
+def test_the_sharded_optimizer_halves_moments_on_two_replicas_with_tensor_split():
+    """On 2 x 2 x 2, every weight's moments are split over tensor (by the weight's own
+    split) and over the two replicas (another dimension): optimizer bytes per device halve
+    with train.shard_optimizer=on, and the parameters stay whole on each replica."""
+    sizes = {}
+    for mode in ("off", "on"):
+        c = tensor_config("seq1f1b", (2, 2, 2), 2, "full")
+        c.train.shard_optimizer = mode
+        mesh = sharding.mesh_of(c)
+        state = train.abstract_state(c, mesh, optim.make_optimizer(c.train))
+        sizes[mode] = {k: train._bytes_per_device(v) for k, v in state.items()}
+        moments = [
+            x.sharding.spec
+            for path, x in jax.tree_util.tree_leaves_with_path(state["opt_state"])
+            if jax.tree_util.keystr(path).endswith("['layers']['wq']")
+        ]
+        assert len(moments) == 2  # Adam's two
+        for spec in moments:
+            assert spec[0] == sharding.STAGE and spec[2] == sharding.TENSOR
+            assert (sharding.DATA in spec) == (mode == "on")
+    assert sizes["on"]["params"] == sizes["off"]["params"]
+    assert sizes["on"]["opt_state"] * 2 == pytest.approx(sizes["off"]["opt_state"], rel=0.01)
