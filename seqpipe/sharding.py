@@ -28,7 +28,17 @@ def make_mesh(
     """
     devices = list(jax.devices() if devices is None else devices)[: data * stage * tensor]
     auto = (jax.sharding.AxisType.Auto,) * 3
-    return jax.make_mesh((data, stage, tensor), AXES, axis_types=auto, devices=devices)
+    try:
+        return jax.make_mesh((data, stage, tensor), AXES, axis_types=auto, devices=devices)
+    except NotImplementedError:
+        # A TPU torus whose axes do not factor into these sizes (tensor 8 on 4x4x4):
+        # split a physical axis rather than refuse.
+        from jax.experimental import mesh_utils
+
+        grid = mesh_utils.create_device_mesh(
+            (data, stage, tensor), devices, allow_split_physical_axes=True
+        )
+        return Mesh(grid, AXES, axis_types=auto)
 
 
 def mesh_of(config, devices: Sequence[jax.Device] | None = None) -> Mesh:

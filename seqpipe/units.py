@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from seqpipe import model
+from seqpipe import model, tensor
 from seqpipe.model import Params
 from seqpipe.spec import PipelineSpec
 
@@ -342,6 +342,7 @@ def _probe_layout(unit: SegmentUnit, rows: int, first, depth: bool) -> ResidualL
         return stored
 
     sds = jax.ShapeDtypeStruct
+    probe = tensor.bound(probe, unit.spec.tensor)
     jax.eval_shape(probe, *unit.avals(rows)[:6], sds((), jnp.bool_), sds((), jnp.int32))
     return found[0]
 

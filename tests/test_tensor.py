@@ -217,3 +217,17 @@ def test_the_sharded_optimizer_halves_moments_on_two_replicas_with_tensor_split(
             assert (sharding.DATA in spec) == (mode == "on")
     assert sizes["on"]["params"] == sizes["off"]["params"]
     assert sizes["on"]["opt_state"] * 2 == pytest.approx(sizes["off"]["opt_state"], rel=0.01)
+
+
+def test_each_tensor_device_carries_its_share_of_the_buffers():
+    """Messages, stashed inputs and head cotangents hold 1/t of a segment's positions, the
+    K/V buffers 1/t of the heads (from the spec alone, outside the step)."""
+    from seqpipe import carry
+
+    sizes = {}
+    for t in (1, 2, 4):
+        c = tensor_config("seq1f1b", (1, 2, t), 4, "full")
+        sizes[t] = carry.of_spec(pipeline.make_spec(c), 2).nbytes()
+    for t in (2, 4):
+        for field in ("recv_fwd", "recv_bwd", "saved", "head_dy", "kv_k", "dkv_v"):
+            assert sizes[t][field] * t == sizes[1][field], field
