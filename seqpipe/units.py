@@ -106,7 +106,14 @@ class RecomputeInput:
 
 class KeepResiduals:
     """Keep the body's vjp residuals (what the per-layer checkpoint policy leaves), less
-    what the backward re-reads. Their shapes differ by segment: one stash per segment."""
+    what the backward re-reads. Their shapes may differ by segment (a prefix-shaped
+    residual, unequal segments): then one stash per segment; where every segment keeps
+    the same shapes (equal segments, attention that keeps nothing prefix-shaped), one
+    stash `shared` by all, as the input stash is: the schedule's stash slots, fewer in all
+    than a pool per segment, and one conditional per tick instead of one per segment."""
+
+    def __init__(self, shared: bool = False):
+        self.shared = shared
 
     def forward(self, unit, body, params, x_in, k_prefix, v_prefix, first, depth):
         outputs, layout, stored = _split_forward(unit, body, params, x_in, k_prefix, v_prefix)
@@ -123,27 +130,40 @@ class KeepResiduals:
         layout = unit.layout(rows, _static(first), depth is not None)
         return None, unit.pull(layout.rebuild(saved, (*params, k_prefix, v_prefix)), cotangents)
 
-    slot_fields = ("fwd_res", "bwd_res")
+    @property
+    def slot_fields(self) -> tuple[str, str]:
+        return ("fwd_stash", "bwd_stash") if self.shared else ("fwd_res", "bwd_res")
+
     # Only the running segment's residuals are read, inside its branch: read outside,
     # each tick would copy a slot of them.
     read_before_branching = False
 
     def slot_counts(self, program) -> tuple[int, ...]:
-        return program.num_res
+        return (program.num_stash,) if self.shared else program.num_res
 
     def saved_avals(self, unit, rows: int, first=None, depth: bool = False) -> tuple:
         return unit.layout(rows, first, depth).stored
 
     def group(self, seg: int) -> int:
-        return seg
-
-
-STRATEGIES = {False: RecomputeInput(), True: KeepResiduals()}  # by Policy.keeps_residuals
+        return 0 if self.shared else seg
 
 
 def strategy(spec: PipelineSpec):
-    """The remat strategy of a spec's policy."""
-    return STRATEGIES[spec.policy.keeps_residuals]
+    """The remat strategy of a spec's policy (`KeepResiduals` shared where it can be)."""
+    if not spec.policy.keeps_residuals:
+        return RecomputeInput()
+    key = (spec.cfg, spec.remat, spec.lengths, spec.chunk_layers, spec.schedule.split)
+    key += (spec.uneven, jax.sharding.get_abstract_mesh())
+    if key not in _SHARED:
+        stored = {
+            SegmentUnit(spec, k).layout(1, None, spec.uneven).stored
+            for k in range(spec.segments)
+        }
+        _SHARED[key] = len(stored) == 1
+    return KeepResiduals(shared=_SHARED[key])
+
+
+_SHARED: dict = {}  # what `strategy` depends on -> whether the segments share a stash
 
 
 @dataclasses.dataclass(frozen=True)
