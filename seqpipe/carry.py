@@ -18,7 +18,8 @@ which slot each tick reads and writes (`schedule.lower` allocates them):
 Letters: b micro-batch rows, n layers per chunk, Lseg the longest segment, L_k segment k's
 length, Lkv the cached prefix (`PipelineSpec.kv_len`), H heads of width E, V chunks per
 stage. With tensor parallelism over t devices a device holds Lseg/t and L_k/t of the
-positions in messages, stashed inputs and head_dy, and H/t heads in the K/V buffers. A slot count of 0 still allocates one slot (an idle phase reads it), except in an
+positions in messages, stashed inputs and head_dy, and H/t heads in the K/V buffers.
+A slot count of 0 still allocates one slot (an idle phase reads it), except in an
 evaluation's carry, which has no backward buffers at all.
 """
 

@@ -68,9 +68,7 @@ def count_collectives(hlo_text: str) -> dict[str, int]:
 
 
 # `replica_groups={{0,1},{2,3}}`, or the iota form `replica_groups=[4,2]<=[2,4]T(1,0)`.
-_GROUPS = re.compile(
-    r"replica_groups=(\{\{[\d,{}\s]*\}\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)"
-)
+_GROUPS = re.compile(r"replica_groups=(\{\{[\d,{}\s]*\}\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)")
 
 
 def _parse_groups(text: str) -> frozenset[frozenset[int]]:

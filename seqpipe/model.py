@@ -370,9 +370,7 @@ def head_loss_sum(params: Params, x_BxQxD: jax.Array, targets_BxQ: jax.Array, cf
     tensor parallelism x holds this device's positions, targets the whole segment's."""
     h_BxQxD = rms_norm(x_BxQxD, params["final_norm"].astype(cfg.dtype))
     h_BxQxD = tensor.gather(h_BxQxD, cfg.tensor)
-    return chunked_xent(
-        h_BxQxD, params["head"], targets_BxQ, cfg.dtype, cfg.loss_chunk, cfg.tensor
-    )
+    return chunked_xent(h_BxQxD, params["head"], targets_BxQ, cfg.dtype, cfg.loss_chunk, cfg.tensor)
 
 
 def _chunks(h_BxQxD, targets_BxQ, chunk: int):

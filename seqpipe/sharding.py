@@ -79,9 +79,9 @@ def data_split_dim(path, shape: Sequence[int], data: int, tensor: int = 1) -> in
     """The dimension of a parameter-shaped leaf (a gradient, an Adam moment) that the
     sharded optimizer splits over `data`: the largest one `data` divides (the first of
     equals), never a layer leaf's layer axis, which `stage` splits, nor with `tensor` > 1
-    the dimension `tensor` splits. None (the leaf stays whole on every replica) with one replica, for
-    scalars (optax's counts) and for a leaf no dimension of which `data` divides (say a
-    norm gain of 50 on 4 replicas)."""
+    the dimension `tensor` splits. None (the leaf stays whole on every replica) with one
+    replica, for scalars (optax's counts) and for a leaf no dimension of which `data`
+    divides (say a norm gain of 50 on 4 replicas)."""
     if data == 1:
         return None
     first = 1 if in_layers(path) else 0

@@ -520,7 +520,7 @@ def compile_only(config: ConfigDict, devices: list | None = None) -> dict:
     flops_per_token = model.flops_per_token(cfg, t.seq_len)
     split = sharding.split_table(state["params"], config.mesh.data, config.mesh.tensor)
     return {
-        "mesh": {"data": config.mesh.data, "stage": config.mesh.stage, "tensor": config.mesh.tensor},
+        "mesh": {axis: config.mesh[axis] for axis in ("data", "stage", "tensor")},
         "shard_optimizer": shard_optimizer,
         # From the shardings: each part of the train state (the step's arguments) per device.
         "state_bytes_per_device": {k: _bytes_per_device(v) for k, v in state.items()},

@@ -156,8 +156,7 @@ def strategy(spec: PipelineSpec):
     key += (spec.uneven, jax.sharding.get_abstract_mesh())
     if key not in _SHARED:
         stored = {
-            SegmentUnit(spec, k).layout(1, None, spec.uneven).stored
-            for k in range(spec.segments)
+            SegmentUnit(spec, k).layout(1, None, spec.uneven).stored for k in range(spec.segments)
         }
         _SHARED[key] = len(stored) == 1
     return KeepResiduals(shared=_SHARED[key])
