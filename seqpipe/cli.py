@@ -197,6 +197,17 @@ def init_distributed(args: argparse.Namespace) -> None:
         jax.distributed.initialize()
 
 
+def no_tensor_or_exit(config, tool: str) -> None:
+    """The benchmarks time units and steps on devices of their own, one stage each: a
+    tensor-parallel stage is not one of those, so it is refused in one line."""
+    if config.mesh.tensor > 1:
+        fail(
+            f"{tool} measures stages of one device each; mesh.tensor={config.mesh.tensor} "
+            "is not supported there: set mesh.tensor=1 (train.py --compile_only measures "
+            "a tensor-parallel step's memory)"
+        )
+
+
 def run_or_exit(fn: Callable[[], T]) -> T:
     """Run fn; a config, data, workdir or restore error becomes one line on stderr and exit
     code 2 (each is raised before any training step)."""

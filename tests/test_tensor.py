@@ -231,3 +231,14 @@ def test_each_tensor_device_carries_its_share_of_the_buffers():
     for t in (2, 4):
         for field in ("recv_fwd", "recv_bwd", "saved", "head_dy", "kv_k", "dkv_v"):
             assert sizes[t][field] * t == sizes[1][field], field
+
+
+@pytest.mark.parametrize("module", ["seqpipe.tools.bench", "seqpipe.tools.accel"])
+def test_the_benchmarks_refuse_a_tensor_parallel_mesh_in_one_line(module, capsys):
+    import importlib
+
+    with pytest.raises(SystemExit) as exit_:
+        importlib.import_module(module).main(["--quick", "--config.mesh.tensor=2"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "mesh.tensor=2 is not supported there" in err
