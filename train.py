@@ -53,16 +53,23 @@ def main(argv: list[str]) -> int:
     from seqpipe import train
 
     if args.compile_only:
-        if tpu_slice is None:
-            result = cli.run_or_exit(lambda: train.compile_only(config))
-        else:
-            from seqpipe import topology
+        import jax
 
-            try:
-                devices = topology.devices(tpu_slice)
-            except topology.TopologyError as e:
-                cli.fail(str(e))
-            result = cli.run_or_exit(lambda: train.compile_only(config, devices))
+        try:
+            if tpu_slice is None:
+                result = cli.run_or_exit(lambda: train.compile_only(config))
+            else:
+                from seqpipe import topology
+
+                try:
+                    devices = topology.devices(tpu_slice)
+                except topology.TopologyError as e:
+                    cli.fail(str(e))
+                result = cli.run_or_exit(lambda: train.compile_only(config, devices))
+        except jax.errors.JaxRuntimeError as e:  # the compiler's verdict, not a crash
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            cli.fail(f"does not fit: {str(e).splitlines()[0]}", code=1)
             result.update(topology.report(tpu_slice, result["peak_memory_per_device_bytes"]))
         print(summary(result))
         print(json.dumps(result))

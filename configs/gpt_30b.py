@@ -1,10 +1,10 @@
 """The paper's 30B: 64 layers, d_model 6144, 64 heads, d_ff 24576, about 29.6B parameters,
 sequences of 65536 tokens.
 
-Seq1F1B over 8 stages, 16 micro-batches of one sequence, 4 segments each: the paper's
-headline run, which also splits every stage 8 ways by tensor parallelism (64 devices) and
-needs O(L)-memory attention at 64k; neither is in seqpipe yet (README: the 7B and 30B
-shapes). With more than one data replica set train.global_batch_size=16 * mesh.data.
+Seq1F1B over 8 stages, 16 micro-batches of one sequence, 4 segments each, every stage
+split 8 ways by tensor parallelism: the paper's headline run on 64 devices (README: the
+7B and 30B shapes). With more than one data replica set
+train.global_batch_size=16 * mesh.data.
 """
 
 from seqpipe.config import base_config
@@ -21,7 +21,7 @@ def get_config():
         dtype="bfloat16",
         param_dtype="float32",
     )
-    c.mesh.update(data=-1, stage=8)
+    c.mesh.update(data=-1, stage=8, tensor=8)
     c.pipeline.update(schedule="seq1f1b", microbatches=16, segments=4, inflight="full")
     c.train.update(
         steps=20000,

@@ -5,7 +5,8 @@ Seq1F1B over 8 stages, 16 micro-batches of 4 segments each. The global batch of 
 micro-batches of one sequence per replica on 32 devices (4 x 8, the paper's count); with
 fewer replicas each micro-batch holds more sequences. The optimizer state is split over
 the replicas (train.shard_optimizer=auto). Fitting 32k tokens per micro-batch in 80 GB
-also needs tensor parallelism and O(L)-memory attention (README: the 7B and 30B shapes).
+also needs tensor parallelism (mesh.tensor, e.g. 1 x 4 x 8) and O(L)-memory attention
+(README: the 7B and 30B shapes).
 """
 
 from seqpipe.config import base_config

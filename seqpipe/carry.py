@@ -17,7 +17,9 @@ which slot each tick reads and writes (`schedule.lower` allocates them):
 
 Letters: b micro-batch rows, n layers per chunk, Lseg the longest segment, L_k segment k's
 length, Lkv the cached prefix (`PipelineSpec.kv_len`), H heads of width E, V chunks per
-stage. A slot count of 0 still allocates one slot (an idle phase reads it), except in an
+stage. With tensor parallelism over t devices a device holds Lseg/t and L_k/t of the
+positions in messages, stashed inputs and head_dy, and H/t heads in the K/V buffers.
+A slot count of 0 still allocates one slot (an idle phase reads it), except in an
 evaluation's carry, which has no backward buffers at all.
 """
 
@@ -67,8 +69,8 @@ def abstract(spec, rows: int, layers_VxN, shared) -> Carry:
     def slots(count, aval):
         return sds((max(count, 1),) + aval.shape, aval.dtype)
 
-    msg = sds((rows, spec.seg_max, cfg.d_model), act)
-    kv = sds((spec.chunk_layers, rows, spec.kv_len, cfg.num_heads, cfg.head_dim), act)
+    msg = sds((rows, spec.msg_len, cfg.d_model), act)
+    kv = sds((spec.chunk_layers, rows, spec.kv_len, cfg.local_heads, cfg.head_dim), act)
     like = lambda tree: jax.tree.map(lambda x: sds(x.shape, x.dtype), tree)  # noqa: E731
     if spec.forward_only:  # an evaluation keeps nothing for a backward
         none = lambda aval: sds((0,) + aval.shape, aval.dtype)  # noqa: E731
@@ -116,7 +118,7 @@ def abstract(spec, rows: int, layers_VxN, shared) -> Carry:
 def of_spec(spec, rows: int) -> Carry:
     """The carry of any stage of `spec` (all have the same shapes), from the spec alone."""
     sds = jax.ShapeDtypeStruct
-    shapes = jax.eval_shape(lambda: model.init_params(spec.cfg, jax.random.key(0)))
+    shapes = model.param_shapes(spec.cfg)
     chunks = (spec.virtual, spec.chunk_layers)
     layers = jax.tree.map(lambda x: sds(chunks + x.shape[1:], x.dtype), shapes["layers"])
     shared = {k: x for k, x in shapes.items() if k != "layers"}

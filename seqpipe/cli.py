@@ -80,6 +80,7 @@ def load_or_exit(argv: list[str], prog: str, add_flags: Callable | None = None):
         fail(str(e))
     # On CPU the devices are made to fit the mesh: an axis at -1 gets 1.
     devices = math.prod(n for n in (config.mesh.data, config.mesh.stage) if n != -1)
+    devices *= config.mesh.get("tensor", 1)
     processes = getattr(args, "num_processes", None) or 1
     if devices % processes:
         fail(f"--num_processes {processes} does not divide the mesh's {devices} devices")
@@ -194,6 +195,17 @@ def init_distributed(args: argparse.Namespace) -> None:
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     else:
         jax.distributed.initialize()
+
+
+def no_tensor_or_exit(config, tool: str) -> None:
+    """The benchmarks time units and steps on devices of their own, one stage each: a
+    tensor-parallel stage is not one of those, so it is refused in one line."""
+    if config.mesh.tensor > 1:
+        fail(
+            f"{tool} measures stages of one device each; mesh.tensor={config.mesh.tensor} "
+            "is not supported there: set mesh.tensor=1 (train.py --compile_only measures "
+            "a tensor-parallel step's memory)"
+        )
 
 
 def run_or_exit(fn: Callable[[], T]) -> T:

@@ -15,7 +15,7 @@ import ml_collections
 from seqpipe import remat, schedule  # pure Python and NumPy: cheap
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
-MESH_AXES = ("data", "stage")
+MESH_AXES = ("data", "stage")  # the axes that may be -1; mesh.tensor is always a size
 SCHEDULES = ("none", *schedule.SCHEDULES)  # "none": no pipeline (mesh.stage = 1)
 PARTITIONS = ("uniform", "flops")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -142,6 +142,7 @@ SCHEMA = {
     "data.cache_dir": Key(str),
     "data.tokenizer_path": Key(str),
     "data.allow_source_change": Key(bool),
+    "mesh.tensor": _POSITIVE_INT,
 }
 OWN_RULES = ("mesh.data", "mesh.stage", "pipeline.inflight", "train.inject_nan_at")
 
@@ -166,7 +167,9 @@ def base_config() -> ml_collections.ConfigDict:
         # (`model.head_loss_sum`); 0: one chunk.
         loss_chunk=8192,
     )
-    c.mesh = dict(data=1, stage=1)
+    # tensor: devices each stage's layers, embedding and head are split over (Megatron-style
+    # tensor parallelism with sequence parallelism, `seqpipe.tensor`).
+    c.mesh = dict(data=1, stage=1, tensor=1)
     # Not type-safe: `inflight` is a name or an integer (validate checks every key's type).
     c.pipeline = ml_collections.ConfigDict(type_safe=False)
     c.pipeline.update(
@@ -339,6 +342,13 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         f"model.d_model / model.num_heads = {m.d_model // m.num_heads} must be even for rotary "
         "embeddings; change model.num_heads",
     )
+    tensor = mesh.tensor
+    for key, size in (("num_heads", m.num_heads), ("d_ff", m.d_ff), ("vocab_size", m.vocab_size)):
+        _require(
+            size % tensor == 0,
+            f"model.{key}={size} is not divisible by mesh.tensor={tensor}, which splits it; "
+            "change one of them",
+        )
     # An axis still at -1 skips the checks that need its size.
     sizes = mesh_sizes(mesh, num_devices)
     data, stage = sizes["data"], sizes["stage"]
@@ -394,9 +404,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
 
 
 def mesh_sizes(mesh: ml_collections.ConfigDict, num_devices: int | None = None) -> dict:
-    """{'data': d, 'stage': s} with an axis at -1 given the devices the other leaves, when
-    num_devices is known (else it stays -1); ConfigError if no split of the devices fits."""
+    """{'data': d, 'stage': s} with an axis at -1 given the devices the other leaves (and
+    mesh.tensor) when num_devices is known (else it stays -1); ConfigError if no split of
+    the devices fits."""
     sizes = {axis: mesh[axis] for axis in MESH_AXES}
+    tensor = mesh.get("tensor", 1)
     for axis, size in sizes.items():
         _require(
             isinstance(size, int) and not isinstance(size, bool) and (size >= 1 or size == -1),
@@ -411,24 +423,32 @@ def mesh_sizes(mesh: ml_collections.ConfigDict, num_devices: int | None = None) 
     )
     if num_devices is None:
         return sizes
-    fixed = math.prod(size for size in sizes.values() if size != -1)
+    fixed = math.prod(size for size in sizes.values() if size != -1) * tensor
     if not open_axes:
         _require(
             fixed == num_devices,
-            f"mesh.data * mesh.stage = {fixed} but {num_devices} devices are visible; set "
-            "mesh.data and mesh.stage so their product matches, or one of them to -1",
+            f"{'mesh.data * mesh.stage' + (' * mesh.tensor' if tensor > 1 else '')} = "
+            f"{fixed} but {num_devices} devices are visible; set the mesh axes so their "
+            "product matches, or mesh.data or mesh.stage to -1",
         )
         return sizes
     (open_axis,) = open_axes
     (other,) = (axis for axis in MESH_AXES if axis != open_axis)
+    named = f"mesh.{other}" if tensor == 1 else f"mesh.{other} * mesh.tensor"
     _require(
         num_devices % fixed == 0,
-        f"mesh.{other}={fixed} does not divide the {num_devices} visible devices "
-        f"(mesh.{open_axis}=-1 takes what mesh.{other} leaves); set mesh.{other} to a divisor "
-        f"of {num_devices}",
+        f"{named}{'=' if tensor == 1 else ' = '}{fixed} does not divide the {num_devices} "
+        f"visible devices (mesh.{open_axis}=-1 takes what {named} leaves); set {named} to a "
+        f"divisor of {num_devices}",
     )
     sizes[open_axis] = num_devices // fixed
     return sizes
+
+
+def segment_multiple(config: ml_collections.ConfigDict) -> int:
+    """What every segment length is a multiple of: `pipeline.partition_multiple`, and the
+    tensor devices, which split each segment's positions evenly."""
+    return math.lcm(config.pipeline.partition_multiple, config.mesh.get("tensor", 1))
 
 
 def shards_optimizer(config: ml_collections.ConfigDict) -> bool:
@@ -482,7 +502,7 @@ def _validate_pipeline(config: ml_collections.ConfigDict, stages: int) -> None:
             config.train.seq_len,
             p.segments,
             p.partition,
-            multiple=p.partition_multiple,
+            multiple=segment_multiple(config),
             **partition.model_dims(m),
         )
     except ValueError as e:
@@ -491,6 +511,8 @@ def _validate_pipeline(config: ml_collections.ConfigDict, stages: int) -> None:
             f"pipeline.partition={p.partition}, pipeline.partition_multiple="
             f"{p.partition_multiple}"
         )
+        if config.mesh.tensor > 1:  # each segment splits evenly over the tensor devices
+            setting += f", mesh.tensor={config.mesh.tensor}"
         raise ConfigError(f"{setting}: {e}; change one of these keys") from None
     try:
         schedule.build(p.schedule, stages, p.microbatches, p.segments, p.virtual_stages, p.inflight)

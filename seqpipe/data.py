@@ -463,8 +463,8 @@ def rows_by_process(
             where = ", ".join(f"[{a}, {b})" for a, b in runs)
             raise DataError(
                 f"process {process} holds rows {where} of each global batch of {batch_size} "
-                f"under the {replicas} x {mesh.shape[sharding.STAGE]} mesh: not one contiguous "
-                "range, which the data loader cannot read; choose mesh.data and mesh.stage so "
+                f"under the {' x '.join(str(n) for n in mesh.shape.values())} mesh: not one "
+                "contiguous range, which the data loader cannot read; choose the mesh axes so "
                 "each process's devices hold adjacent data indices"
             )
         by_process[process] = slice(*runs[0])
@@ -487,9 +487,9 @@ def local_rows(config, mesh: jax.sharding.Mesh) -> slice:
     rows = rows_by_process(mesh, config.train.global_batch_size)
     if jax.process_index() not in rows:
         raise DataError(
-            f"process {jax.process_index()} holds no device of the {mesh.shape[sharding.DATA]} "
-            f"x {mesh.shape[sharding.STAGE]} mesh; make mesh.data * mesh.stage the global "
-            "device count"
+            f"process {jax.process_index()} holds no device of the "
+            f"{' x '.join(str(n) for n in mesh.shape.values())} mesh; make mesh.data * "
+            "mesh.stage * mesh.tensor the global device count"
         )
     return rows[jax.process_index()]
 

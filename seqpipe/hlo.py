@@ -4,7 +4,10 @@ Used by `--compile_only` (the collectives a program holds), `seqpipe.tools.memor
 copies per tick) and the tests (what the loop sends).
 """
 
+import math
 import re
+
+import numpy as np
 
 COLLECTIVES = ("all-reduce", "all-gather", "collective-permute", "all-to-all", "reduce-scatter")
 # `%name = shape op(...)`: the op follows a space (the name after `%` never does). An async
@@ -62,3 +65,34 @@ def count_collectives(hlo_text: str) -> dict[str, int]:
     for match in _OP.finditer(hlo_text):
         counts[match[1]] += 1
     return counts
+
+
+# `replica_groups={{0,1},{2,3}}`, or the iota form `replica_groups=[4,2]<=[2,4]T(1,0)`.
+_GROUPS = re.compile(r"replica_groups=(\{\{[\d,{}\s]*\}\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)")
+
+
+def _parse_groups(text: str) -> frozenset[frozenset[int]]:
+    if text.startswith("{"):
+        return frozenset(
+            frozenset(int(d) for d in g.split(",") if d.strip())
+            for g in re.findall(r"\{([\d,\s]*)\}", text[1:-1])
+        )
+    shape, dims, *perm = re.findall(r"[\[(]([\d,]+)[\])]", text)
+    ids = np.arange(math.prod(int(d) for d in dims.split(",")))
+    ids = ids.reshape([int(d) for d in dims.split(",")])
+    if perm:
+        ids = ids.transpose([int(d) for d in perm[0].split(",")])
+    ids = ids.reshape([int(d) for d in shape.split(",")])
+    return frozenset(frozenset(int(d) for d in row) for row in ids)
+
+
+def collective_groups(hlo_text: str) -> list[tuple[str, frozenset[frozenset[int]]]]:
+    """(op, its device groups) of each collective with replica groups in the text (the
+    collective permutes, which have source-target pairs instead, are left out)."""
+    out = []
+    for line in hlo_text.splitlines():
+        op = _OP.search(line)
+        groups = _GROUPS.search(line)
+        if op and groups:
+            out.append((op[1], _parse_groups(groups[1])))
+    return out

@@ -123,10 +123,11 @@ def _jitted_leaves(leaf_fn, leaves, placement: Placement):
 
 def _resized(sharding, length: int):
     """A layer leaf's sharding at another length (padding added or dropped): split over
-    `stage` in blocks where the length divides, else whole on every device (a canonical
-    stack of, say, 22 layers on 8 stages; only checkpoints hold one)."""
+    `stage` in blocks where the length divides, else its layer axis whole on every stage
+    (a canonical stack of, say, 22 layers on 8 stages; only checkpoints hold one); its
+    other dimensions keep their split."""
     if isinstance(sharding, NamedSharding) and length % sharding.mesh.shape[STAGE]:
-        return NamedSharding(sharding.mesh, P())
+        return NamedSharding(sharding.mesh, P(None, *sharding.spec[1:]))
     return sharding
 
 

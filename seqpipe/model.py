@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from seqpipe import tensor
 from seqpipe.attention import attend, rope
 
 Params = dict[str, Any]
@@ -35,10 +36,18 @@ class GPTConfig:
     init_std: float = 0.02
     attention: str = "auto"  # a name in attention.IMPLEMENTATIONS
     loss_chunk: int = 0  # tokens per cross-entropy chunk (`head_loss_sum`); 0: one chunk
+    # Devices each layer, the embedding and the head are split over (`seqpipe.tensor`);
+    # the pipeline's functions run per device with 1/tensor of the split dimensions.
+    tensor: int = 1
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.num_heads
+
+    @property
+    def local_heads(self) -> int:
+        """Attention heads on one tensor device."""
+        return self.num_heads // self.tensor
 
     @classmethod
     def from_config(cls, model_cfg) -> "GPTConfig":
@@ -80,14 +89,65 @@ def init_params(cfg: GPTConfig, key: jax.Array) -> Params:
     }
 
 
+# The dimension tensor parallelism splits, per parameter (as `init_params` shapes them,
+# layers with their leading axis): heads of the QKV (column-parallel) and output
+# (row-parallel) projections, the MLP's hidden columns, the vocabulary of the embedding
+# and the head. Norm gains are whole on every tensor device.
+TENSOR_DIMS = {"wq": 2, "wk": 2, "wv": 2, "wo": 1, "w_in": 2, "w_out": 1, "embed": 0, "head": 1}
+
+
+def tensor_dim(name: str) -> int | None:
+    """The dimension of parameter `name` split over the tensor axis, or None."""
+    return TENSOR_DIMS.get(name)
+
+
+def param_shapes(cfg: GPTConfig) -> Params:
+    """ShapeDtypeStructs of the parameters as one tensor device holds them (all of them
+    with cfg.tensor = 1)."""
+    shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+
+    def local(path, x):
+        dim = tensor_dim(getattr(path[-1], "key", ""))
+        if dim is None or cfg.tensor == 1:
+            return x
+        shape = list(x.shape)
+        shape[dim] //= cfg.tensor
+        return jax.ShapeDtypeStruct(tuple(shape), x.dtype)
+
+    return jax.tree_util.tree_map_with_path(local, shapes)
+
+
 def num_params(params: Params) -> int:
     return sum(x.size for x in jax.tree.leaves(params))
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float = 1e-6) -> jax.Array:
+@jax.custom_vjp
+def rms_norm(x: jax.Array, weight: jax.Array) -> jax.Array:
+    """x / rms(x) * weight, computed in float32. Its backward keeps x (in its own dtype) and
+    the [..., 1] reciprocal rms, not float32 copies of x and of its normalised values (with
+    every residual kept, those were a third of a long-context layer's stash)."""
+    return _rms_norm_fwd(x, weight)[0]
+
+
+_RMS_EPS = 1e-6
+
+
+def _rms_norm_fwd(x, weight):
     x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (y * weight.astype(jnp.float32)).astype(x.dtype)
+    r = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + _RMS_EPS)
+    return (x32 * r * weight.astype(jnp.float32)).astype(x.dtype), (x, r, weight)
+
+
+def _rms_norm_bwd(saved, dy):
+    x, r, weight = saved
+    n = x.astype(jnp.float32) * r  # the normalised x
+    dn = dy.astype(jnp.float32) * weight.astype(jnp.float32)
+    dx = r * (dn - n * jnp.mean(dn * n, axis=-1, keepdims=True))
+    dw = jnp.sum(dy.astype(jnp.float32) * n, axis=tuple(range(x.ndim - 1)))
+    return dx.astype(x.dtype), dw.astype(weight.dtype)
+
+
+rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
 GELU_SCOPE = "gelu"  # marks its equations for `flops.breakdown` (see attention.NAME_SCOPE)
@@ -112,7 +172,8 @@ def _gelu_jvp(primals, tangents):
 
 
 def embed(params: Params, tokens_BxQ: jax.Array, cfg: GPTConfig) -> jax.Array:
-    return params["embed"].astype(cfg.dtype)[tokens_BxQ]
+    """[b, Q, D] embeddings ([b, Q/t, D], this device's positions, under tensor parallelism)."""
+    return tensor.embed(params["embed"].astype(cfg.dtype), tokens_BxQ, cfg.tensor)
 
 
 # A layer's weight matmuls: (einsum, the input it reads). A split backward (zero bubble)
@@ -139,22 +200,37 @@ def layer(
 ):
     """One pre-norm decoder layer on a segment: (x_seg, kv_prefix, offset) -> (y_seg, kv_seg).
 
+    Under tensor parallelism (cfg.tensor = t) x and y hold this device's L/t positions,
+    the K/V (prefix and segment) this device's heads, and the matmuls read the whole
+    segment (`seqpipe.tensor`).
+
     `taps` (a split backward): {matmul: zeros of its output}, added to the outputs so that
     their cotangents are the matmuls' output cotangents; the layer then also returns the
     matmuls' inputs ({MATMULS input name: array})."""
     p = jax.tree.map(lambda w: w.astype(cfg.dtype), p)
     inputs = {}
 
+    t = cfg.tensor
+
+    def tap(name, y):
+        return y if taps is None else y + taps[name]
+
     def mm(name, a):
         spec, input_name = MATMULS[name]
         inputs[input_name] = a
-        y = jnp.einsum(spec, a, p[name])
-        return y if taps is None else y + taps[name]
+        return tap(name, jnp.einsum(spec, a, p[name]))
 
-    h_BxQxD = rms_norm(x_BxQxD, p["attn_norm"])
-    q = rope(mm("wq", h_BxQxD), offset, cfg.rope_base)
-    k_seg = rope(mm("wk", h_BxQxD), offset, cfg.rope_base)
-    v_seg = mm("wv", h_BxQxD)
+    def column_parallel(names, h_local):
+        """The matmuls `names` of the whole segment, gathered from this device's positions."""
+        if t == 1:
+            return [mm(name, h_local) for name in names]
+        h, ys = _gathered_matmuls(h_local, tuple(p[n] for n in names), names, t)
+        inputs[MATMULS[names[0]][1]] = h
+        return [tap(name, y) for name, y in zip(names, ys, strict=True)]
+
+    q, k_seg, v_seg = column_parallel(("wq", "wk", "wv"), rms_norm(x_BxQxD, p["attn_norm"]))
+    q = rope(q, offset, cfg.rope_base)
+    k_seg = rope(k_seg, offset, cfg.rope_base)
     attn_BxQxHxE = attend(
         cfg.attention,
         q,
@@ -163,19 +239,36 @@ def layer(
         k_seg,
         v_seg,
     )
-    x_BxQxD = x_BxQxD + mm("wo", attn_BxQxHxE)
-    h_BxQxD = rms_norm(x_BxQxD, p["mlp_norm"])
-    ff_BxQxF = gelu(mm("w_in", h_BxQxD))
-    x_BxQxD = x_BxQxD + mm("w_out", ff_BxQxF)
+    x_BxQxD = x_BxQxD + tensor.scatter(mm("wo", attn_BxQxHxE), t)
+    (ff_BxQxF,) = column_parallel(("w_in",), rms_norm(x_BxQxD, p["mlp_norm"]))
+    ff_BxQxF = gelu(ff_BxQxF)
+    x_BxQxD = x_BxQxD + tensor.scatter(mm("w_out", ff_BxQxF), t)
     if taps is None:
         return x_BxQxD, k_seg, v_seg
     return x_BxQxD, k_seg, v_seg, inputs
 
 
+def _gathered_matmuls(h_local, weights, names, t: int):
+    """(the gathered segment, its matmuls by `names`) from this device's positions. Under
+    a checkpoint that saves nothing, so that a backward keeps h_local, 1/t of the gathered
+    input the matmuls' transposes read, and gathers it again (Megatron-LM's sequence
+    parallelism); the matmuls themselves are not recomputed: their transposes need only
+    the gathered input."""
+
+    def run(h_local, weights):
+        h = tensor.gather(h_local, t)
+        return h, tuple(
+            jnp.einsum(MATMULS[n][0], h, w) for n, w in zip(names, weights, strict=True)
+        )
+
+    return jax.checkpoint(run, policy=jax.checkpoint_policies.nothing_saveable)(h_local, weights)
+
+
 def matmul_shapes(cfg: GPTConfig, lead: tuple[int, ...]) -> tuple[dict, dict]:
     """(inputs, outputs) shapes of a layer's weight matmuls, each with `lead` dimensions
-    (layers, rows, positions) in front."""
-    d, h, e, f = cfg.d_model, cfg.num_heads, cfg.head_dim, cfg.d_ff
+    (layers, rows, positions) in front; one tensor device's (its heads and MLP columns,
+    the whole segment's positions)."""
+    d, h, e, f = cfg.d_model, cfg.local_heads, cfg.head_dim, cfg.d_ff // cfg.tensor
     inputs = {"attn_in": (d,), "attn_out": (h, e), "mlp_in": (d,), "mlp_act": (f,)}
     outputs = {"wq": (h, e), "wk": (h, e), "wv": (h, e), "wo": (d,), "w_in": (f,), "w_out": (d,)}
     return (
@@ -273,9 +366,11 @@ def token_loss_sum(logits_BxQxV: jax.Array, targets_BxQ: jax.Array) -> jax.Array
 
 def head_loss_sum(params: Params, x_BxQxD: jax.Array, targets_BxQ: jax.Array, cfg: GPTConfig):
     """`token_loss_sum(logits(params, x))`, with the [B, Q, V] float32 logits never whole:
-    the tokens go through the head `cfg.loss_chunk` at a time (`chunked_xent`)."""
+    the tokens go through the head `cfg.loss_chunk` at a time (`chunked_xent`). Under
+    tensor parallelism x holds this device's positions, targets the whole segment's."""
     h_BxQxD = rms_norm(x_BxQxD, params["final_norm"].astype(cfg.dtype))
-    return chunked_xent(h_BxQxD, params["head"], targets_BxQ, cfg.dtype, cfg.loss_chunk)
+    h_BxQxD = tensor.gather(h_BxQxD, cfg.tensor)
+    return chunked_xent(h_BxQxD, params["head"], targets_BxQ, cfg.dtype, cfg.loss_chunk, cfg.tensor)
 
 
 def _chunks(h_BxQxD, targets_BxQ, chunk: int):
@@ -292,19 +387,34 @@ def _chunks(h_BxQxD, targets_BxQ, chunk: int):
     return h_CxTxD, targets_CxT, mask
 
 
-def _chunk_xent(h_TxD, w_DxV, targets_T, mask_T, dtype, grads: bool):
-    """(summed loss, and with `grads` dh [T, D] and dw [D, V] float32) of one chunk."""
+def _logsumexp(logits_TxV, t: int):
+    """logsumexp over the whole vocabulary, of which this device has the columns."""
+    if t == 1:
+        return jax.nn.logsumexp(logits_TxV, axis=-1)
+    top_T = tensor.pmax(jnp.max(logits_TxV, axis=-1), t)
+    total_T = tensor.psum(jnp.sum(jnp.exp(logits_TxV - top_T[:, None]), axis=-1), t)
+    return top_T + jnp.log(total_T)
+
+
+def _chunk_xent(h_TxD, w_DxV, targets_T, mask_T, dtype, grads: bool, t: int = 1):
+    """(summed loss, and with `grads` dh [T, D] and dw [D, V] float32) of one chunk. With
+    t tensor devices w and the logits are this device's V/t columns of the vocabulary,
+    dh is this device's share of the gradient (`tensor.gather`'s transpose sums them)."""
     logits_TxV = jnp.einsum(
         "td,dv->tv", h_TxD, w_DxV.astype(dtype), preferred_element_type=jnp.float32
     )
-    logz_T = jax.nn.logsumexp(logits_TxV, axis=-1)
-    target_T = jnp.take_along_axis(logits_TxV, targets_T[:, None], axis=-1)[:, 0]
+    logz_T = _logsumexp(logits_TxV, t)
+    columns = logits_TxV.shape[-1]
+    local_T = targets_T - tensor.index(t) * columns  # the target's column here, if here
+    mine_T = (local_T >= 0) & (local_T < columns)
+    found_T = jnp.take_along_axis(logits_TxV, jnp.clip(local_T, 0, columns - 1)[:, None], -1)
+    target_T = tensor.psum(jnp.where(mine_T, found_T[:, 0], 0), t)
     per_token = logz_T - target_T
     loss = jnp.sum(per_token if mask_T is None else per_token * mask_T)
     if not grads:
         return loss
     # d loss / d logits = softmax - one_hot(target), in the compute dtype for the matmuls.
-    onehot = jax.nn.one_hot(targets_T, logits_TxV.shape[-1], dtype=jnp.float32)
+    onehot = jax.nn.one_hot(local_T, columns, dtype=jnp.float32)  # zeros where not here
     d_TxV = jnp.exp(logits_TxV - logz_T[:, None]) - onehot
     if mask_T is not None:
         d_TxV = d_TxV * mask_T[:, None]
@@ -314,10 +424,10 @@ def _chunk_xent(h_TxD, w_DxV, targets_T, mask_T, dtype, grads: bool):
     return loss, dh.astype(h_TxD.dtype), dw
 
 
-def _xent_scan(h_BxQxD, w_DxV, targets_BxQ, dtype, chunk, grads: bool):
+def _xent_scan(h_BxQxD, w_DxV, targets_BxQ, dtype, chunk, grads: bool, t: int = 1):
     """Chunk by chunk: a loop when there is more than one, so one chunk's logits are live."""
     h_CxTxD, targets_CxT, mask_CxT = _chunks(h_BxQxD, targets_BxQ, chunk)
-    one = lambda h, t, m: _chunk_xent(h, w_DxV, t, m, dtype, grads)  # noqa: E731
+    one = lambda h, y, m: _chunk_xent(h, w_DxV, y, m, dtype, grads, t)  # noqa: E731
     if h_CxTxD.shape[0] == 1:  # no loop: XLA's cost analysis counts a loop body once
         out = one(h_CxTxD[0], targets_CxT[0], None if mask_CxT is None else mask_CxT[0])
         return out if not grads else (out[0], out[1][None], out[2])
@@ -335,22 +445,23 @@ def _xent_scan(h_BxQxD, w_DxV, targets_BxQ, dtype, chunk, grads: bool):
     return carry if not grads else (carry[0], dh_CxTxD, carry[1])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def chunked_xent(h_BxQxD, w_DxV, targets_BxQ, dtype: str, chunk: int) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def chunked_xent(h_BxQxD, w_DxV, targets_BxQ, dtype: str, chunk: int, t: int = 1) -> jax.Array:
     """Summed cross-entropy of logits h @ w (float32, from `dtype` operands), `chunk`
     tokens at a time. Its gradients are computed in the forward, chunk by chunk (the loss's
     cotangent is a scalar that only scales them): what the backward keeps is dh and dw, not
-    the logits, and no chunk's logits are recomputed."""
-    return _xent_scan(h_BxQxD, w_DxV, targets_BxQ, dtype, chunk, grads=False)
+    the logits, and no chunk's logits are recomputed. With t tensor devices, w holds this
+    device's columns of the vocabulary (`_chunk_xent`); the loss is the whole one."""
+    return _xent_scan(h_BxQxD, w_DxV, targets_BxQ, dtype, chunk, False, t)
 
 
-def _chunked_xent_fwd(h_BxQxD, w_DxV, targets_BxQ, dtype, chunk):
-    loss, dh_CxTxD, dw = _xent_scan(h_BxQxD, w_DxV, targets_BxQ, dtype, chunk, grads=True)
+def _chunked_xent_fwd(h_BxQxD, w_DxV, targets_BxQ, dtype, chunk, t):
+    loss, dh_CxTxD, dw = _xent_scan(h_BxQxD, w_DxV, targets_BxQ, dtype, chunk, True, t)
     dh_BxQxD = dh_CxTxD.reshape(-1, h_BxQxD.shape[-1])[: targets_BxQ.size]
     return loss, (dh_BxQxD.reshape(h_BxQxD.shape), dw.astype(w_DxV.dtype), targets_BxQ)
 
 
-def _chunked_xent_bwd(dtype, chunk, saved, g):
+def _chunked_xent_bwd(dtype, chunk, t, saved, g):
     dh, dw, targets = saved
     zeros = np.zeros(targets.shape, jax.dtypes.float0)
     return (g * dh).astype(dh.dtype), (g * dw).astype(dw.dtype), zeros

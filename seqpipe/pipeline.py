@@ -31,7 +31,7 @@ from seqpipe import carry as carry_lib
 from seqpipe import sharding, units
 from seqpipe.carry import Carry, write_slot
 from seqpipe.model import Params
-from seqpipe.sharding import DATA, STAGE
+from seqpipe.sharding import DATA, STAGE, TENSOR
 from seqpipe.spec import PipelineSpec, make_spec  # noqa: F401 (make_spec: the entry point)
 
 # --------------------------------------------------------------------------- context
@@ -70,9 +70,9 @@ class Context:
         """Zero stand-ins for an idle phase's outputs: a message or a K/V window."""
         cfg, spec, act = self.spec.cfg, self.spec, jnp.dtype(self.spec.cfg.dtype)
         if kind == "message":
-            return jnp.zeros((self.rows, spec.seg_max, cfg.d_model), act)
+            return jnp.zeros((self.rows, spec.msg_len, cfg.d_model), act)
         length = spec.seg_max if kind == "kv_segment" else spec.kv_len
-        shape = (spec.chunk_layers, self.rows, length, cfg.num_heads, cfg.head_dim)
+        shape = (spec.chunk_layers, self.rows, length, cfg.local_heads, cfg.head_dim)
         return jnp.zeros(shape, act)
 
 
@@ -226,8 +226,8 @@ def head(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps, y: jax.Array
         carry.grads["shared"],
     )
     head_dy = tuple(
-        write_slot(buf, op["fwd_head"], dy[:, :length], on & (op.raw["fwd_seg"] == k))
-        for k, (buf, length) in enumerate(zip(carry.head_dy, spec.lengths, strict=True))
+        write_slot(buf, op["fwd_head"], dy[:, : buf.shape[2]], on & (op.raw["fwd_seg"] == k))
+        for k, buf in enumerate(carry.head_dy)
     )
     return carry.replace(
         loss=carry.loss + loss, grads={**carry.grads, "shared": grads_shared}, head_dy=head_dy
@@ -249,8 +249,8 @@ def _eval_loss(ctx: Context, inp: StageInputs, op: TickOps, y: jax.Array, on) ->
 def _output_cotangent(ctx: Context, carry: Carry, op: TickOps) -> jax.Array:
     """dy of the backward unit: from the next stage, plus the head's on the last chunk."""
     dy = jnp.where(op.on("bwd_in"), carry.recv_bwd[op["bwd_in"]], 0)
-    for k, length in enumerate(ctx.spec.lengths):
-        pad = ((0, 0), (0, ctx.spec.seg_max - length), (0, 0))
+    for k in range(ctx.spec.segments):
+        pad = ((0, 0), (0, ctx.spec.msg_len - ctx.spec.local_length(k)), (0, 0))
         dy_head = jnp.pad(carry.head_dy[k][op["bwd_head"]], pad)
         dy = jnp.where(op.on("bwd_head") & (op.raw["bwd_seg"] == k), dy + dy_head, dy)
     return dy
@@ -417,29 +417,36 @@ def tick(ctx: Context, inp: StageInputs, carry: Carry, row: dict) -> Carry:
 _LAYERS = jax.tree_util.DictKey("layers")
 
 
-def reduce(final: Carry, scatter: bool = False) -> tuple[jax.Array, Params, Params] | jax.Array:
+def reduce(
+    final: Carry, scatter: bool = False, tensor: int = 1
+) -> tuple[jax.Array, Params, Params] | jax.Array:
     """The step's only collectives over `stage` and `data`, after the loop: the mean
     loss, and unless this was an evaluation the stage's gradients and the shared ones.
 
     With `scatter` (the sharded optimizer) a gradient is reduce-scattered over `data`
     along `sharding.data_split_dim`: each replica gets the mean of its share alone, for
-    half the bytes of an all-reduce (leaves that do not split are all-reduced)."""
+    half the bytes of an all-reduce (leaves that do not split are all-reduced).
+
+    With `tensor` > 1 the gradients of the weights whole on every tensor device (norm
+    gains), each of which saw only this device's positions, are summed over `tensor`."""
     loss = jax.lax.pmean(jax.lax.psum(final.loss, STAGE), DATA)
     if not final.grads:
         return loss
     data = jax.lax.axis_size(DATA) if scatter else 1
 
-    def mean(g, dim):
+    def mean(g, path, shape, lead: int):  # `shape`: as among the parameters
+        if tensor > 1 and sharding.tensor_split_dim(path, shape) is None:
+            g = jax.lax.psum(g, TENSOR)
+        dim = sharding.data_split_dim(path, shape, data, tensor)
         if dim is None:
             return jax.lax.pmean(g, DATA)
-        return jax.lax.psum_scatter(g, DATA, scatter_dimension=dim, tiled=True) / data
+        return jax.lax.psum_scatter(g, DATA, scatter_dimension=dim + lead, tiled=True) / data
 
     def shared(path, g):
-        return mean(g, sharding.data_split_dim(path, g.shape, data))
+        return mean(g, path, g.shape, 0)
 
     def layer(path, g):  # [V, n, ...] here, [N, ...] among the parameters
-        dim = sharding.data_split_dim((_LAYERS, *path), (None, *g.shape[2:]), data)
-        return mean(g, None if dim is None else dim + 1)
+        return mean(g, (_LAYERS, *path), (None, *g.shape[2:]), 1)
 
     grads_shared = jax.tree_util.tree_map_with_path(
         shared, jax.lax.psum(final.grads["shared"], STAGE)
@@ -483,15 +490,27 @@ def stage_step(
         jax.lax.axis_index(STAGE),
     )
     final, _ = jax.lax.scan(lambda c, row: (tick(ctx, inp, c, row), None), init, program_rows(spec))
-    return reduce(final, scatter)
+    return reduce(final, scatter, spec.tensor)
+
+
+def param_specs(params: Params, tensor: int, data: int = 1) -> Params:
+    """Each parameter's PartitionSpec (`sharding.leaf_spec`): how the step's shard_map
+    reads the parameters, and with `data` > 1 how it returns reduce-scattered gradients."""
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: sharding.leaf_spec(p, x.shape, data, tensor), params
+    )
 
 
 def _on_stages(params: Params, tokens_BxL1, spec: PipelineSpec, mesh, out_specs, scatter=False):
-    """`stage_step` on every (data, stage) device of the mesh. `params["layers"]` is in
-    stage order (`seqpipe.layout`): each stage's block is its V chunks, viewed as
-    [V, n, ...] where it lies; the layer gradients return in the same order."""
+    """`stage_step` on every (data, stage, tensor) device of the mesh. `params["layers"]`
+    is in stage order (`seqpipe.layout`): each stage's block is its V chunks, viewed as
+    [V, n, ...] where it lies; the layer gradients return in the same order. Each tensor
+    device reads its share of the split weights (`sharding.leaf_spec`)."""
+    if mesh.shape[TENSOR] != spec.tensor:
+        raise ValueError(f"the mesh has tensor={mesh.shape[TENSOR]}, the spec {spec.tensor}")
     V, n = spec.virtual, spec.chunk_layers
     shared = {k: v for k, v in params.items() if k != "layers"}
+    specs = param_specs(params, spec.tensor)
 
     def local(layers, sh, tok):  # this stage's [V * n] layers, as V chunks and back
         chunks = jax.tree.map(lambda w: w.reshape(V, n, *w.shape[1:]), layers)
@@ -503,7 +522,7 @@ def _on_stages(params: Params, tokens_BxL1, spec: PipelineSpec, mesh, out_specs,
     body = jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(P(STAGE), P(), P(DATA)),
+        in_specs=(specs["layers"], {k: specs[k] for k in shared}, P(DATA)),
         out_specs=out_specs,
         # Every value here is per-device and every vjp is local: with no implicit
         # invariant-to-varying casts, no psum can sneak into the tick loop (a test reads
@@ -526,10 +545,7 @@ def loss_and_grads(
 
     With `scatter` (the sharded optimizer) the gradients come back in the optimizer
     moments' shardings (`sharding.gradient_shardings`): reduce-scattered over `data`."""
-    data = mesh.shape[DATA] if scatter else 1
-    specs = jax.tree_util.tree_map_with_path(
-        lambda p, x: sharding.leaf_spec(p, x.shape, data), params
-    )
+    specs = param_specs(params, spec.tensor, mesh.shape[DATA] if scatter else 1)
     shared_specs = {k: v for k, v in specs.items() if k != "layers"}
     loss, grads_layers, grads_shared = _on_stages(
         params, tokens_BxL1, spec, mesh, (P(), specs["layers"], shared_specs), scatter

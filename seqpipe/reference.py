@@ -1,5 +1,7 @@
 """The un-pipelined model's loss and gradients: the oracle every pipeline schedule must match."""
 
+import dataclasses
+
 import jax
 
 from seqpipe import model
@@ -12,5 +14,8 @@ def loss_and_grads(
     """Mean next-token loss of whole sequences, and its gradient w.r.t. every parameter.
 
     `checkpoint`: a `model.CHECKPOINT_POLICIES` key applied to every layer, or None
-    (`remat.POLICIES[name].reference` for a `pipeline.remat` setting)."""
+    (`remat.POLICIES[name].reference` for a `pipeline.remat` setting). The model runs
+    whole (XLA partitions it over whatever mesh the arguments are on): a pipeline's
+    `cfg.tensor` does not apply here."""
+    cfg = dataclasses.replace(cfg, tensor=1)
     return jax.value_and_grad(model.loss)(params, tokens_BxL1, cfg, None, checkpoint)

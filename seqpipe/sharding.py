@@ -6,20 +6,45 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from seqpipe import model, tensor
+
 DATA = "data"
 STAGE = "stage"
+TENSOR = tensor.AXIS
+AXES = (DATA, STAGE, TENSOR)
 
 
-def make_mesh(data: int, stage: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A (data, stage) mesh over the first data * stage of `devices` (default: this
-    process's backend; for a TPU slice without one, `seqpipe.topology.devices`).
+def make_mesh(
+    data: int, stage: int, devices: Sequence[jax.Device] | None = None, tensor: int = 1
+) -> Mesh:
+    """A (data, stage, tensor) mesh over the first data * stage * tensor of `devices`
+    (default: this process's backend; for a TPU slice without one,
+    `seqpipe.topology.devices`). `tensor` varies fastest: a tensor-parallel group is
+    adjacent devices (one host, one NVLink domain), where its per-layer collectives are
+    cheapest; pipeline stages and data replicas may span hosts.
 
     Auto axes: outside shard_map XLA propagates shardings (the reference model needs
     no annotations); inside it, the pipeline is explicit anyway.
     """
-    devices = list(jax.devices() if devices is None else devices)[: data * stage]
-    auto = (jax.sharding.AxisType.Auto,) * 2
-    return jax.make_mesh((data, stage), (DATA, STAGE), axis_types=auto, devices=devices)
+    devices = list(jax.devices() if devices is None else devices)[: data * stage * tensor]
+    auto = (jax.sharding.AxisType.Auto,) * 3
+    try:
+        return jax.make_mesh((data, stage, tensor), AXES, axis_types=auto, devices=devices)
+    except NotImplementedError:
+        # A TPU torus whose axes do not factor into these sizes (tensor 8 on 4x4x4):
+        # split a physical axis rather than refuse.
+        from jax.experimental import mesh_utils
+
+        grid = mesh_utils.create_device_mesh(
+            (data, stage, tensor), devices, allow_split_physical_axes=True
+        )
+        return Mesh(grid, AXES, axis_types=auto)
+
+
+def mesh_of(config, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """The mesh a (resolved) config names."""
+    m = config.mesh
+    return make_mesh(m.data, m.stage, devices, m.get("tensor", 1))
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
@@ -42,24 +67,38 @@ def in_optimizer(path) -> bool:
     return bool(path) and getattr(path[0], "key", None) == "opt_state"
 
 
-def data_split_dim(path, shape: Sequence[int], data: int) -> int | None:
+def tensor_split_dim(path, shape: Sequence[int]) -> int | None:
+    """The dimension of a parameter-shaped leaf that `tensor` splits (`model.TENSOR_DIMS`,
+    found by the leaf's name), or None: norm gains, scalars."""
+    keys = [getattr(k, "key", None) for k in path]
+    dim = model.tensor_dim(keys[-1]) if keys and isinstance(keys[-1], str) else None
+    return dim if dim is not None and dim < len(shape) else None
+
+
+def data_split_dim(path, shape: Sequence[int], data: int, tensor: int = 1) -> int | None:
     """The dimension of a parameter-shaped leaf (a gradient, an Adam moment) that the
     sharded optimizer splits over `data`: the largest one `data` divides (the first of
-    equals), never a layer leaf's layer axis, which `stage` splits. None (the leaf stays
-    whole on every replica) with one replica, for scalars (optax's counts) and for a leaf
-    no dimension of which `data` divides (say a norm gain of 50 on 4 replicas)."""
+    equals), never a layer leaf's layer axis, which `stage` splits, nor with `tensor` > 1
+    the dimension `tensor` splits. None (the leaf stays whole on every replica) with one
+    replica, for scalars (optax's counts) and for a leaf no dimension of which `data`
+    divides (say a norm gain of 50 on 4 replicas)."""
     if data == 1:
         return None
     first = 1 if in_layers(path) else 0
-    dims = [d for d in range(first, len(shape)) if shape[d] % data == 0]
+    taken = tensor_split_dim(path, shape) if tensor > 1 else None
+    dims = [d for d in range(first, len(shape)) if shape[d] % data == 0 and d != taken]
     return max(dims, key=lambda d: shape[d], default=None)
 
 
-def leaf_spec(path, shape: Sequence[int], data: int = 1) -> P:
-    """A parameter-shaped leaf's spec: layers split over `stage` by blocks of layers, and
-    with `data` > 1 the dimension `data_split_dim` picks split over `data` as well."""
+def leaf_spec(path, shape: Sequence[int], data: int = 1, tensor: int = 1) -> P:
+    """A parameter-shaped leaf's spec: layers split over `stage` by blocks of layers, with
+    `tensor` > 1 the heads, MLP columns or vocabulary over `tensor` (`tensor_split_dim`),
+    and with `data` > 1 the dimension `data_split_dim` picks over `data` as well."""
     parts = [STAGE if in_layers(path) else None] + [None] * (len(shape) - 1)
-    dim = data_split_dim(path, shape, data)
+    tdim = tensor_split_dim(path, shape) if tensor > 1 else None
+    if tdim is not None:
+        parts[tdim] = TENSOR
+    dim = data_split_dim(path, shape, data, tensor)
     if dim is not None:
         parts[dim] = DATA
     while parts and parts[-1] is None:  # P(STAGE), not P(STAGE, None, ...)
@@ -68,17 +107,17 @@ def leaf_spec(path, shape: Sequence[int], data: int = 1) -> P:
 
 
 def state_shardings(state_shapes, mesh: Mesh, shard_optimizer: bool = False):
-    """Layer weights (and their optimizer moments) split over `stage` by blocks of layers;
-    everything else replicated. With one stage this is plain replication.
+    """Layer weights (and their optimizer moments) split over `stage` by blocks of layers,
+    and over `tensor` as `leaf_spec` says; everything else replicated.
 
     With `shard_optimizer` (ZeRO-1, Megatron's distributed optimizer) every optimizer leaf
     under "opt_state" is also split over `data` (`data_split_dim`): each replica keeps
     and updates its 1/data share of the moments; parameters stay whole on every replica."""
-    data = mesh.shape[DATA]
+    data, tensor = mesh.shape[DATA], mesh.shape[TENSOR]
 
     def spec(path, x):
         split = shard_optimizer and in_optimizer(path)
-        return NamedSharding(mesh, leaf_spec(path, x.shape, data if split else 1))
+        return NamedSharding(mesh, leaf_spec(path, x.shape, data if split else 1, tensor))
 
     return jax.tree_util.tree_map_with_path(spec, state_shapes)
 
@@ -88,14 +127,17 @@ def gradient_shardings(params, mesh: Mesh, shard_optimizer: bool):
     its share) with the sharded optimizer, else the parameters'."""
     data = mesh.shape[DATA] if shard_optimizer else 1
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: NamedSharding(mesh, leaf_spec(path, x.shape, data)), params
+        lambda path, x: NamedSharding(mesh, leaf_spec(path, x.shape, data, mesh.shape[TENSOR])),
+        params,
     )
 
 
-def split_table(params, data: int) -> list[tuple[str, tuple[int, ...], int | None]]:
+def split_table(
+    params, data: int, tensor: int = 1
+) -> list[tuple[str, tuple[int, ...], int | None]]:
     """(leaf, shape, dimension split over `data` or None) for every parameter: what the
     sharded optimizer does with each (`--compile_only` prints the leaves kept whole)."""
     return [
-        (jax.tree_util.keystr(path), tuple(x.shape), data_split_dim(path, x.shape, data))
+        (jax.tree_util.keystr(path), tuple(x.shape), data_split_dim(path, x.shape, data, tensor))
         for path, x in jax.tree_util.tree_leaves_with_path(params)
     ]

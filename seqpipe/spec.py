@@ -4,6 +4,7 @@ import dataclasses
 
 import numpy as np
 
+from seqpipe import config as config_lib
 from seqpipe import layout, partition, schedule
 from seqpipe.model import GPTConfig
 from seqpipe.remat import POLICIES, Policy
@@ -68,6 +69,22 @@ class PipelineSpec:
         return max(self.lengths)
 
     @property
+    def tensor(self) -> int:
+        """Tensor-parallel devices per stage (`seqpipe.tensor`): each holds 1/tensor of a
+        segment's positions between the matmuls."""
+        return self.cfg.tensor
+
+    @property
+    def msg_len(self) -> int:
+        """Positions of a message (and a stashed input) on one device: the longest
+        segment's share of this device."""
+        return self.seg_max // self.tensor
+
+    def local_length(self, seg: int) -> int:
+        """Positions of segment `seg` that one tensor device holds between the matmuls."""
+        return self.lengths[seg] // self.tensor
+
+    @property
     def offsets(self) -> tuple[int, ...]:
         return tuple(int(x) for x in np.cumsum((0,) + self.lengths[:-1]))
 
@@ -80,13 +97,15 @@ class PipelineSpec:
 
 def make_spec(config, seq_len: int | None = None) -> PipelineSpec:
     """Build the schedule table and segment partition from a config."""
-    cfg = GPTConfig.from_config(config.model)
+    cfg = dataclasses.replace(
+        GPTConfig.from_config(config.model), tensor=config.mesh.get("tensor", 1)
+    )
     p = config.pipeline
     lengths = partition.segment_lengths(
         seq_len or config.train.seq_len,
         p.segments,
         p.partition,
-        multiple=p.partition_multiple,
+        multiple=config_lib.segment_multiple(config),
         **partition.model_dims(cfg),
     )
     # The train state's placement, whatever `seq_len` says: the step must read the layers

@@ -289,7 +289,7 @@ class Trainer:
 
     def _start(self, config: ConfigDict, workdir: str) -> None:
         t = config.train
-        self.mesh = sharding.make_mesh(config.mesh.data, config.mesh.stage)
+        self.mesh = sharding.mesh_of(config)
         rows = data.local_rows(config, self.mesh)
         # The data is checked before the workdir is touched: a refusal leaves nothing.
         train_tokens, eval_tokens, tokenizer = data.read_corpus(config)
@@ -512,7 +512,7 @@ def compile_only(config: ConfigDict, devices: list | None = None) -> dict:
     with config.unlocked():
         config.model.attention = attention.resolve(config.model.attention, platform)
     t = config.train
-    mesh = sharding.make_mesh(config.mesh.data, config.mesh.stage, devices)
+    mesh = sharding.mesh_of(config, devices)
     tx = optim.make_optimizer(t)
     state = abstract_state(config, mesh, tx)
     batch = jax.ShapeDtypeStruct(
@@ -534,9 +534,9 @@ def compile_only(config: ConfigDict, devices: list | None = None) -> dict:
     peak = max(memory["total"], evaluation["total"])
     cfg = GPTConfig.from_config(config.model)
     flops_per_token = model.flops_per_token(cfg, t.seq_len)
-    split = sharding.split_table(state["params"], config.mesh.data)
+    split = sharding.split_table(state["params"], config.mesh.data, config.mesh.tensor)
     return {
-        "mesh": {"data": config.mesh.data, "stage": config.mesh.stage},
+        "mesh": {axis: config.mesh[axis] for axis in ("data", "stage", "tensor")},
         "shard_optimizer": shard_optimizer,
         # From the shardings: each part of the train state (the step's arguments) per device.
         "state_bytes_per_device": {k: _bytes_per_device(v) for k, v in state.items()},

@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from seqpipe import model
+from seqpipe import model, tensor
 from seqpipe.model import Params
 from seqpipe.spec import PipelineSpec
 
@@ -106,7 +106,14 @@ class RecomputeInput:
 
 class KeepResiduals:
     """Keep the body's vjp residuals (what the per-layer checkpoint policy leaves), less
-    what the backward re-reads. Their shapes differ by segment: one stash per segment."""
+    what the backward re-reads. Their shapes may differ by segment (a prefix-shaped
+    residual, unequal segments): then one stash per segment; where every segment keeps
+    the same shapes (equal segments, attention that keeps nothing prefix-shaped), one
+    stash `shared` by all, as the input stash is: the schedule's stash slots, fewer in all
+    than a pool per segment, and one conditional per tick instead of one per segment."""
+
+    def __init__(self, shared: bool = False):
+        self.shared = shared
 
     def forward(self, unit, body, params, x_in, k_prefix, v_prefix, first, depth):
         outputs, layout, stored = _split_forward(unit, body, params, x_in, k_prefix, v_prefix)
@@ -123,27 +130,39 @@ class KeepResiduals:
         layout = unit.layout(rows, _static(first), depth is not None)
         return None, unit.pull(layout.rebuild(saved, (*params, k_prefix, v_prefix)), cotangents)
 
-    slot_fields = ("fwd_res", "bwd_res")
+    @property
+    def slot_fields(self) -> tuple[str, str]:
+        return ("fwd_stash", "bwd_stash") if self.shared else ("fwd_res", "bwd_res")
+
     # Only the running segment's residuals are read, inside its branch: read outside,
     # each tick would copy a slot of them.
     read_before_branching = False
 
     def slot_counts(self, program) -> tuple[int, ...]:
-        return program.num_res
+        return (program.num_stash,) if self.shared else program.num_res
 
     def saved_avals(self, unit, rows: int, first=None, depth: bool = False) -> tuple:
         return unit.layout(rows, first, depth).stored
 
     def group(self, seg: int) -> int:
-        return seg
-
-
-STRATEGIES = {False: RecomputeInput(), True: KeepResiduals()}  # by Policy.keeps_residuals
+        return 0 if self.shared else seg
 
 
 def strategy(spec: PipelineSpec):
-    """The remat strategy of a spec's policy."""
-    return STRATEGIES[spec.policy.keeps_residuals]
+    """The remat strategy of a spec's policy (`KeepResiduals` shared where it can be)."""
+    if not spec.policy.keeps_residuals:
+        return RecomputeInput()
+    key = (spec.cfg, spec.remat, spec.lengths, spec.chunk_layers, spec.schedule.split)
+    key += (spec.uneven, jax.sharding.get_abstract_mesh())
+    if key not in _SHARED:
+        stored = {
+            SegmentUnit(spec, k).layout(1, None, spec.uneven).stored for k in range(spec.segments)
+        }
+        _SHARED[key] = len(stored) == 1
+    return KeepResiduals(shared=_SHARED[key])
+
+
+_SHARED: dict = {}  # what `strategy` depends on -> whether the segments share a stash
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +198,7 @@ class SegmentUnit:
         the segment, embedding `tokens_bxL` first on global chunk 0 (`first`: a run-time
         flag, or a bool fixed at trace time, when one chunk's unit is measured alone), then
         running the chunk's first `depth` layers (a run-time count; None: all n)."""
-        spec, length = self.spec, self.spec.lengths[self.seg]
+        spec, length = self.spec, self.spec.local_length(self.seg)
         offset, cfg = spec.offsets[self.seg], spec.cfg
 
         def unit_body(p_chunk, shared, x_in, k_prefix, v_prefix, taps=None):
@@ -190,7 +209,7 @@ class SegmentUnit:
             y, *rest = model.layers(
                 p_chunk, x, k_prefix, v_prefix, offset, cfg, spec.policy.checkpoint, taps, depth
             )
-            return jnp.pad(y, ((0, 0), (0, spec.seg_max - length), (0, 0))), *rest
+            return jnp.pad(y, ((0, 0), (0, spec.msg_len - length), (0, 0))), *rest
 
         return unit_body
 
@@ -243,7 +262,7 @@ class SegmentUnit:
 
     def head_loss(self, shared: Params, y, targets_bxL, scale: float = 1.0):
         """The head on the segment's rows of y: its summed token loss, scaled."""
-        length, cfg = self.spec.lengths[self.seg], self.spec.cfg
+        length, cfg = self.spec.local_length(self.seg), self.spec.cfg
         return model.head_loss_sum(shared, y[:, :length], targets_bxL, cfg) * scale
 
     def head(self, shared: Params, y, targets_bxL, scale: float = 1.0):
@@ -287,26 +306,28 @@ class SegmentUnit:
         kept: the executor casts them once per step)."""
         spec, cfg, sds = self.spec, self.spec.cfg, jax.ShapeDtypeStruct
         act = jnp.dtype(cfg.dtype)
-        shapes = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
+        shapes = model.param_shapes(cfg)
         if spec.policy.keeps_residuals:
             shapes = jax.tree.map(lambda x: sds(x.shape, act), shapes)
         chunk = jax.tree.map(lambda x: sds((self.n,) + x.shape[1:], x.dtype), shapes["layers"])
         shared = {k: x for k, x in shapes.items() if k != "layers"}
-        x_in = sds((rows, spec.seg_max, cfg.d_model), act)
-        prefix = sds((self.n, rows, spec.offsets[self.seg], cfg.num_heads, cfg.head_dim), act)
+        x_in = sds((rows, spec.msg_len, cfg.d_model), act)
+        prefix = sds((self.n, rows, spec.offsets[self.seg], cfg.local_heads, cfg.head_dim), act)
         tokens = sds((rows, spec.lengths[self.seg]), jnp.int32)
         return chunk, shared, x_in, prefix, prefix, tokens, tokens
 
     def kv_avals(self, rows: int) -> jax.ShapeDtypeStruct:
         """The segment's own K (or V), or its cotangent: [n, b, L_k, H, E]."""
         cfg = self.spec.cfg
-        shape = (self.n, rows, self.spec.lengths[self.seg], cfg.num_heads, cfg.head_dim)
+        shape = (self.n, rows, self.spec.lengths[self.seg], cfg.local_heads, cfg.head_dim)
         return jax.ShapeDtypeStruct(shape, cfg.dtype)
 
     def head_dy_aval(self, rows: int) -> jax.ShapeDtypeStruct:
-        """What a last-chunk unit keeps of its head: dy of its own positions."""
+        """What a last-chunk unit keeps of its head: dy of its own positions (this tensor
+        device's)."""
         cfg = self.spec.cfg
-        return jax.ShapeDtypeStruct((rows, self.spec.lengths[self.seg], cfg.d_model), cfg.dtype)
+        shape = (rows, self.spec.local_length(self.seg), cfg.d_model)
+        return jax.ShapeDtypeStruct(shape, cfg.dtype)
 
     def saved_avals(self, rows: int, first=None, depth: bool = False) -> tuple:
         """The abstract values one forward keeps for its backward (one stash slot); `depth`:
@@ -318,7 +339,9 @@ class SegmentUnit:
         run time (None) as in the executor; `depth`: with a run-time layer count."""
         spec = self.spec
         key = (spec.cfg, spec.remat, spec.lengths, self.seg, self.n, rows, first, self.split)
-        key += (depth,)
+        # The mesh being traced under: the vjp's avals carry it (with a `tensor` axis,
+        # a layout probed under one mesh does not rebuild under another).
+        key += (depth, jax.sharding.get_abstract_mesh())
         if key not in _LAYOUTS:
             _LAYOUTS[key] = _probe_layout(self, rows, first, depth)
         return _LAYOUTS[key]
@@ -338,6 +361,7 @@ def _probe_layout(unit: SegmentUnit, rows: int, first, depth: bool) -> ResidualL
         return stored
 
     sds = jax.ShapeDtypeStruct
+    probe = tensor.bound(probe, unit.spec.tensor)
     jax.eval_shape(probe, *unit.avals(rows)[:6], sds((), jnp.bool_), sds((), jnp.int32))
     return found[0]
 

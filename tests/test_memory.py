@@ -222,3 +222,25 @@ def test_cli_bad_input_is_one_line_and_exit_2(args, needle):
 
 def test_no_copies_of_the_carry_inside_the_tick_loop():
     assert measured("1f1b", 1, "full")["loop_copies"] == 0
+
+
+@pytest.mark.parametrize(
+    "attention, partition, shared",
+    [("blockwise", "uniform", True), ("xla", "uniform", False), ("blockwise", "flops", False)],
+)
+def test_equal_residuals_share_one_stash(attention, partition, shared):
+    """With every residual kept, segments whose residuals have one shape (equal segments,
+    attention that keeps nothing prefix-shaped) share the schedule's stash slots, fewer
+    than a pool per segment; otherwise each segment has its own."""
+    c = tiny_config(segments=4)
+    c.model.attention = attention
+    c.pipeline.update(remat="none", partition=partition)
+    spec = pipeline.make_spec(c)
+    strategy = units.strategy(spec)
+    assert strategy.shared is shared
+    saved = carry.of_spec(spec, 2).saved
+    assert len(saved) == (1 if shared else spec.segments)
+    if shared:
+        unit = sum(nbytes(a) for a in units.SegmentUnit(spec, 0).saved_avals(2))
+        assert sum(nbytes(a) for a in saved[0]) == spec.program.num_stash * unit
+        assert spec.program.num_stash < sum(spec.program.num_res)

@@ -188,3 +188,24 @@ def test_chunked_head_loss_keeps_no_whole_logits():
         fn = jax.jit(jax.grad(model.head_loss_sum, argnums=(0, 1)), static_argnums=3)
         temp[chunk] = fn.lower(shared, x, targets, c).compile().memory_analysis().temp_size_in_bytes
     assert temp[2048] < logits_bytes / 2 < logits_bytes < temp[0], temp
+
+
+def test_rms_norm_backward_is_autodiffs():
+    """The hand-written backward (it keeps x and the reciprocal rms) equals autodiff of the
+    float32 formula, in float32 and from bfloat16 inputs."""
+
+    def plain(x, w):
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)
+        return (y * w.astype(jnp.float32)).astype(x.dtype)
+
+    x = jax.random.normal(jax.random.key(0), (2, 5, 16)) * 3
+    w = 1 + 0.1 * jax.random.normal(jax.random.key(1), (16,))
+    dy = jax.random.normal(jax.random.key(2), (2, 5, 16))
+    for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)):
+        args = (x.astype(dtype), w.astype(dtype))
+        ours, ours_vjp = jax.vjp(model.rms_norm, *args)
+        want, want_vjp = jax.vjp(plain, *args)
+        np.testing.assert_allclose(np.float32(ours), np.float32(want), rtol=tol, atol=tol)
+        for a, b in zip(ours_vjp(dy.astype(dtype)), want_vjp(dy.astype(dtype)), strict=True):
+            np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=tol, atol=tol * 10)

@@ -1,6 +1,7 @@
 """Two real processes on 127.0.0.1, 4 fake CPU devices each (gloo collectives), train on
-1 x 8, 2 x 4 and 4 x 2 meshes (data x stage) and reach, step by step, the losses one
-process with 8 devices reaches; both write checkpoints and only process 0 logs."""
+1 x 8, 2 x 4 and 4 x 2 meshes (data x stage) and 1 x 4 x 2 (data x stage x tensor) and
+reach, step by step, the losses one process with 8 devices reaches; both write
+checkpoints and only process 0 logs."""
 
 import json
 import shutil
@@ -41,13 +42,19 @@ def _losses(workdir) -> dict[int, float]:
 
 
 # 1 x 8: both processes hold every row (stages spread over hosts, as on a pod);
-# 2 x 4: each holds one data replica; 4 x 2: each holds two.
-@pytest.mark.parametrize("data_size, stages", [(1, 8), (2, 4), (4, 2)], ids=["1x8", "2x4", "4x2"])
-def test_two_processes_match_one(tmp_path, data_size, stages):
+# 2 x 4: each holds one data replica; 4 x 2: each holds two; 1 x 4 x 2: stages over
+# hosts, each tensor pair within one.
+@pytest.mark.parametrize(
+    "data_size, stages, tensor",
+    [(1, 8, 1), (2, 4, 1), (4, 2, 1), (1, 4, 2)],
+    ids=["1x8", "2x4", "4x2", "1x4x2"],
+)
+def test_two_processes_match_one(tmp_path, data_size, stages, tensor):
     overrides = {
         **PIPELINED,
         "mesh.data": str(data_size),
         "mesh.stage": str(stages),
+        "mesh.tensor": str(tensor),
         "model.num_layers": "8",  # one per stage on 1 x 8
         "train.steps": str(STEPS),
         "checkpoint.every": "2",

@@ -80,7 +80,7 @@ def make_config(schedule, mesh, segments, part, relation, virtual, attention="au
 def check_against_reference(case, config=None, loss_rtol=LOSS_RTOL, grad_rtol=GRAD_RTOL):
     config = config or make_config(*case)
     spec = pipeline.make_spec(config)
-    mesh = sharding.make_mesh(config.mesh.data, config.mesh.stage)
+    mesh = sharding.mesh_of(config)
     params = model.init_params(spec.cfg, jax.random.key(0))
     tokens = jax.random.randint(
         jax.random.key(1), (config.train.global_batch_size, SEQ_LEN + 1), 0, spec.cfg.vocab_size

@@ -437,6 +437,7 @@ def main(argv: list[str]) -> int:
     if "--quick" in argv:  # the user's own overrides come later, so they win
         argv = list(QUICK) + argv
     config, args = cli.load_or_exit(argv, "python -m seqpipe.tools.accel", flags)
+    cli.no_tensor_or_exit(config, "python -m seqpipe.bench --accelerator")
     names = (args.variants or (QUICK_VARIANTS if args.quick else ",".join(VARIANTS))).split(",")
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:

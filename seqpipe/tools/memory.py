@@ -112,7 +112,7 @@ def abstract_step(config):
     from seqpipe import layout, model, pipeline, sharding
 
     spec = pipeline.make_spec(config)
-    mesh = sharding.make_mesh(config.mesh.data, config.mesh.stage)
+    mesh = sharding.mesh_of(config)
     shapes = jax.eval_shape(
         lambda: layout.to_stage_order(
             model.init_params(spec.cfg, jax.random.key(0)), spec.placement

@@ -81,7 +81,7 @@ def main(argv: list[str]) -> int:
     if config.pipeline.schedule == "none":
         print("error: pipeline.schedule=none: nothing to verify; set a schedule", file=sys.stderr)
         return 2
-    mesh = sharding.make_mesh(config.mesh.data, config.mesh.stage)
+    mesh = sharding.mesh_of(config)
     # A check writes nothing: no workdir, only the token cache.
     train_tokens, _ = cli.run_or_exit(lambda: data.load_tokens(config, ""))
     rows = cli.run_or_exit(lambda: data.local_rows(config, mesh))
