@@ -11,6 +11,12 @@ import sys
 from seqpipe import cli, xla_flags
 
 
+def _mesh_text(mesh: dict) -> str:
+    """data x stage, and x tensor where it splits: "2x4", "1x8x8"."""
+    sizes = [mesh["data"], mesh["stage"]] + ([mesh["tensor"]] if mesh["tensor"] > 1 else [])
+    return "x".join(map(str, sizes))
+
+
 def summary(result: dict) -> str:
     """The --compile_only report in one line (the JSON follows it)."""
     mem = result["memory_per_device_bytes"]
@@ -19,8 +25,7 @@ def summary(result: dict) -> str:
     if "slice" in result:
         where = (
             f"{result['slice']}: {result['chips']} chips ({result['topology']}, "
-            f"{result['chip_config']}), mesh {result['mesh']['data']}x{result['mesh']['stage']}; "
-            "per chip"
+            f"{result['chip_config']}), mesh {_mesh_text(result['mesh'])}; per chip"
         )
     line = (
         f"{where}: arguments {gib('arguments')} GiB, outputs {gib('outputs')} GiB (aliased "
@@ -70,6 +75,9 @@ def main(argv: list[str]) -> int:
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
             cli.fail(f"does not fit: {str(e).splitlines()[0]}", code=1)
+        if tpu_slice is not None:
+            from seqpipe import topology
+
             result.update(topology.report(tpu_slice, result["peak_memory_per_device_bytes"]))
         print(summary(result))
         print(json.dumps(result))

@@ -53,10 +53,18 @@ class TrainingError(RuntimeError):
     """Training cannot go on (for example a non-finite loss); the message says why."""
 
 
+def unpipelined_cfg(config: ConfigDict, mesh: jax.sharding.Mesh) -> GPTConfig:
+    """The model of a step without a pipeline: not in a shard_map, so `auto` attention is
+    not a Pallas kernel, which XLA cannot partition (`attention.resolve`)."""
+    cfg = GPTConfig.from_config(config.model)
+    platform = mesh.devices.flat[0].platform
+    return dataclasses.replace(cfg, attention=attention.resolve(cfg.attention, platform, False))
+
+
 def make_grad_fn(config: ConfigDict, mesh: jax.sharding.Mesh) -> GradFn:
     """Loss and gradients of a [B, L+1] batch under the configured schedule."""
-    cfg = GPTConfig.from_config(config.model)
     if config.pipeline.schedule == "none":
+        cfg = unpipelined_cfg(config, mesh)
         return lambda params, tokens: reference.loss_and_grads(
             params, tokens, cfg, remat.POLICIES[config.pipeline.remat].reference
         )
@@ -154,7 +162,7 @@ def make_eval_fn(config: ConfigDict, mesh: jax.sharding.Mesh) -> Callable:
     """Mean loss of a [B, L+1] batch, no gradients: through the pipeline's forwards alone
     (the training step's stages, segments and micro-batches) when there is a pipeline."""
     if config.pipeline.schedule == "none":
-        cfg = GPTConfig.from_config(config.model)
+        cfg = unpipelined_cfg(config, mesh)
         return jax.jit(lambda params, tokens: model.loss(params, tokens, cfg))
     spec = spec_lib.forward_only(pipeline.make_spec(config))
     return jax.jit(lambda params, tokens: pipeline.eval_loss(params, tokens, spec, mesh))
@@ -255,7 +263,7 @@ def run(config: ConfigDict, workdir: str) -> list[dict]:
     """Train to config.train.steps (or train.stop_at), resuming from the newest checkpoint
     in workdir; returns the records logged by this invocation."""
     config = config_lib.resolve(config, jax.device_count())
-    check_attention(config.model.attention, jax.default_backend())
+    check_attention(config, jax.default_backend())
     trainer = Trainer(config, workdir)
     try:
         if trainer.start >= trainer.end:
@@ -348,7 +356,7 @@ class Trainer:
             tuple(t.inject_nan_at),
         )
         eval_fn = make_eval_fn(config, self.mesh)
-        self.log.print(f"attention: {attention_line(config.model.attention)}")
+        self.log.print(f"attention: {attention_line(config)}")
         self._start_reporting()
         pending = None  # the step dispatched last, not yet waited for
         kept = (
@@ -507,10 +515,11 @@ def compile_only(config: ConfigDict, devices: list | None = None) -> dict:
     # Resolved for the devices compiled for (a TPU slice's from this CPU, say), not this
     # process's default backend.
     platform = devices[0].platform
-    check_attention(config.model.attention, platform)
+    check_attention(config, platform)
+    pipelined = config.pipeline.schedule != "none"
     config = config.copy_and_resolve_references()
     with config.unlocked():
-        config.model.attention = attention.resolve(config.model.attention, platform)
+        config.model.attention = attention.resolve(config.model.attention, platform, pipelined)
     t = config.train
     mesh = sharding.mesh_of(config, devices)
     tx = optim.make_optimizer(t)
@@ -566,17 +575,27 @@ def compile_only(config: ConfigDict, devices: list | None = None) -> dict:
     }
 
 
-def check_attention(name: str, platform: str) -> None:
-    """ConfigError for an attention the platform cannot run (the TPU kernel elsewhere)."""
-    if attention.resolve(name, platform) == "splash" and platform != "tpu":
+def check_attention(config: ConfigDict, platform: str) -> None:
+    """ConfigError for an attention the step cannot run: the TPU kernel elsewhere, or
+    outside a pipeline's shard_map."""
+    pipelined = config.pipeline.schedule != "none"
+    if attention.resolve(config.model.attention, platform, pipelined) != "splash":
+        return
+    if platform != "tpu":
         raise config_lib.ConfigError(
             f"model.attention=splash is a TPU kernel and this is {platform}; use auto or blockwise"
         )
+    if not pipelined:
+        raise config_lib.ConfigError(
+            "model.attention=splash runs inside the pipeline's shard_map; with "
+            "pipeline.schedule=none use auto or blockwise"
+        )
 
 
-def attention_line(name: str) -> str:
+def attention_line(config: ConfigDict) -> str:
     """Which segment attention runs, for the log: `auto` says what it picked."""
-    picked = attention.resolve(name)
+    name, pipelined = config.model.attention, config.pipeline.schedule != "none"
+    picked = attention.resolve(name, pipelined=pipelined)
     return picked if name != "auto" else f"{picked} (auto on {jax.default_backend()})"
 
 

@@ -118,10 +118,23 @@ def test_config_names_every_implementation_and_rejects_others():
         config_lib.validate(c)
 
 
-def test_the_tpu_kernel_is_refused_off_tpu_in_one_line():
-    from seqpipe import train
+def test_the_tpu_kernel_is_refused_off_tpu_and_outside_a_pipeline_in_one_line():
+    """Splash runs inside the pipeline's shard_map on TPU; without a pipeline XLA cannot
+    partition it, so `auto` is blockwise there and an explicit splash is refused."""
+    from seqpipe import attention, train
+
+    def config(name, schedule):
+        c = config_lib.base_config()
+        c.model.attention = name
+        c.pipeline.schedule = schedule
+        return c
 
     with pytest.raises(config_lib.ConfigError, match="splash is a TPU kernel and this is cpu"):
-        train.check_attention("splash", "cpu")
-    train.check_attention("auto", "cpu")
-    train.check_attention("splash", "tpu")
+        train.check_attention(config("splash", "seq1f1b"), "cpu")
+    with pytest.raises(config_lib.ConfigError, match="with pipeline.schedule=none use auto"):
+        train.check_attention(config("splash", "none"), "tpu")
+    for name, schedule, platform in [("auto", "seq1f1b", "cpu"), ("auto", "none", "tpu")]:
+        train.check_attention(config(name, schedule), platform)
+    train.check_attention(config("splash", "seq1f1b"), "tpu")
+    assert attention.resolve("auto", "tpu") == "splash"
+    assert attention.resolve("auto", "tpu", pipelined=False) == "blockwise"

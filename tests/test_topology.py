@@ -134,10 +134,55 @@ def test_compile_only_for_a_tpu_slice_reports_memory_per_chip_and_collectives(tm
     result = json.loads(report)
     assert summary.startswith("v5p-16: 8 chips (v5p:2x2x2, megacore), mesh 2x4; per chip:")
     assert result["device_kind"] == "TPU v5" and result["chips"] == 8
-    assert result["mesh"] == {"data": 2, "stage": 4}
+    assert result["mesh"] == {"data": 2, "stage": 4, "tensor": 1}
     assert result["chips"] == result["mesh"]["data"] * result["mesh"]["stage"]
     total = result["memory_per_device_bytes"]["total"]
     assert 0 < total < result["hbm_per_chip_bytes"] == 95 * 2**30 and result["fits"]
     assert result["collectives"]["collective-permute"] > 0  # stage to stage
     assert result["collectives"]["all-reduce"] > 0  # gradients over data replicas
     assert not workdir.exists()
+
+
+def test_compile_only_for_a_tpu_slice_with_tensor_parallelism_and_a_step_that_does_not_fit():
+    """v5p-16 split 2 x 2 x 2 (tensor parallelism on a torus) compiles and fits; a step
+    whose logits need more than a chip's HBM is the compiler's refusal, in one line, exit 1
+    (without a pipeline: also the TPU's `auto` attention outside a shard_map)."""
+    from test_train import tiny_args
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    tensor = {
+        "mesh.data": "-1",
+        "mesh.stage": "2",
+        "mesh.tensor": "2",
+        "pipeline.schedule": "seq1f1b",
+        "pipeline.microbatches": "2",
+        "pipeline.segments": "2",
+    }
+    # Float32 logits of 32768 tokens over a vocabulary of 2^20, whole: 128 GiB a chip.
+    huge = {
+        "mesh.data": "8",
+        "model.vocab_size": str(2**20),
+        "train.seq_len": "32768",
+        "model.loss_chunk": "0",
+    }
+    outs = []
+    for overrides in (tensor, huge):
+        outs.append(
+            subprocess.run(
+                [sys.executable, "train.py", *tiny_args(**overrides), "--compile_only"]
+                + ["--topology", "v5p-16"],
+                cwd=REPO,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+        )
+    fits, too_big = outs
+    assert fits.returncode == 0, fits.stderr
+    summary, report = fits.stdout.strip().splitlines()
+    assert summary.startswith("v5p-16: 8 chips (v5p:2x2x2, megacore), mesh 2x2x2; per chip:")
+    assert json.loads(report)["fits"]
+    assert too_big.returncode == 1, too_big.stderr
+    line = too_big.stderr.strip()
+    assert "\n" not in line and line.startswith("error: does not fit: RESOURCE_EXHAUSTED")
