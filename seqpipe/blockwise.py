@@ -22,6 +22,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from seqpipe import kv_cache
+
 BLOCK_Q = 512
 BLOCK_K = 512
 
@@ -125,10 +127,15 @@ def _forward(q, prefix, k_seg, v_seg, block_q, block_k):
     return jax.lax.fori_loop(0, qb.count, query_block, init)
 
 
-def _backward(q, prefix, k_seg, v_seg, out, lse, d_out, block_q, block_k):
-    """(dq, prefix dK, prefix dV, own dK, own dV), each in its input's dtype (the prefix's
-    in q's)."""
+def _backward(q, prefix, k_seg, v_seg, out, lse, d_out, block_q, block_k, out_len=None):
+    """(dq, prefix dK, prefix dV, own dK, own dV) in q's dtype, the prefix's `out_len` long
+    (default: the prefix's length; zeros past it).
+
+    Each key block's dK, dV are whole once its query loop ends: they are cast then and
+    written into storage words (`kv_cache`), so no float32 [b, P, H, E] accumulator lives
+    (1 GiB per layer at P = 126976 on gpt_1b), and on CPU no bf16 update is widened."""
     read, prefix_len = prefix
+    dtype = q.dtype
     f32 = jnp.float32
     b, q_len, h, e = q.shape
     qb, pb, kb = (
@@ -175,29 +182,31 @@ def _backward(q, prefix, k_seg, v_seg, out, lse, d_out, block_q, block_k):
             lo = first_query_block(j)
             dq, dk_j, dv_j = jax.lax.fori_loop(lo, qb.count, query_block, (dq, zeros, zeros))
 
-            def add(acc, block):  # an overlapping last block adds zeros where it overlaps
+            def add(words, block):  # an overlapping last block keeps what the one before wrote
                 start = blocks.start(j)
+                old = kv_cache.from_words(_slice(words, start, blocks.size), dtype)
+                new = jnp.where(fresh[None, :, None, None], block.astype(dtype), old)
                 return jax.lax.dynamic_update_slice_in_dim(
-                    acc, _slice(acc, start, blocks.size) + block, start, axis=1
+                    words, kv_cache.to_words(new), start, axis=1
                 )
 
             return dq, add(dk, dk_j), add(dv, dv_j)
 
         return key_block
 
+    def words(length):
+        return jnp.zeros((b, length, h, e), kv_cache.storage_dtype(dtype))
+
     dq = jnp.zeros(q.shape, f32)
-    dkp = dvp = jnp.zeros((b, prefix_len, h, e), f32)
+    dkp = dvp = words(prefix_len if out_len is None else out_len)
     prefix_pass = key_pass(pb, read, lambda j: 0, causal=False)
     if pb.count:
         dq, dkp, dvp = jax.lax.fori_loop(0, pb.count, prefix_pass, (dq, dkp, dvp))
-    dks, dvs = jnp.zeros(k_seg.shape, f32), jnp.zeros(v_seg.shape, f32)
+    dks = dvs = words(q_len)
     own_kv = _reader(k_seg, v_seg)[0]
     own = key_pass(kb, own_kv, functools.partial(_first_query_block, qb, kb), causal=True)
     dq, dks, dvs = jax.lax.fori_loop(0, kb.count, own, (dq, dks, dvs))
-    return tuple(
-        g.astype(x.dtype)
-        for g, x in zip((dq, dkp, dvp, dks, dvs), (q, q, q, k_seg, v_seg), strict=True)
-    )
+    return (dq.astype(dtype), *(kv_cache.from_words(g, dtype) for g in (dkp, dvp, dks, dvs)))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
@@ -223,8 +232,9 @@ def _fwd(q, k_prefix, v_prefix, k_seg, v_seg, block_q, block_k):
 def _bwd(block_q, block_k, residuals, d_out):
     q, k_prefix, v_prefix, k_seg, v_seg, out, lse = residuals
     prefix = _reader(k_prefix, v_prefix)
-    dq, dkp, dvp, dks, dvs = _backward(q, prefix, k_seg, v_seg, out, lse, d_out, block_q, block_k)
-    return dq, dkp.astype(k_prefix.dtype), dvp.astype(v_prefix.dtype), dks, dvs
+    grads = _backward(q, prefix, k_seg, v_seg, out, lse, d_out, block_q, block_k)
+    like = (q, k_prefix, v_prefix, k_seg, v_seg)
+    return tuple(g.astype(x.dtype) for g, x in zip(grads, like, strict=True))
 
 
 blockwise_attention.defvjp(_fwd, _bwd)
@@ -272,9 +282,9 @@ def _cached_fwd(q, cache, sink_k, sink_v, k_seg, v_seg, prefix_len, block_q, blo
 def _cached_bwd(prefix_len, block_q, block_k, residuals, d_out):
     q, cache, k_seg, v_seg, out, lse, sink_len = residuals
     prefix = _cache_reader(cache, prefix_len, q.dtype)
-    dq, dkp, dvp, dks, dvs = _backward(q, prefix, k_seg, v_seg, out, lse, d_out, block_q, block_k)
-    pad = ((0, 0), (0, sink_len.shape[1] - prefix_len), (0, 0), (0, 0))
-    return dq, cache.no_gradient(), jnp.pad(dkp, pad), jnp.pad(dvp, pad), dks, dvs
+    grads = _backward(q, prefix, k_seg, v_seg, out, lse, d_out, block_q, block_k, sink_len.shape[1])
+    dq, dkp, dvp, dks, dvs = grads
+    return dq, cache.no_gradient(), dkp, dvp, dks, dvs
 
 
 cached_attention.defvjp(_cached_fwd, _cached_bwd)
