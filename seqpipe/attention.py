@@ -78,6 +78,26 @@ def attend(
     return segment_attention(*args)
 
 
+def attend_cached(name: str, q_BxQxHxE, prefix, sink_k, sink_v, prefix_len: int, k_seg, v_seg):
+    """`attend` with the prefix's first `prefix_len` positions read from the KV cache where
+    they lie (`prefix`: a `kv_cache.Prefix`); the prefix's dK and dV come back as the
+    cotangents of `sink_k`, `sink_v` ([b, >= prefix_len, H, E], values unread: zeros).
+    `blockwise` reads the cache block by block; the others get the prefix copied out
+    (per layer) and add the sinks to it, so their gradients flow as before."""
+    if resolve(name) == "blockwise":
+        from seqpipe import blockwise
+
+        return blockwise.cached_attention(
+            q_BxQxHxE, prefix, sink_k, sink_v, k_seg, v_seg, prefix_len
+        )
+    dtype = q_BxQxHxE.dtype
+    k_prefix, v_prefix = (
+        prefix.block(which, 0, prefix_len, dtype) + sink[:, :prefix_len]
+        for which, sink in ((0, sink_k), (1, sink_v))
+    )
+    return attend(name, q_BxQxHxE, k_prefix, v_prefix, k_seg, v_seg)
+
+
 def _check(q_BxQxHxE, k_prefix_BxPxHxE, v_prefix_BxPxHxE, k_seg_BxQxHxE):
     q_len, prefix_len = q_BxQxHxE.shape[1], k_prefix_BxPxHxE.shape[1]
     if k_seg_BxQxHxE.shape[1] != q_len or v_prefix_BxPxHxE.shape[1] != prefix_len:

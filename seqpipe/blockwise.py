@@ -22,6 +22,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from seqpipe import kv_cache
+
 BLOCK_Q = 512
 BLOCK_K = 512
 
@@ -65,11 +67,20 @@ def _first_query_block(qb: _Blocks, kb: _Blocks, j):
     return jnp.minimum(kb.start(j) // qb.size, qb.count - 1)
 
 
-def _forward(q, k_prefix, v_prefix, k_seg, v_seg, block_q, block_k):
+def _reader(k_prefix, v_prefix):
+    """(read, prefix length) of prefix arrays: read(which, start, size) is block
+    [b, size, H, E] of K (which 0) or V (1)."""
+    return (lambda which, start, size: _slice((k_prefix, v_prefix)[which], start, size)), (
+        k_prefix.shape[1]
+    )
+
+
+def _forward(q, prefix, k_seg, v_seg, block_q, block_k):
+    read, prefix_len = prefix
     b, q_len, h, e = q.shape
     qb, pb, kb = (
         _Blocks(q_len, block_q),
-        _Blocks(k_prefix.shape[1], block_k),
+        _Blocks(prefix_len, block_k),
         _Blocks(q_len, block_k),
     )
 
@@ -91,7 +102,7 @@ def _forward(q, k_prefix, v_prefix, k_seg, v_seg, block_q, block_k):
             return m_new, total * alpha + p.sum(-1), acc
 
         def prefix_block(j, state):
-            k_j, v_j = (_slice(x, pb.start(j), pb.size) for x in (k_prefix, v_prefix))
+            k_j, v_j = (read(which, pb.start(j), pb.size) for which in (0, 1))
             return visit(state, k_j, v_j, pb.fresh(j)[None, :])
 
         def own_block(j, state):
@@ -116,23 +127,31 @@ def _forward(q, k_prefix, v_prefix, k_seg, v_seg, block_q, block_k):
     return jax.lax.fori_loop(0, qb.count, query_block, init)
 
 
-def _backward(q, k_prefix, v_prefix, k_seg, v_seg, out, lse, d_out, block_q, block_k):
+def _backward(q, prefix, k_seg, v_seg, out, lse, d_out, block_q, block_k, out_len=None):
+    """(dq, prefix dK, prefix dV, own dK, own dV) in q's dtype, the prefix's `out_len` long
+    (default: the prefix's length; zeros past it).
+
+    Each key block's dK, dV are whole once its query loop ends: they are cast then and
+    written into storage words (`kv_cache`), so no float32 [b, P, H, E] accumulator lives
+    (1 GiB per layer at P = 126976 on gpt_1b), and on CPU no bf16 update is widened."""
+    read, prefix_len = prefix
+    dtype = q.dtype
     f32 = jnp.float32
-    q_len = q.shape[1]
+    b, q_len, h, e = q.shape
     qb, pb, kb = (
         _Blocks(q_len, block_q),
-        _Blocks(k_prefix.shape[1], block_k),
+        _Blocks(prefix_len, block_k),
         _Blocks(q_len, block_k),
     )
     # D = rowsum(dO * O): the softmax backward's row term, once for all blocks.
     delta = jnp.swapaxes(jnp.sum(d_out.astype(f32) * out.astype(f32), -1), 1, 2)
 
-    def key_pass(blocks: _Blocks, k_all, v_all, first_query_block, causal):
+    def key_pass(blocks: _Blocks, read_kv, first_query_block, causal):
         """dK, dV of one key range (float32) and what its blocks add to dq."""
 
         def key_block(j, carry):
             dq, dk, dv = carry
-            k_j, v_j = (_slice(x, blocks.start(j), blocks.size) for x in (k_all, v_all))
+            k_j, v_j = (read_kv(which, blocks.start(j), blocks.size) for which in (0, 1))
             cols, fresh = blocks.positions(j), blocks.fresh(j)
 
             def query_block(i, inner):
@@ -159,34 +178,35 @@ def _backward(q, k_prefix, v_prefix, k_seg, v_seg, out, lse, d_out, block_q, blo
                 )
                 return dq, dk_j, dv_j
 
-            zeros = jnp.zeros(k_j.shape, f32)
+            zeros = jnp.zeros((b, blocks.size, h, e), f32)
             lo = first_query_block(j)
             dq, dk_j, dv_j = jax.lax.fori_loop(lo, qb.count, query_block, (dq, zeros, zeros))
 
-            def add(acc, block):  # an overlapping last block adds zeros where it overlaps
+            def add(words, block):  # an overlapping last block keeps what the one before wrote
                 start = blocks.start(j)
+                old = kv_cache.from_words(_slice(words, start, blocks.size), dtype)
+                new = jnp.where(fresh[None, :, None, None], block.astype(dtype), old)
                 return jax.lax.dynamic_update_slice_in_dim(
-                    acc, _slice(acc, start, blocks.size) + block, start, axis=1
+                    words, kv_cache.to_words(new), start, axis=1
                 )
 
             return dq, add(dk, dk_j), add(dv, dv_j)
 
         return key_block
 
+    def words(length):
+        return jnp.zeros((b, length, h, e), kv_cache.storage_dtype(dtype))
+
     dq = jnp.zeros(q.shape, f32)
-    dkp, dvp = jnp.zeros(k_prefix.shape, f32), jnp.zeros(v_prefix.shape, f32)
-    prefix = key_pass(pb, k_prefix, v_prefix, lambda j: 0, causal=False)
+    dkp = dvp = words(prefix_len if out_len is None else out_len)
+    prefix_pass = key_pass(pb, read, lambda j: 0, causal=False)
     if pb.count:
-        dq, dkp, dvp = jax.lax.fori_loop(0, pb.count, prefix, (dq, dkp, dvp))
-    dks, dvs = jnp.zeros(k_seg.shape, f32), jnp.zeros(v_seg.shape, f32)
-    own = key_pass(kb, k_seg, v_seg, functools.partial(_first_query_block, qb, kb), causal=True)
+        dq, dkp, dvp = jax.lax.fori_loop(0, pb.count, prefix_pass, (dq, dkp, dvp))
+    dks = dvs = words(q_len)
+    own_kv = _reader(k_seg, v_seg)[0]
+    own = key_pass(kb, own_kv, functools.partial(_first_query_block, qb, kb), causal=True)
     dq, dks, dvs = jax.lax.fori_loop(0, kb.count, own, (dq, dks, dvs))
-    return tuple(
-        g.astype(x.dtype)
-        for g, x in zip(
-            (dq, dkp, dvp, dks, dvs), (q, k_prefix, v_prefix, k_seg, v_seg), strict=True
-        )
-    )
+    return (dq.astype(dtype), *(kv_cache.from_words(g, dtype) for g in (dkp, dvp, dks, dvs)))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
@@ -200,20 +220,74 @@ def blockwise_attention(
     block_k: int = BLOCK_K,
 ) -> jax.Array:
     """`attention.segment_attention`'s contract, one [b, H, bq, bk] score block at a time."""
-    args = (q_BxQxHxE, k_prefix_BxPxHxE, v_prefix_BxPxHxE, k_seg_BxQxHxE, v_seg_BxQxHxE)
-    return _forward(*args, block_q, block_k)[0]
+    prefix = _reader(k_prefix_BxPxHxE, v_prefix_BxPxHxE)
+    return _forward(q_BxQxHxE, prefix, k_seg_BxQxHxE, v_seg_BxQxHxE, block_q, block_k)[0]
 
 
 def _fwd(q, k_prefix, v_prefix, k_seg, v_seg, block_q, block_k):
-    out, lse = _forward(q, k_prefix, v_prefix, k_seg, v_seg, block_q, block_k)
+    out, lse = _forward(q, _reader(k_prefix, v_prefix), k_seg, v_seg, block_q, block_k)
     return out, (q, k_prefix, v_prefix, k_seg, v_seg, out, lse)
 
 
 def _bwd(block_q, block_k, residuals, d_out):
-    return _backward(*residuals, d_out, block_q, block_k)
+    q, k_prefix, v_prefix, k_seg, v_seg, out, lse = residuals
+    prefix = _reader(k_prefix, v_prefix)
+    grads = _backward(q, prefix, k_seg, v_seg, out, lse, d_out, block_q, block_k)
+    like = (q, k_prefix, v_prefix, k_seg, v_seg)
+    return tuple(g.astype(x.dtype) for g, x in zip(grads, like, strict=True))
 
 
 blockwise_attention.defvjp(_fwd, _bwd)
+
+
+# ------------------------------------------------------------------ prefix in a KV cache
+
+
+def _cache_reader(cache, prefix_len: int, dtype):
+    """(read, prefix length) of a prefix that stays in the executor's KV cache
+    (`kv_cache.Prefix`): each block is sliced from the cache's words where they lie."""
+    return (lambda which, start, size: cache.block(which, start, size, dtype)), prefix_len
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def cached_attention(
+    q_BxQxHxE: jax.Array,
+    cache,
+    sink_k_BxPxHxE: jax.Array,
+    sink_v_BxPxHxE: jax.Array,
+    k_seg_BxQxHxE: jax.Array,
+    v_seg_BxQxHxE: jax.Array,
+    prefix_len: int,
+    block_q: int = BLOCK_Q,
+    block_k: int = BLOCK_K,
+) -> jax.Array:
+    """`blockwise_attention` with the prefix's first `prefix_len` positions read block by
+    block from `cache` (a `kv_cache.Prefix`: the cache's storage words, the slot and the
+    layer), so no copy of the prefix is made, nor kept for the backward. The cache carries
+    no gradient (its words may be integers); the prefix's dK and dV are returned as the
+    cotangents of the sinks, arrays [b, >= prefix_len, H, E] whose values are never read
+    (zeros, as the executor passes them; positions past the prefix get zero cotangents)."""
+    prefix = _cache_reader(cache, prefix_len, q_BxQxHxE.dtype)
+    return _forward(q_BxQxHxE, prefix, k_seg_BxQxHxE, v_seg_BxQxHxE, block_q, block_k)[0]
+
+
+def _cached_fwd(q, cache, sink_k, sink_v, k_seg, v_seg, prefix_len, block_q, block_k):
+    prefix = _cache_reader(cache, prefix_len, q.dtype)
+    out, lse = _forward(q, prefix, k_seg, v_seg, block_q, block_k)
+    # The sinks are not kept, only their length: their values are never read.
+    sink_len = jnp.zeros((0, sink_k.shape[1]), jnp.int8)
+    return out, (q, cache, k_seg, v_seg, out, lse, sink_len)
+
+
+def _cached_bwd(prefix_len, block_q, block_k, residuals, d_out):
+    q, cache, k_seg, v_seg, out, lse, sink_len = residuals
+    prefix = _cache_reader(cache, prefix_len, q.dtype)
+    grads = _backward(q, prefix, k_seg, v_seg, out, lse, d_out, block_q, block_k, sink_len.shape[1])
+    dq, dkp, dvp, dks, dvs = grads
+    return dq, cache.no_gradient(), dkp, dvp, dks, dvs
+
+
+cached_attention.defvjp(_cached_fwd, _cached_bwd)
 
 
 def executed_flops(q_len: int, prefix_len: int, width: int, block_q=BLOCK_Q, block_k=BLOCK_K):

@@ -9,7 +9,9 @@ which slot each tick reads and writes (`schedule.lower` allocates them):
                                             `full`, else each segment's body residuals
   head_dy   per segment k: [slots, b, L_k, D]  the head's dy, from the last chunk's forward
   kv_k, kv_v     [slots, n, b, Lkv, H, E]   K/V of each (micro-batch, chunk) in flight
-  dkv_k, dkv_v   [slots, n, b, Lkv, H, E]   their cotangents from later segments
+  dkv_k, dkv_v   [slots, n, b, Lkv, H, E]   their cotangents from later segments (these
+                                            four as `kv_cache` storage words: uint16 for
+                                            bf16 activations)
   weight    per segment k (split tables only): what B leaves its W, (matmul inputs, their
             output cotangents), each [slots, n, b, L_k, ...] (`SegmentUnit.weight_avals`)
   grads     {"layers": [V, n, ...], "shared": ...}  accumulated in the parameter dtype
@@ -30,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from seqpipe import model, units
+from seqpipe import kv_cache, model, units
 
 
 @struct.dataclass
@@ -70,7 +72,9 @@ def abstract(spec, rows: int, layers_VxN, shared) -> Carry:
         return sds((max(count, 1),) + aval.shape, aval.dtype)
 
     msg = sds((rows, spec.msg_len, cfg.d_model), act)
-    kv = sds((spec.chunk_layers, rows, spec.kv_len, cfg.local_heads, cfg.head_dim), act)
+    # Stored as words (`kv_cache.storage_dtype`): updated in place on every backend.
+    kv_shape = (spec.chunk_layers, rows, spec.kv_len, cfg.local_heads, cfg.head_dim)
+    kv = sds(kv_shape, kv_cache.storage_dtype(act))
     like = lambda tree: jax.tree.map(lambda x: sds(x.shape, x.dtype), tree)  # noqa: E731
     if spec.forward_only:  # an evaluation keeps nothing for a backward
         none = lambda aval: sds((0,) + aval.shape, aval.dtype)  # noqa: E731

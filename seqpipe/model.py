@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from seqpipe import tensor
-from seqpipe.attention import attend, rope
+from seqpipe.attention import attend, attend_cached, rope
 
 Params = dict[str, Any]
 
@@ -197,12 +197,17 @@ def layer(
     offset: int,
     cfg: GPTConfig,
     taps: Params | None = None,
+    cache=None,
 ):
     """One pre-norm decoder layer on a segment: (x_seg, kv_prefix, offset) -> (y_seg, kv_seg).
 
     Under tensor parallelism (cfg.tensor = t) x and y hold this device's L/t positions,
     the K/V (prefix and segment) this device's heads, and the matmuls read the whole
     segment (`seqpipe.tensor`).
+
+    With `cache` (a `kv_cache.Prefix` at this layer) the prefix's first `offset` positions
+    are read from the KV cache where they lie, and `k_prefix`, `v_prefix` are zero sinks
+    that take its cotangents (`attention.attend_cached`).
 
     `taps` (a split backward): {matmul: zeros of its output}, added to the outputs so that
     their cotangents are the matmuls' output cotangents; the layer then also returns the
@@ -231,14 +236,19 @@ def layer(
     q, k_seg, v_seg = column_parallel(("wq", "wk", "wv"), rms_norm(x_BxQxD, p["attn_norm"]))
     q = rope(q, offset, cfg.rope_base)
     k_seg = rope(k_seg, offset, cfg.rope_base)
-    attn_BxQxHxE = attend(
-        cfg.attention,
-        q,
-        k_prefix_BxPxHxE.astype(k_seg.dtype),
-        v_prefix_BxPxHxE.astype(v_seg.dtype),
-        k_seg,
-        v_seg,
-    )
+    if cache is None:
+        attn_BxQxHxE = attend(
+            cfg.attention,
+            q,
+            k_prefix_BxPxHxE.astype(k_seg.dtype),
+            v_prefix_BxPxHxE.astype(v_seg.dtype),
+            k_seg,
+            v_seg,
+        )
+    else:
+        attn_BxQxHxE = attend_cached(
+            cfg.attention, q, cache, k_prefix_BxPxHxE, v_prefix_BxPxHxE, offset, k_seg, v_seg
+        )
     x_BxQxD = x_BxQxD + tensor.scatter(mm("wo", attn_BxQxHxE), t)
     (ff_BxQxF,) = column_parallel(("w_in",), rms_norm(x_BxQxD, p["mlp_norm"]))
     ff_BxQxF = gelu(ff_BxQxF)
@@ -306,6 +316,7 @@ def layers(
     checkpoint: str | None = None,
     taps: Params | None = None,
     depth: jax.Array | None = None,
+    cache=None,
 ):
     """A stack of layers (leading axis N) on one segment; returns y and the segment's K/V
     (and with `taps`, stacked per layer, each layer's matmul inputs: see `layer`).
@@ -313,21 +324,24 @@ def layers(
     `checkpoint` (a key of CHECKPOINT_POLICIES, or None) wraps each layer in jax.checkpoint.
     `depth` (a run-time count, or None for all N) runs only the first `depth` layers: the
     rest pass x through and give zeros (a pipeline stage's padding, `seqpipe.layout`).
+    `cache` (a `kv_cache.Prefix`): the prefix is read from the KV cache, layer by layer, and
+    the K/V prefix arguments are zero sinks for its cotangents (`layer`).
     """
 
-    def run(x, p, k_prefix, v_prefix, tap):
-        return tuple(layer(p, x, k_prefix, v_prefix, offset, cfg, tap))
+    def run(x, p, k_prefix, v_prefix, tap, i=None):
+        at = None if cache is None else cache.at_layer(i)
+        return tuple(layer(p, x, k_prefix, v_prefix, offset, cfg, tap, at))
 
     def skip(x, *args):
         _, *rest = jax.eval_shape(run, x, *args)
         return (x, *jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), rest))
 
     def body(x, per_layer):
+        i, *per_layer = per_layer
         if depth is None:
-            y, *rest = run(x, *per_layer)
+            y, *rest = run(x, *per_layer, i)
         else:  # a conditional, so a skipped layer costs nothing
-            i, *per_layer = per_layer
-            y, *rest = jax.lax.cond(i < depth, run, skip, x, *per_layer)
+            y, *rest = jax.lax.cond(i < depth, run, skip, x, *per_layer, i)
         return y, tuple(rest)
 
     if checkpoint is not None:
@@ -338,9 +352,8 @@ def layers(
         # executor's rebuilt vjp gave wrong q and k gradients (caught by the uneven-split
         # oracle test; the cause inside JAX was not pinned down).
         body = jax.checkpoint(body, policy=jax.checkpoint_policies.everything_saveable)
-    xs = (p_layers, k_prefix_NxBxPxHxE, v_prefix_NxBxPxHxE, taps)
-    if depth is not None:
-        xs = (jnp.arange(jax.tree.leaves(p_layers)[0].shape[0]), *xs)
+    layer_index = jnp.arange(jax.tree.leaves(p_layers)[0].shape[0])
+    xs = (layer_index, p_layers, k_prefix_NxBxPxHxE, v_prefix_NxBxPxHxE, taps)
     y, rest = jax.lax.scan(body, x_BxQxD, xs)
     return (y, *rest)
 

@@ -28,7 +28,7 @@ from flax import struct
 from jax.sharding import PartitionSpec as P
 
 from seqpipe import carry as carry_lib
-from seqpipe import sharding, units
+from seqpipe import kv_cache, sharding, units
 from seqpipe.carry import Carry, write_slot
 from seqpipe.model import Params
 from seqpipe.sharding import DATA, STAGE, TENSOR
@@ -74,6 +74,12 @@ class Context:
         length = spec.seg_max if kind == "kv_segment" else spec.kv_len
         shape = (spec.chunk_layers, self.rows, length, cfg.local_heads, cfg.head_dim)
         return jnp.zeros(shape, act)
+
+    @property
+    def reads_cache(self) -> bool:
+        """Whether units read their prefix from the KV cache where it lies (`kv_cache`);
+        else it is copied out of it for each unit."""
+        return self.spec.forward_only or units.strategy(self.spec).reads_cache
 
 
 @struct.dataclass
@@ -122,8 +128,18 @@ class TickOps:
         return self.raw[name] >= 0
 
 
-def _prefix(cache, ctx: Context, seg: int):
-    return cache[:, :, : ctx.spec.offsets[seg]]
+def _prefix_args(ctx: Context, words_k, words_v, slot, seg: int):
+    """(K prefix, V prefix, cache) a unit of segment `seg` takes: zero sinks and the cache
+    view when it reads the cache in place, else the prefix copied out of slot `slot`."""
+    if ctx.reads_cache:
+        sink = ctx.zeros("kv_all")  # the cotangents come back as long as the cache
+        return sink, sink, kv_cache.Prefix(words_k, words_v, slot, jnp.int32(0))
+    act, off = ctx.spec.cfg.dtype, ctx.spec.offsets[seg]
+    k, v = (
+        kv_cache.from_words(jax.lax.dynamic_index_in_dim(w, slot, keepdims=False), act)
+        for w in (words_k, words_v)
+    )
+    return k[:, :, :off], v[:, :, :off], None
 
 
 def _pad_kv(x, length: int):
@@ -165,7 +181,6 @@ def forward(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps) -> tuple[
     stored in its stash slot, its K/V cached for later segments of the micro-batch."""
     spec = ctx.spec
     x_in = carry.recv_fwd[op["fwd_in"]]
-    k_cache, v_cache = carry.kv_k[op["fwd_kv"]], carry.kv_v[op["fwd_kv"]]
     mb, chunk, seg = op["fwd_mb"], op["fwd_chunk"], op.raw["fwd_seg"]
     params = (inp.chunk(chunk), inp.shared)
     first, depth = inp.first(chunk, spec.stages), inp.depth(spec, chunk)
@@ -173,11 +188,15 @@ def forward(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps) -> tuple[
 
     def run(k):
         tokens, _ = inp.tokens(spec, mb, k)
-        args = (x_in, _prefix(k_cache, ctx, k), _prefix(v_cache, ctx, k))
+        k_prefix, v_prefix, cache = _prefix_args(ctx, carry.kv_k, carry.kv_v, op["fwd_kv"], k)
+        args = (x_in, k_prefix, v_prefix)
+        unit = ctx.units[k]
         if spec.forward_only:  # nothing to keep for a backward
-            (y, k_seg, v_seg), saved = ctx.units[k].body(tokens, first, depth)(*params, *args), ()
+            (y, k_seg, v_seg), saved = unit.body(tokens, first, depth, cache)(*params, *args), ()
         else:
-            (y, k_seg, v_seg), saved = ctx.units[k].forward(params, *args, tokens, first, depth)
+            (y, k_seg, v_seg), saved = unit.forward(
+                params, *args, tokens, first, depth, cache=cache
+            )
         return y, _pad_kv(k_seg, spec.seg_max), _pad_kv(v_seg, spec.seg_max), saved
 
     outs, stashes = [], []
@@ -196,9 +215,10 @@ def forward(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps) -> tuple[
         offsets = jnp.asarray(spec.offsets, jnp.int32)
         at = (op["fwd_kv"], 0, 0, offsets[op["fwd_seg"]], 0, 0)
         keep = op.on("fwd_mb") & (seg < spec.segments - 1)
+        words = kv_cache.to_words
         carry = carry.replace(
-            kv_k=carry_lib.masked_write(carry.kv_k, at, k_seg[None], keep),
-            kv_v=carry_lib.masked_write(carry.kv_v, at, v_seg[None], keep),
+            kv_k=carry_lib.masked_write(carry.kv_k, at, words(k_seg)[None], keep),
+            kv_v=carry_lib.masked_write(carry.kv_v, at, words(v_seg)[None], keep),
         )
     return carry, y
 
@@ -258,28 +278,34 @@ def _output_cotangent(ctx: Context, carry: Carry, op: TickOps) -> jax.Array:
 
 def _backward_unit(ctx: Context, inp: StageInputs, op: TickOps, k: int, saved, dy, caches):
     """Segment k's backward on the tick's unit: (dx, parameter cotangents of the chunk and
-    the shared weights, prefix dK and dV padded to the cache). `caches`: the micro-batch's
-    K, V and their cotangents so far, read once per tick outside the branches (read in
-    each, XLA copied them)."""
+    the shared weights, prefix dK and dV as long as the cache). `caches`: the carry's K/V
+    and K/V cotangent buffers (storage words, every slot), read where they lie."""
     spec, unit, chunk = ctx.spec, ctx.units[k], op["bwd_chunk"]
-    k_cache, v_cache, dk_cache, dv_cache = caches
+    words_k, words_v, words_dk, words_dv = caches
     act = jnp.dtype(spec.cfg.dtype)
     pad = lambda d: _pad_kv(d.astype(act), spec.kv_len)  # noqa: E731
-    off, length = spec.offsets[k], spec.lengths[k]
+    off = spec.offsets[k]
+    own = unit.kv_avals(ctx.rows)
     if k < spec.segments - 1:  # K/V cotangents that later segments left for this one
-        dk_own, dv_own = dk_cache[:, :, off : off + length], dv_cache[:, :, off : off + length]
+        at = (op["bwd_dkv"], 0, 0, off, 0, 0)
+        dk_own, dv_own = (
+            kv_cache.from_words(jax.lax.dynamic_slice(w, at, (1, *own.shape))[0], act)
+            for w in (words_dk, words_dv)
+        )
     else:  # no segment attends to the last one
-        dk_own = dv_own = jnp.zeros(unit.kv_avals(ctx.rows).shape, spec.cfg.dtype)
+        dk_own = dv_own = jnp.zeros(own.shape, spec.cfg.dtype)
     tokens, _ = inp.tokens(spec, op["bwd_mb"], k)
+    k_prefix, v_prefix, cache = _prefix_args(ctx, words_k, words_v, op["bwd_kv"], k)
     d_chunk, d_shared, dx, dk_prefix, dv_prefix, *pack = unit.backward(
         tuple(saved),
         (inp.chunk(chunk), inp.shared),
-        _prefix(k_cache, ctx, k),
-        _prefix(v_cache, ctx, k),
+        k_prefix,
+        v_prefix,
         tokens,
         inp.first(chunk, spec.stages),
         (dy, dk_own, dv_own),
         depth=inp.depth(spec, chunk),
+        cache=cache,
     )
     # pack: a split B's (matmul inputs, output cotangents) for its W; else empty.
     return dx.astype(act), d_chunk, d_shared, pad(dk_prefix), pad(dv_prefix), pack
@@ -292,8 +318,7 @@ def backward(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps) -> tuple
     dy = _output_cotangent(ctx, carry, op)
     strategy = units.strategy(spec)
     slot = op[strategy.slot_fields[1]]
-    kv, dkv = op["bwd_kv"], op["bwd_dkv"]
-    caches = (carry.kv_k[kv], carry.kv_v[kv], carry.dkv_k[dkv], carry.dkv_v[dkv])
+    caches = (carry.kv_k, carry.kv_v, carry.dkv_k, carry.dkv_v)
 
     def read(group):
         return [jax.lax.dynamic_index_in_dim(b, slot, keepdims=False) for b in carry.saved[group]]
@@ -332,9 +357,7 @@ def backward(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps) -> tuple
     )
     carry = carry.replace(grads=grads, weight=weight)
     if spec.segments > 1:
-        carry = _keep_prefix_cotangents(
-            ctx, carry, op, caches[2] + dk_prefix, caches[3] + dv_prefix
-        )
+        carry = _keep_prefix_cotangents(ctx, carry, op, dk_prefix, dv_prefix)
     return carry, dx
 
 
@@ -368,19 +391,22 @@ def weight(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps) -> Carry:
     return carry.replace(grads={**carry.grads, "layers": layers})
 
 
-def _keep_prefix_cotangents(ctx: Context, carry: Carry, op: TickOps, dk_sum, dv_sum):
-    """The micro-batch's prefix cotangents so far (`dk_sum`, `dv_sum`) wait for the earlier
-    segments; this segment's own (and any later ones) are spent, so they are cleared for
-    the slot's next micro-batch."""
+def _keep_prefix_cotangents(ctx: Context, carry: Carry, op: TickOps, dk_prefix, dv_prefix):
+    """Adds the unit's prefix cotangents to the micro-batch's, in place in their slot: they
+    wait for the earlier segments. This segment's own (and any later ones) are spent, so
+    they are cleared for the slot's next micro-batch."""
     offsets = jnp.asarray(ctx.spec.offsets, jnp.int32)
     before = (jnp.arange(ctx.spec.kv_len) < offsets[op["bwd_seg"]])[None, None, :, None, None]
     on, slot = op.on("bwd_mb"), op["bwd_dkv"]
-    dkv_k = jnp.where(before, dk_sum, 0)
-    dkv_v = jnp.where(before, dv_sum, 0)
-    return carry.replace(
-        dkv_k=write_slot(carry.dkv_k, slot, dkv_k, on),
-        dkv_v=write_slot(carry.dkv_v, slot, dkv_v, on),
-    )
+    act = jnp.dtype(ctx.spec.cfg.dtype)
+
+    def update(words, d):
+        at = (slot,) + (0,) * d.ndim
+        old = kv_cache.from_words(jax.lax.dynamic_slice(words, at, (1, *d.shape))[0], act)
+        new = jnp.where(on, jnp.where(before, old + d, 0), old)
+        return jax.lax.dynamic_update_slice(words, kv_cache.to_words(new)[None], at)
+
+    return carry.replace(dkv_k=update(carry.dkv_k, dk_prefix), dkv_v=update(carry.dkv_v, dv_prefix))
 
 
 def transfer(ctx: Context, carry: Carry, op: TickOps, y: jax.Array, dx: jax.Array) -> Carry:

@@ -22,6 +22,16 @@ POLICIES = {
     for p in (
         # With no stage to recompute, the reference recomputes layer by layer.
         Policy("full", False, None, "layer", 4, "the stage input; the backward re-runs the unit"),
+        # Long context: the unit's recompute keeps one layer's residuals, not every
+        # layer's (each [b, L_k, ...] per layer), for one more forward of the chunk.
+        Policy(
+            "full_layer",
+            False,
+            "layer",
+            "layer",
+            5,
+            "the stage input; the backward re-runs the unit, then each layer under its vjp",
+        ),
         Policy("layer", True, "layer", "layer", 4, "each layer's input; recompute one layer"),
         Policy("dots", True, "dots", "dots", 3, "each layer's matmul outputs"),
         Policy("none", True, None, None, 3, "every residual (the paper's setting)"),

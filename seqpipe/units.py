@@ -90,6 +90,9 @@ class RecomputeInput:
         return outputs, unit.pull(vjp, cotangents)
 
     slot_fields = ("fwd_stash", "bwd_stash")  # the `Program` rows naming a unit's slot
+    # The body runs afresh in the backward, so it can read the prefix from the KV cache
+    # (`body`'s `cache`): nothing of it is stashed.
+    reads_cache = True
     # Every backward reads one message from the one stash: read before branching, XLA
     # needs no copy of it per branch.
     read_before_branching = True
@@ -134,6 +137,8 @@ class KeepResiduals:
     def slot_fields(self) -> tuple[str, str]:
         return ("fwd_stash", "bwd_stash") if self.shared else ("fwd_res", "bwd_res")
 
+    # The residual layout re-reads the prefix as an argument (`ResidualLayout`).
+    reads_cache = False
     # Only the running segment's residuals are read, inside its branch: read outside,
     # each tick would copy a slot of them.
     read_before_branching = False
@@ -193,11 +198,14 @@ class SegmentUnit:
 
     # ----------------------------------------------------------------- the functions
 
-    def body(self, tokens_bxL, first, depth=None):
+    def body(self, tokens_bxL, first, depth=None, cache=None):
         """(chunk params, shared, x_in, K prefix, V prefix) -> (y padded to Lseg, K, V) of
         the segment, embedding `tokens_bxL` first on global chunk 0 (`first`: a run-time
         flag, or a bool fixed at trace time, when one chunk's unit is measured alone), then
-        running the chunk's first `depth` layers (a run-time count; None: all n)."""
+        running the chunk's first `depth` layers (a run-time count; None: all n). With
+        `cache` (a `kv_cache.Prefix` of the unit's slot) the prefix is read from the KV
+        cache and the K/V prefix arguments are zero sinks for its cotangents
+        ([n, b, >= P, H, E]; `model.layer`)."""
         spec, length = self.spec, self.spec.local_length(self.seg)
         offset, cfg = spec.offsets[self.seg], spec.cfg
 
@@ -207,7 +215,16 @@ class SegmentUnit:
 
             x = _choose(first, embedded, lambda: x_in[:, :length])
             y, *rest = model.layers(
-                p_chunk, x, k_prefix, v_prefix, offset, cfg, spec.policy.checkpoint, taps, depth
+                p_chunk,
+                x,
+                k_prefix,
+                v_prefix,
+                offset,
+                cfg,
+                spec.policy.checkpoint,
+                taps,
+                depth,
+                cache,
             )
             return jnp.pad(y, ((0, 0), (0, spec.msg_len - length), (0, 0))), *rest
 
@@ -271,9 +288,10 @@ class SegmentUnit:
         d_shared, dy = vjp(jnp.ones((), loss.dtype))
         return loss, d_shared, dy
 
-    def forward(self, params, x_in, k_prefix, v_prefix, tokens_bxL, first, depth=None):
-        """((y, K, V), what the backward needs) of the body; `params` = (chunk, shared)."""
-        body = self.body(tokens_bxL, first, depth)
+    def forward(self, params, x_in, k_prefix, v_prefix, tokens_bxL, first, depth=None, cache=None):
+        """((y, K, V), what the backward needs) of the body; `params` = (chunk, shared);
+        `cache`: see `body` (only a strategy that recomputes takes one)."""
+        body = self.body(tokens_bxL, first, depth, cache)
         return self.strategy.forward(self, body, params, x_in, k_prefix, v_prefix, first, depth)
 
     def backward(
@@ -287,12 +305,13 @@ class SegmentUnit:
         cotangents,
         keep_outputs=False,
         depth=None,
+        cache=None,
     ):
         """(d chunk, d shared, dx, dK prefix, dV prefix) from what the forward saved and the
         cotangents (dy, dK, dV) of the body's outputs; split, B's (`pull`). `keep_outputs`
         (measurement only) also returns a recomputed forward's outputs, so XLA cannot drop
         the work that only they need, as it cannot inside the executor's layer loop."""
-        body = self.body(tokens_bxL, first, depth)
+        body = self.body(tokens_bxL, first, depth, cache)
         outputs, grads = self.strategy.backward(
             self, body, saved, params, k_prefix, v_prefix, cotangents, first, depth
         )

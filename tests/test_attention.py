@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from seqpipe import attention, blockwise, splash
+from seqpipe import attention, blockwise, kv_cache, splash
 from seqpipe import config as config_lib
 from seqpipe.attention import segment_attention
 
@@ -56,6 +56,51 @@ small_blocks = functools.partial(blockwise.blockwise_attention, block_q=4, block
 
 def test_blockwise_matches_xla_on_every_segment_of_eight():
     check_segments(small_blocks, LENGTHS)
+
+
+def _in_cache(kp, vp, dtype):
+    """A `kv_cache.Prefix` holding kp, vp in slot 1, layer 1 of two-slot, two-layer caches
+    (stored as words) whose other positions hold 7s, as the executor's neighbours would."""
+    b, length, h, e = kp.shape
+    base = jnp.full((2, 2, b, length + 5, h, e), 7.0, dtype)
+    words = [
+        kv_cache.to_words(base.at[1, 1, :, :length].set(jax.lax.stop_gradient(x).astype(dtype)))
+        for x in (kp, vp)
+    ]
+    return kv_cache.Prefix(*words, jnp.int32(1), jnp.int32(1))
+
+
+def cached_small_blocks(q, kp, vp, ks, vs):
+    """`blockwise.cached_attention` reading the prefix from a cache; kp, vp themselves are
+    the sinks, so their cotangents are the prefix's."""
+    cache = _in_cache(kp, vp, q.dtype)
+    return blockwise.cached_attention(q, cache, kp, vp, ks, vs, kp.shape[1], 4, 3)
+
+
+def test_blockwise_reading_the_kv_cache_matches_xla():
+    check_segments(cached_small_blocks, LENGTHS)
+
+
+def test_bfloat16_cache_words_give_blockwise_bit_for_bit():
+    """A bf16 cache is stored as uint16 words; read through them, the kernel computes
+    exactly what it computes on the prefix arrays (forward and all five cotangents), and
+    sinks longer than the prefix get zero cotangents past it."""
+    q, k, v, g = (x.astype(jnp.bfloat16) for x in sequence(13))
+    own, pre = slice(6, 13), slice(0, 6)
+    args = (q[:, own], k[:, pre], v[:, pre], k[:, own], v[:, own])
+    want = _out_and_grads(small_blocks)(*args, g[:, own])
+    cache = _in_cache(k[:, pre], v[:, pre], jnp.bfloat16)
+    assert cache.words_k.dtype == jnp.uint16
+    sink = jnp.zeros((2, 9, 3, 8), jnp.bfloat16)
+
+    def cached(q, sk, sv, ks, vs):
+        return blockwise.cached_attention(q, cache, sk, sv, ks, vs, 6, 4, 3)
+
+    out, vjp = jax.vjp(cached, args[0], sink, sink, *args[3:])
+    got = (out, *vjp(g[:, own]))
+    for name, x, y in zip(NAMES, got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(x[:, : y.shape[1]], np.float32), y, err_msg=name)
+    assert not np.asarray(got[2][:, 6:], np.float32).any()
 
 
 def test_blockwise_with_default_blocks():

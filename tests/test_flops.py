@@ -112,6 +112,15 @@ def test_layer_remat_recomputes_the_layers_not_the_head():
     assert none["ratio"] < layer["ratio"] < full["ratio"]
 
 
+def test_full_layer_remat_runs_the_layers_forward_once_more():
+    """remat=full_layer trades a third forward of every layer (5 passes, not 4) for
+    keeping one layer's residuals in the backward: XLA must count that forward."""
+    full, full_layer = (
+        flops.step_ratio(_spec(stage=1, remat=r), rows=1)["ratio"] for r in ("full", "full_layer")
+    )
+    assert full_layer > full + 0.2, (full, full_layer)
+
+
 def test_an_uneven_split_counts_only_the_layers_it_runs():
     """Layers 2 + 1 on two stages: the second stage's padding layer is skipped, so the step
     executes the analytic count of three layers, as an even split of the same model would

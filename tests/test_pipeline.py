@@ -180,6 +180,8 @@ REMAT_CASES = [
     ("dots", ("seq1f1b", (2, 2), 4, "flops", "equal", 1)),
     ("dots", ("1f1b", (1, 4), 1, "uniform", "fewer", 1)),
     ("layer", ("seq1f1b", (1, 2), 2, "uniform", "more", 1)),
+    ("full_layer", ("seq1f1b", (1, 2), 3, "flops", "more", 1)),
+    ("full_layer", ("seq_zb_h1", (1, 2), 2, "uniform", "equal", 1)),  # split B and W
     ("none", ("seq_zb_h1", (1, 2), 3, "flops", "more", 1)),  # B's residuals, W's inputs kept
 ]
 
@@ -199,7 +201,7 @@ def test_every_remat_policy_matches_reference(remat, case):
     tokens = jax.ShapeDtypeStruct((config.train.global_batch_size, SEQ_LEN + 1), np.int32)
     jaxpr = jax.make_jaxpr(lambda p, t: pipeline.loss_and_grads(p, t, spec, mesh))(params, tokens)
     # The policy is really applied: layers checkpointed exactly where a policy asks.
-    assert ("remat" in str(jaxpr)) == (remat in ("layer", "dots"))
+    assert ("remat" in str(jaxpr)) == (remat in ("full_layer", "layer", "dots"))
 
 
 def test_remat_policies_agree_everywhere():
