@@ -177,6 +177,24 @@ def predicted(spec, cost) -> dict:
     return {"time": float(total), "bubble": float(np.mean(1 - busy / total))}
 
 
+def unit_seconds(spec, timer) -> dict:
+    """Measured seconds of one micro-batch's F, B and W units (all its segments) through
+    chunk 1 (stage 1; a middle stage when S > 2): the costs `predicted` schedules with.
+    An unsplit table's B is the whole backward and its W is 0."""
+    g = min(1, spec.stages * spec.virtual - 1)
+    first, last = g == 0, g == spec.stages * spec.virtual - 1
+    n = spec.layers_per_chunk[g]
+    out = {}
+    for name, kind in (("F", 0), ("B", 1), ("W", 2)):
+        if kind == 2 and not spec.schedule.split:
+            out[name] = 0.0
+            continue
+        out[name] = sum(
+            timer.unit(spec, k, first, last, kind, n) for k in range(spec.schedule.segments)
+        )
+    return out
+
+
 def place_params(params, abstract):
     import jax
 
@@ -245,6 +263,7 @@ def run_one(config, step, params, tokens, timer, repeats: int, count_flops: bool
     if timer is not None:
         pred = predicted(spec, timer.unit)
         out["predicted_s"], out["bubble_measured_costs"] = pred["time"], pred["bubble"]
+        out["unit_s"] = unit_seconds(spec, timer)
     placed = place_params(layout.to_stage_order(params, spec.placement), p_abs)
     toks = jax.device_put(tokens, t_abs.sharding)
     out["measured_s"] = median_seconds(compiled, (placed, toks), repeats)
@@ -463,6 +482,22 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def unit_table(rows: list[dict]) -> str:
+    """Each schedule's measured F, B, W per micro-batch on stage 1: the split's B + W
+    against the unsplit backward is what the split costs in time."""
+    lines = [
+        "| schedule | F ms | B ms | W ms | (B + W) / F |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        u = r["unit_s"]
+        lines.append(
+            f"| {r['label']} | {1e3 * u['F']:.1f} | {1e3 * u['B']:.1f} | "
+            f"{1e3 * u['W']:.1f} | {(u['B'] + u['W']) / u['F']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def prediction_table(rows: list[dict]) -> str:
     lines = [
         "| S | M | depth | schedule | predicted ms | bubble | throughput / 1f1b |",
@@ -646,6 +681,9 @@ def report(result: dict) -> str:
         f"{1e3 * ov['pipelined_one_stage_s']:.0f} ms = {ov['ratio']:.3f}x the reference with "
         f"the same checkpoints (target <= {ov['target']}), "
         f"{ov['ratio_vs_no_checkpoint']:.3f}x the one with none\n",
+        "Measured unit times per micro-batch, stage 1 (all segments; an unsplit B is the "
+        "whole backward):\n",
+        unit_table(result["rows"]),
         "Predicted from measured unit times (M=8):\n",
         prediction_table(result["prediction"]),
         "Every pipeline.remat policy (full depth):\n",
