@@ -254,6 +254,7 @@ def run_one(config, step, params, tokens, timer, repeats: int, count_flops: bool
         "temp_bytes": int(ma.temp_size_in_bytes),
         "carry_bytes": int(carry["carry"]),
         "kv_bytes": int(carry["kv"] + carry["dkv"]),
+        "weight_bytes": int(carry["weight"]),
         "analytic_flops": fl["analytic"],
         "executed_flops": fl["executed"],
         "flop_ratio": fl["ratio"],
@@ -305,6 +306,7 @@ def policy_rows(config, runs, rows_per_mb: int) -> list[dict]:
                     "temp_bytes": int(step["compiled"].memory_analysis().temp_size_in_bytes),
                     "stash_bytes": int(carry["stash"] + carry["res"]),
                     "kv_bytes": int(carry["kv"] + carry["dkv"]),
+                    "weight_bytes": int(carry["weight"]),
                     "flop_ratio": flops.step_ratio(spec, rows_per_mb, c.mesh.data)["ratio"],
                 }
             )
@@ -314,8 +316,8 @@ def policy_rows(config, runs, rows_per_mb: int) -> list[dict]:
 def policy_table(rows: list[dict]) -> str:
     lines = [
         "| schedule | pipeline.remat | XLA temp MiB | temp / full | stash MiB (inputs or "
-        "residuals) | KV+dKV MiB | executed / analytic FLOPs |",
-        "|---|---|---|---|---|---|---|",
+        "residuals) | KV+dKV MiB | B-to-W MiB | executed / analytic FLOPs |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     full = {r["label"]: r for r in rows if r["remat"] == "full"}
     for r in rows:
@@ -323,7 +325,8 @@ def policy_table(rows: list[dict]) -> str:
         ratio = f"{r['temp_bytes'] / base['temp_bytes']:.2f}" if base else "-"
         lines.append(
             f"| {r['label']} | {r['remat']} | {_mib(r['temp_bytes'])} | {ratio} | "
-            f"{_mib(r['stash_bytes'])} | {_mib(r['kv_bytes'])} | {r['flop_ratio']:.4f} |"
+            f"{_mib(r['stash_bytes'])} | {_mib(r['kv_bytes'])} | {_mib(r['weight_bytes'])} | "
+            f"{r['flop_ratio']:.4f} |"
         )
     return "\n".join(lines) + "\n"
 
