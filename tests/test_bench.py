@@ -71,3 +71,18 @@ def test_split_rows_show_the_flops_split_shortening_the_predicted_step():
     assert max(even["stage_work_s"]) == even["stage_work_s"][-1]
     assert flops["predicted_s"] < even["predicted_s"]
     assert "| flops |" in bench.split_table([even, flops])
+
+
+def test_a_run_that_dies_leaves_what_it_measured(tmp_path, monkeypatch):
+    """The JSON is written after each section: a run killed later (XLA out of memory on a
+    shared machine) keeps the rows it measured."""
+    out = tmp_path / "bench.json"
+
+    def dying(config, runs, repeats, log, quick, save):
+        save({"rows": [{"label": "1f1b"}]})
+        raise MemoryError("LLVM compilation error: Cannot allocate memory")
+
+    monkeypatch.setattr(bench, "bench", dying)
+    with pytest.raises(MemoryError):
+        bench.main(["--quick", "--json", str(out)])
+    assert json.loads(out.read_text())["rows"] == [{"label": "1f1b"}]

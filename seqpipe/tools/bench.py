@@ -572,7 +572,10 @@ def chart(result: dict, path: str) -> None:
     plt.close(fig)
 
 
-def bench(config, runs, repeats: int, log=print, quick: bool = False) -> dict:
+def bench(config, runs, repeats: int, log=print, quick: bool = False, save=None) -> dict:
+    """Every section of the report; `save(result)` after each, so a run that dies (a
+    shared machine out of memory) leaves what it measured."""
+    save = save or (lambda result: None)
     import jax
     import numpy as np
 
@@ -627,12 +630,15 @@ def bench(config, runs, repeats: int, log=print, quick: bool = False) -> dict:
     for c, step in zip(configs, steps, strict=False):
         start = time.perf_counter()
         result["rows"].append(run_one(c, step, params, tokens, timer, repeats))
-        r = result["rows"][-1]
+        r, u = result["rows"][-1], result["rows"][-1]["unit_s"]
         log(
-            f"# {r['label']}: temp {_mib(r['temp_bytes'])} MiB, FLOPs x{r['flop_ratio']:.3f}, "
-            f"predicted {1e3 * r['predicted_s']:.0f} ms, measured {1e3 * r['measured_s']:.0f} "
-            f"ms ({time.perf_counter() - start:.0f} s)"
+            f"# {r['label']}: temp {_mib(r['temp_bytes'])} MiB, FLOPs x{r['flop_ratio']:.4f}, "
+            f"bubble {r['bubble_measured_costs']:.3f}, predicted {1e3 * r['predicted_s']:.0f} "
+            f"ms, measured {1e3 * r['measured_s']:.0f} ms, F/B/W "
+            f"{1e3 * u['F']:.1f}/{1e3 * u['B']:.1f}/{1e3 * u['W']:.1f} ms "
+            f"({time.perf_counter() - start:.0f} s)"
         )
+        save(result)
     # The machinery alone: the pipelined step on one stage against the reference that
     # checkpoints its layers as the policy does (the same FLOPs), and against none.
     from seqpipe import remat
@@ -653,10 +659,13 @@ def bench(config, runs, repeats: int, log=print, quick: bool = False) -> dict:
         "target": 1.15,
     }
     log(f"# overhead: one-stage pipeline / reference = {result['overhead']['ratio']:.3f}")
+    save(result)
     result["prediction"] = prediction(predict, timer, layers)
+    save(result)
     policy_runs = runs[:2] if quick else POLICY_RUNS
     result["policies"] = policy_rows(config, policy_runs, rows_per_mb)
     log(f"# remat policies compiled for {len(policy_runs)} schedules")
+    save(result)
     spec = pipeline.make_spec(variant(config, *runs[-1]))
     result["flop_breakdown"] = {
         "schedule": label(*runs[-1]),
@@ -713,7 +722,7 @@ def main(argv: list[str]) -> int:
         from seqpipe.tools import accel
 
         return accel.main(argv)
-    from seqpipe import cli
+    from seqpipe import cli, files
 
     def flags(parser):
         parser.add_argument("--quick", action="store_true", help="a tiny model, three schedules")
@@ -735,14 +744,17 @@ def main(argv: list[str]) -> int:
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
 
-    result = bench(config, runs, args.repeats if not args.quick else 1, log, args.quick)
-    sys.stdout.write(report(result))
     for path in (args.json, args.png):
         if path and os.path.dirname(path):
             os.makedirs(os.path.dirname(path), exist_ok=True)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=1)
+
+    def save(result):
+        if args.json:
+            files.atomic_write_bytes(args.json, json.dumps(result, indent=1).encode())
+
+    result = bench(config, runs, args.repeats if not args.quick else 1, log, args.quick, save)
+    sys.stdout.write(report(result))
+    save(result)
     if args.png:
         chart(result, args.png)
     return 0
