@@ -41,6 +41,9 @@ def test_quick_end_to_end(tmp_path, capsys):
         for key in ("temp_bytes", "flop_ratio", "predicted_s", "measured_s", "bubble_units"):
             assert math.isfinite(r[key]) and r[key] >= 0, (key, r[key])
         assert 1.0 <= r["flop_ratio"] < 1.1  # remat none: no forward recomputed
+        assert r["unit_s"]["F"] > 0 and r["unit_s"]["B"] > 0
+    # F, B and W measured apart: only the split table has a W of its own.
+    assert [r["unit_s"]["W"] > 0 for r in result["rows"]] == [False, False, True]
     assert result["overhead"]["ratio"] > 0 and result["reference"]["seconds"] > 0
     policies = {(p["label"], p["remat"]): p for p in result["policies"]}
     assert len(policies) == 2 * len(config_lib.REMAT_POLICIES)
@@ -49,7 +52,8 @@ def test_quick_end_to_end(tmp_path, capsys):
         assert none["flop_ratio"] < full["flop_ratio"] and none["stash_bytes"] > full["stash_bytes"]
     assert {p["label"] for p in result["prediction"]} == {"zb_h1", *labels}
     assert png.stat().st_size > 1000
-    assert "| seq1f1b K2 uniform |" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "| seq1f1b K2 uniform |" in printed and "| W ms |" in printed
 
 
 @pytest.mark.slow  # two steps compiled and run, and their units timed: about a minute
@@ -67,3 +71,18 @@ def test_split_rows_show_the_flops_split_shortening_the_predicted_step():
     assert max(even["stage_work_s"]) == even["stage_work_s"][-1]
     assert flops["predicted_s"] < even["predicted_s"]
     assert "| flops |" in bench.split_table([even, flops])
+
+
+def test_a_run_that_dies_leaves_what_it_measured(tmp_path, monkeypatch):
+    """The JSON is written after each section: a run killed later (XLA out of memory on a
+    shared machine) keeps the rows it measured."""
+    out = tmp_path / "bench.json"
+
+    def dying(config, runs, repeats, log, quick, save):
+        save({"rows": [{"label": "1f1b"}]})
+        raise MemoryError("LLVM compilation error: Cannot allocate memory")
+
+    monkeypatch.setattr(bench, "bench", dying)
+    with pytest.raises(MemoryError):
+        bench.main(["--quick", "--json", str(out)])
+    assert json.loads(out.read_text())["rows"] == [{"label": "1f1b"}]

@@ -27,7 +27,16 @@ def test_analytic_by_hand():
     assert flops.padded_attention_excess(cfg, (2, 3), rows=1) == 2 * (2 * 2 * 3 * 4)
 
 
-def _spec(stage=2, segments=2, seq=256, microbatches=1, remat="full", layers=2, split="even"):
+def _spec(
+    stage=2,
+    segments=2,
+    seq=256,
+    microbatches=1,
+    remat="full",
+    layers=2,
+    split="even",
+    schedule="seq1f1b",
+):
     c = config_lib.base_config()
     # XLA counts a while loop's body once: blockwise's loops are counted by
     # `blockwise.executed_flops` (below), not here.
@@ -36,7 +45,7 @@ def _spec(stage=2, segments=2, seq=256, microbatches=1, remat="full", layers=2, 
     )
     c.mesh.update(stage=stage)
     c.pipeline.update(
-        schedule="seq1f1b",
+        schedule=schedule,
         microbatches=microbatches,
         segments=segments,
         remat=remat,
@@ -104,6 +113,21 @@ def test_no_recompute_ratio_at_most_1_05(stage):
         assert flops.step_ratio(spec, rows=1)["ratio"] == pytest.approx(
             sum(parts.values()), abs=0.03
         )
+
+
+@pytest.mark.parametrize(
+    "unsplit,split,segments", [("1f1b", "zb_h1", 1), ("seq1f1b", "seq_zb_h1", 4)]
+)
+def test_the_weight_split_adds_no_flops(unsplit, split, segments):
+    """remat=none: a split table's B and W together execute what the unsplit backward does
+    (W's six einsums are the weight matmuls' gradients B left out), so executed / analytic
+    stays at most 1.05 and equal to the unsplit table's; W units really are counted."""
+    a, b = (_spec(segments=segments, remat="none", schedule=n) for n in (unsplit, split))
+    got, want = flops.step_ratio(b, rows=1), flops.step_ratio(a, rows=1)
+    assert 1.0 <= got["ratio"] <= 1.05, got["ratio"]
+    assert got["ratio"] == pytest.approx(want["ratio"], rel=1e-3)
+    weight = [u for name, u in got["units"].items() if name.startswith("wgt")]
+    assert weight and all(u["flops"] > 0 for u in weight)
 
 
 def test_layer_remat_recomputes_the_layers_not_the_head():

@@ -44,7 +44,8 @@ def nbytes(aval) -> int:
 
 
 @pytest.mark.parametrize(
-    "schedule,segments,virtual", [("1f1b", 1, 1), ("seq1f1b", 4, 1), ("seq1f1b_interleaved", 2, 2)]
+    "schedule,segments,virtual",
+    [("1f1b", 1, 1), ("seq1f1b", 4, 1), ("seq1f1b_interleaved", 2, 2), ("seq_zb_h1", 4, 1)],
 )
 def test_analytic_carry_is_the_executors_carry(schedule, segments, virtual):
     """Every byte of the scan carry in the step's jaxpr is accounted for, buffer by buffer."""
@@ -63,6 +64,14 @@ def test_analytic_carry_is_the_executors_carry(schedule, segments, virtual):
     assert shapes.count(kv) + shapes.count(dkv) == (4 if spec.kv_len else 0)
     assert got["stash"] == max(prog.num_stash, 1) * math.prod(msg) * 4
     assert got["kv"] == 2 * math.prod(kv) * 4 and got["dkv"] == 2 * math.prod(dkv) * 4
+    # A split table's B leaves its W, per segment and slot, the matmuls' inputs (3D + F)
+    # and output cotangents (5D + F) of each layer's positions; an unsplit one nothing.
+    per_position = 8 * cfg.d_model + 2 * cfg.d_ff
+    want = sum(
+        max(n, 1) * spec.chunk_layers * rows * length * per_position * 4
+        for n, length in zip(prog.num_wgt, spec.lengths, strict=True)
+    )
+    assert got["weight"] == (want if spec.schedule.split else 0)
 
 
 @pytest.mark.parametrize(

@@ -99,8 +99,21 @@ def case_id(case):
     return "-".join([f"{schedule}-{d}x{s}-K{k}-{part}-M{rel}-V{v}", *attention])
 
 
+# Every pair of factor values in at least one case; the rest under `make test-all`.
 SAMPLE = all_pairs(FACTORS, valid)
 FULL = [c for c in full_product(FACTORS, valid) if c not in SAMPLE]
+
+
+def test_the_sample_holds_every_pair_of_the_full_matrix():
+    """What the default run checks: each pair of factor values of some valid case."""
+    pairs = lambda c: {(i, c[i], j, c[j]) for i in range(len(c)) for j in range(i)}  # noqa: E731
+    want = set().union(*map(pairs, full_product(FACTORS, valid)))
+    assert set().union(*map(pairs, SAMPLE)) == want
+    assert len(set(SAMPLE)) == len(SAMPLE) and not set(SAMPLE) & set(FULL)
+    # No smaller sample holds them all: the schedule x mesh pairs alone need one case
+    # each (35 with the two zero-bubble schedules); the greedy sample is at most one over.
+    floor = len({(c[0], c[1]) for c in full_product(FACTORS, valid)})
+    assert floor <= len(SAMPLE) <= floor + 1, (floor, len(SAMPLE))
 
 
 @pytest.mark.parametrize("case", SAMPLE, ids=case_id)

@@ -177,6 +177,24 @@ def predicted(spec, cost) -> dict:
     return {"time": float(total), "bubble": float(np.mean(1 - busy / total))}
 
 
+def unit_seconds(spec, timer) -> dict:
+    """Measured seconds of one micro-batch's F, B and W units (all its segments) through
+    chunk 1 (stage 1; a middle stage when S > 2): the costs `predicted` schedules with.
+    An unsplit table's B is the whole backward and its W is 0."""
+    g = min(1, spec.stages * spec.virtual - 1)
+    first, last = g == 0, g == spec.stages * spec.virtual - 1
+    n = spec.layers_per_chunk[g]
+    out = {}
+    for name, kind in (("F", 0), ("B", 1), ("W", 2)):
+        if kind == 2 and not spec.schedule.split:
+            out[name] = 0.0
+            continue
+        out[name] = sum(
+            timer.unit(spec, k, first, last, kind, n) for k in range(spec.schedule.segments)
+        )
+    return out
+
+
 def place_params(params, abstract):
     import jax
 
@@ -236,6 +254,7 @@ def run_one(config, step, params, tokens, timer, repeats: int, count_flops: bool
         "temp_bytes": int(ma.temp_size_in_bytes),
         "carry_bytes": int(carry["carry"]),
         "kv_bytes": int(carry["kv"] + carry["dkv"]),
+        "weight_bytes": int(carry["weight"]),
         "analytic_flops": fl["analytic"],
         "executed_flops": fl["executed"],
         "flop_ratio": fl["ratio"],
@@ -245,6 +264,7 @@ def run_one(config, step, params, tokens, timer, repeats: int, count_flops: bool
     if timer is not None:
         pred = predicted(spec, timer.unit)
         out["predicted_s"], out["bubble_measured_costs"] = pred["time"], pred["bubble"]
+        out["unit_s"] = unit_seconds(spec, timer)
     placed = place_params(layout.to_stage_order(params, spec.placement), p_abs)
     toks = jax.device_put(tokens, t_abs.sharding)
     out["measured_s"] = median_seconds(compiled, (placed, toks), repeats)
@@ -286,6 +306,7 @@ def policy_rows(config, runs, rows_per_mb: int) -> list[dict]:
                     "temp_bytes": int(step["compiled"].memory_analysis().temp_size_in_bytes),
                     "stash_bytes": int(carry["stash"] + carry["res"]),
                     "kv_bytes": int(carry["kv"] + carry["dkv"]),
+                    "weight_bytes": int(carry["weight"]),
                     "flop_ratio": flops.step_ratio(spec, rows_per_mb, c.mesh.data)["ratio"],
                 }
             )
@@ -295,8 +316,8 @@ def policy_rows(config, runs, rows_per_mb: int) -> list[dict]:
 def policy_table(rows: list[dict]) -> str:
     lines = [
         "| schedule | pipeline.remat | XLA temp MiB | temp / full | stash MiB (inputs or "
-        "residuals) | KV+dKV MiB | executed / analytic FLOPs |",
-        "|---|---|---|---|---|---|---|",
+        "residuals) | KV+dKV MiB | B-to-W MiB | executed / analytic FLOPs |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     full = {r["label"]: r for r in rows if r["remat"] == "full"}
     for r in rows:
@@ -304,7 +325,8 @@ def policy_table(rows: list[dict]) -> str:
         ratio = f"{r['temp_bytes'] / base['temp_bytes']:.2f}" if base else "-"
         lines.append(
             f"| {r['label']} | {r['remat']} | {_mib(r['temp_bytes'])} | {ratio} | "
-            f"{_mib(r['stash_bytes'])} | {_mib(r['kv_bytes'])} | {r['flop_ratio']:.4f} |"
+            f"{_mib(r['stash_bytes'])} | {_mib(r['kv_bytes'])} | {_mib(r['weight_bytes'])} | "
+            f"{r['flop_ratio']:.4f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -463,6 +485,22 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def unit_table(rows: list[dict]) -> str:
+    """Each schedule's measured F, B, W per micro-batch on stage 1: the split's B + W
+    against the unsplit backward is what the split costs in time."""
+    lines = [
+        "| schedule | F ms | B ms | W ms | (B + W) / F |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        u = r["unit_s"]
+        lines.append(
+            f"| {r['label']} | {1e3 * u['F']:.1f} | {1e3 * u['B']:.1f} | "
+            f"{1e3 * u['W']:.1f} | {(u['B'] + u['W']) / u['F']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def prediction_table(rows: list[dict]) -> str:
     lines = [
         "| S | M | depth | schedule | predicted ms | bubble | throughput / 1f1b |",
@@ -534,7 +572,10 @@ def chart(result: dict, path: str) -> None:
     plt.close(fig)
 
 
-def bench(config, runs, repeats: int, log=print, quick: bool = False) -> dict:
+def bench(config, runs, repeats: int, log=print, quick: bool = False, save=None) -> dict:
+    """Every section of the report; `save(result)` after each, so a run that dies (a
+    shared machine out of memory) leaves what it measured."""
+    save = save or (lambda result: None)
     import jax
     import numpy as np
 
@@ -589,12 +630,15 @@ def bench(config, runs, repeats: int, log=print, quick: bool = False) -> dict:
     for c, step in zip(configs, steps, strict=False):
         start = time.perf_counter()
         result["rows"].append(run_one(c, step, params, tokens, timer, repeats))
-        r = result["rows"][-1]
+        r, u = result["rows"][-1], result["rows"][-1]["unit_s"]
         log(
-            f"# {r['label']}: temp {_mib(r['temp_bytes'])} MiB, FLOPs x{r['flop_ratio']:.3f}, "
-            f"predicted {1e3 * r['predicted_s']:.0f} ms, measured {1e3 * r['measured_s']:.0f} "
-            f"ms ({time.perf_counter() - start:.0f} s)"
+            f"# {r['label']}: temp {_mib(r['temp_bytes'])} MiB, FLOPs x{r['flop_ratio']:.4f}, "
+            f"bubble {r['bubble_measured_costs']:.3f}, predicted {1e3 * r['predicted_s']:.0f} "
+            f"ms, measured {1e3 * r['measured_s']:.0f} ms, F/B/W "
+            f"{1e3 * u['F']:.1f}/{1e3 * u['B']:.1f}/{1e3 * u['W']:.1f} ms "
+            f"({time.perf_counter() - start:.0f} s)"
         )
+        save(result)
     # The machinery alone: the pipelined step on one stage against the reference that
     # checkpoints its layers as the policy does (the same FLOPs), and against none.
     from seqpipe import remat
@@ -615,10 +659,13 @@ def bench(config, runs, repeats: int, log=print, quick: bool = False) -> dict:
         "target": 1.15,
     }
     log(f"# overhead: one-stage pipeline / reference = {result['overhead']['ratio']:.3f}")
+    save(result)
     result["prediction"] = prediction(predict, timer, layers)
+    save(result)
     policy_runs = runs[:2] if quick else POLICY_RUNS
     result["policies"] = policy_rows(config, policy_runs, rows_per_mb)
     log(f"# remat policies compiled for {len(policy_runs)} schedules")
+    save(result)
     spec = pipeline.make_spec(variant(config, *runs[-1]))
     result["flop_breakdown"] = {
         "schedule": label(*runs[-1]),
@@ -646,6 +693,9 @@ def report(result: dict) -> str:
         f"{1e3 * ov['pipelined_one_stage_s']:.0f} ms = {ov['ratio']:.3f}x the reference with "
         f"the same checkpoints (target <= {ov['target']}), "
         f"{ov['ratio_vs_no_checkpoint']:.3f}x the one with none\n",
+        "Measured unit times per micro-batch, stage 1 (all segments; an unsplit B is the "
+        "whole backward):\n",
+        unit_table(result["rows"]),
         "Predicted from measured unit times (M=8):\n",
         prediction_table(result["prediction"]),
         "Every pipeline.remat policy (full depth):\n",
@@ -672,7 +722,7 @@ def main(argv: list[str]) -> int:
         from seqpipe.tools import accel
 
         return accel.main(argv)
-    from seqpipe import cli
+    from seqpipe import cli, files
 
     def flags(parser):
         parser.add_argument("--quick", action="store_true", help="a tiny model, three schedules")
@@ -695,14 +745,17 @@ def main(argv: list[str]) -> int:
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
 
-    result = bench(config, runs, args.repeats if not args.quick else 1, log, args.quick)
-    sys.stdout.write(report(result))
     for path in (args.json, args.png):
         if path and os.path.dirname(path):
             os.makedirs(os.path.dirname(path), exist_ok=True)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=1)
+
+    def save(result):
+        if args.json:
+            files.atomic_write_bytes(args.json, json.dumps(result, indent=1).encode())
+
+    result = bench(config, runs, args.repeats if not args.quick else 1, log, args.quick, save)
+    sys.stdout.write(report(result))
+    save(result)
     if args.png:
         chart(result, args.png)
     return 0

@@ -68,6 +68,9 @@ def carry_bytes(spec, rows: int) -> dict:
         "dkv": b["dkv_k"] + b["dkv_v"],
         "grads": b["grads"],
         "loss": b["loss"],
+        # B-to-W buffers of a split table: the weight matmuls' inputs and output cotangents
+        # that B leaves its W, per segment, [slots, n, b, L_k] x (8D + 2F) values.
+        "weight": b["weight"],
     }
     out["carry"] = sum(out.values())
     # What the algorithm needs: K/V of prefix positions only (no segment attends to the
