@@ -251,7 +251,7 @@ def test_each_process_reads_the_rows_its_devices_hold(layout):
     assert list(rows.values()) == ROWS[layout]
     # Processes whose devices share a data index (a row of the mesh) read the same rows.
     for replica in mesh.devices:
-        sharing = {process_of(per_process)(d) for d in replica}
+        sharing = {process_of(per_process)(d) for d in replica.flat}
         assert len({(rows[p].start, rows[p].stop) for p in sharing}) == 1
 
 

@@ -279,7 +279,7 @@ def test_compile_only_prints_memory_and_flops(tmp_path):
 
     cfg = model.GPTConfig.from_config(config.model)
     assert result["flops_per_step"] == model.flops_per_token(cfg, 16) * 8 * 16
-    assert 0 < result["bubble"] < 1 and result["mesh"] == {"data": 2, "stage": 4}
+    assert 0 < result["bubble"] < 1 and result["mesh"] == {"data": 2, "stage": 4, "tensor": 1}
     # Two replicas: the optimizer state split over them (every leaf of this model splits),
     # two moments per parameter at half the parameters' bytes each.
     state = result["state_bytes_per_device"]
@@ -303,7 +303,8 @@ def test_mesh_minus_one_on_cpu_gets_the_devices_the_other_axis_needs(tmp_path):
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout.strip().splitlines()[-1])["mesh"] == {"data": 1, "stage": 4}
+    mesh = json.loads(proc.stdout.strip().splitlines()[-1])["mesh"]
+    assert mesh == {"data": 1, "stage": 4, "tensor": 1}
 
 
 def test_no_libtpu_noise_on_a_machine_without_a_tpu(tmp_path):
