@@ -60,42 +60,12 @@ def test_two_processes_match_one(tmp_path, data_size, stages, tensor):
         "train.steps": str(STEPS),
         "checkpoint.every": "2",
     }
-    args = [sys.executable, "train.py"] + tiny_args(**overrides)
-    port = _free_port()
     multi = tmp_path / "multi"
-    procs = [
-        subprocess.Popen(
-            args
-            + [
-                "--workdir",
-                str(multi),
-                "--coordinator",
-                f"127.0.0.1:{port}",
-                "--num_processes",
-                "2",
-                "--process_id",
-                str(i),
-            ],
-            cwd=REPO,
-            env=_process_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    outs = []
-    for p in procs:
-        try:
-            outs.append(p.communicate(timeout=300))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-    for p, (_, err) in zip(procs, outs, strict=True):
-        assert p.returncode == 0, err[-3000:]
+    done = _launch(multi, overrides)
+    for r in done:
+        assert r.returncode == 0, r.stderr[-3000:]
     # Only process 0 logs.
-    assert "loss" in outs[0][0] and "loss" not in outs[1][0]
+    assert "loss" in done[0].stdout and "loss" not in done[1].stdout
     # The same run in this process, on its 8 devices.
     single = {
         r["step"]: r["loss"] for r in train.run(tiny_config(**overrides), str(tmp_path / "single"))
@@ -119,30 +89,7 @@ def test_two_processes_match_one(tmp_path, data_size, stages, tensor):
 def test_a_signal_to_one_process_stops_both_at_the_same_step(tmp_path, sig, target):
     """JAX's preemption service agrees on the step; both save it and exit 0."""
     overrides = {**PIPELINED, "train.steps": "100000", "checkpoint.every": "0"}
-    port = _free_port()
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "train.py",
-                *tiny_args(**overrides),
-                "--workdir",
-                str(tmp_path),
-                "--coordinator",
-                f"127.0.0.1:{port}",
-                "--num_processes",
-                "2",
-                "--process_id",
-                str(i),
-            ],
-            cwd=REPO,
-            env=_process_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(2)
-    ]
+    procs = _spawn(tmp_path, overrides)
     try:
         deadline = time.monotonic() + 240
         metrics = tmp_path / "metrics.jsonl"
@@ -165,10 +112,10 @@ def test_a_signal_to_one_process_stops_both_at_the_same_step(tmp_path, sig, targ
     assert _losses(tmp_path).keys() == set(range(1, stopped + 1))
 
 
-def _launch(workdir, overrides) -> list[subprocess.CompletedProcess]:
-    """train.py as two processes on one workdir; both are waited for (killed on a hang)."""
+def _spawn(workdir, overrides) -> list[subprocess.Popen]:
+    """train.py started as two processes on one workdir (4 devices each, one coordinator)."""
     port = _free_port()
-    procs = [
+    return [
         subprocess.Popen(
             [sys.executable, "train.py", *tiny_args(**overrides), "--workdir", str(workdir)]
             + [
@@ -187,6 +134,11 @@ def _launch(workdir, overrides) -> list[subprocess.CompletedProcess]:
         )
         for i in range(2)
     ]
+
+
+def _launch(workdir, overrides) -> list[subprocess.CompletedProcess]:
+    """`_spawn`, both waited for (killed on a hang)."""
+    procs = _spawn(workdir, overrides)
     try:
         outs = [p.communicate(timeout=300) for p in procs]
     finally:
