@@ -10,8 +10,8 @@ which slot each tick reads and writes (`schedule.lower` allocates them):
   head_dy   per segment k: [slots, b, L_k, D]  the head's dy, from the last chunk's forward
   kv_k, kv_v     [slots, n, b, Lkv, H, E]   K/V of each (micro-batch, chunk) in flight
   dkv_k, dkv_v   [slots, n, b, Lkv, H, E]   their cotangents from later segments (these
-                                            four as `kv_cache` storage words: uint16 for
-                                            bf16 activations)
+                                            four and `saved` as `kv_cache` storage words:
+                                            uint16 for bf16 activations)
   weight    per segment k (split tables only): what B leaves its W, (matmul inputs, their
             output cotangents), each [slots, n, b, L_k, ...] (`SegmentUnit.weight_avals`)
   grads     {"layers": [V, n, ...], "shared": ...}  accumulated in the parameter dtype
@@ -93,8 +93,10 @@ def abstract(spec, rows: int, layers_VxN, shared) -> Carry:
     groups = {}  # group -> the first segment in it (every member has its shapes)
     for u in segs:
         groups.setdefault(u.group, u)
+    # Stored as words too: on CPU a bf16 slot write converts its window to float32.
+    words = lambda aval: sds(aval.shape, kv_cache.storage_dtype(aval.dtype))  # noqa: E731
     saved = tuple(
-        tuple(slots(count, a) for a in groups[g].saved_avals(rows, depth=spec.uneven))
+        tuple(slots(count, words(a)) for a in groups[g].saved_avals(rows, depth=spec.uneven))
         for g, count in enumerate(units.strategy(spec).slot_counts(prog))
     )
     return Carry(

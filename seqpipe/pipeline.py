@@ -207,7 +207,10 @@ def forward(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps) -> tuple[
         if saved:  # an evaluation keeps nothing
             stash = carry.saved[g]
             stashes.append(
-                tuple(write_slot(b, slot, x, on) for b, x in zip(stash, saved, strict=True))
+                tuple(
+                    write_slot(b, slot, kv_cache.to_words(x), on)
+                    for b, x in zip(stash, saved, strict=True)
+                )
             )
     y, k_seg, v_seg = jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *outs)
     carry = carry.replace(saved=tuple(stashes))
@@ -321,7 +324,10 @@ def backward(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps) -> tuple
     caches = (carry.kv_k, carry.kv_v, carry.dkv_k, carry.dkv_v)
 
     def read(group):
-        return [jax.lax.dynamic_index_in_dim(b, slot, keepdims=False) for b in carry.saved[group]]
+        return [
+            kv_cache.from_words(jax.lax.dynamic_index_in_dim(b, slot, keepdims=False), a.dtype)
+            for b, a in zip(carry.saved[group], ctx.saved_avals(group), strict=True)
+        ]
 
     shared_stash = read(0) if strategy.read_before_branching else None
 

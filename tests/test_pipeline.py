@@ -8,12 +8,13 @@ of it. The reference always runs the `xla` attention, the oracle of the others.
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from pairwise import all_pairs, full_product
 
+from seqpipe import carry, hlo, layout, model, pipeline, reference, remat, sharding, units
 from seqpipe import config as config_lib
-from seqpipe import hlo, layout, model, pipeline, reference, remat, sharding, units
 from seqpipe import schedule as schedule_lib
 from seqpipe import spec as spec_lib
 from seqpipe.tools.verify import (
@@ -182,6 +183,21 @@ BF16_GRAD_RTOL = 3e-2
 def test_pipeline_matches_reference_in_bfloat16(case):
     config = make_config(*case)
     config.model.dtype = "bfloat16"  # param_dtype stays float32
+    check_against_reference(case, config, BF16_LOSS_RTOL, BF16_GRAD_RTOL)
+
+
+def test_bfloat16_residual_stash_is_stored_as_words_and_matches_reference():
+    """Under remat=none a bf16 forward stashes its residuals as uint16 words (on CPU a
+    bf16 slot write converts its window to float32); read back, they give the
+    reference's gradients."""
+    case = ("seq1f1b", (1, 2), 3, "uniform", "more", 1)
+    config = make_config(*case)
+    config.model.dtype = "bfloat16"
+    config.pipeline.remat = "none"
+    spec = pipeline.make_spec(config)
+    stored = [b.dtype for group in carry.of_spec(spec, 2).saved for b in group]
+    kept = [a.dtype for a in units.SegmentUnit(spec, 0).saved_avals(2)]
+    assert jnp.bfloat16 in kept and jnp.bfloat16 not in stored and np.uint16 in stored
     check_against_reference(case, config, BF16_LOSS_RTOL, BF16_GRAD_RTOL)
 
 
