@@ -65,17 +65,28 @@ class ResidualLayout:
         ]
         return jax.tree.unflatten(self.treedef, leaves)
 
-    def same_as(self, other: "ResidualLayout") -> bool:
-        """Same leaves, stash and sources (constants compared by shape)."""
-
-        def kind(src):
-            return src if not isinstance(src, tuple) or src[0] == "input" else jnp.shape(src[1])
-
-        return (
-            self.treedef.num_leaves == other.treedef.num_leaves  # closures differ by trace
-            and self.stored == other.stored
-            and [kind(s) for s in self.sources] == [kind(s) for s in other.sources]
-        )
+    def take(self, vjp, inputs, name: str) -> list:
+        """The leaves to stash, by this layout, of the same body's vjp traced elsewhere.
+        A leaf this layout holds constant may be a tracer there: under `shard_map` JAX
+        lifts a kernel's constant residuals (splash's mask tables) into its trace. The
+        probe saw it constant with every input abstract, so it depends on none of them,
+        and the backward rebuilds it from the probe's constant."""
+        leaves = jax.tree.leaves(vjp)
+        input_at = {id(x): j for j, x in enumerate(jax.tree.leaves(inputs))}
+        stored = [None] * len(self.stored)
+        fits = len(leaves) == self.treedef.num_leaves
+        for leaf, src in zip(leaves, self.sources, strict=False) if fits else ():
+            if isinstance(src, int):
+                aval = jax.ShapeDtypeStruct(jnp.shape(leaf), jnp.result_type(leaf))
+                fits &= id(leaf) not in input_at and aval == self.stored[src]
+                stored[src] = leaf
+            elif src[0] == "input":
+                fits &= input_at.get(id(leaf)) == src[1]
+            else:
+                fits &= jnp.shape(leaf) == jnp.shape(src[1])
+        if not fits:
+            raise AssertionError(f"{name}: the forward's residuals differ from the probe's")
+        return stored
 
 
 class RecomputeInput:
@@ -119,14 +130,11 @@ class KeepResiduals:
         self.shared = shared
 
     def forward(self, unit, body, params, x_in, k_prefix, v_prefix, first, depth):
-        outputs, layout, stored = _split_forward(unit, body, params, x_in, k_prefix, v_prefix)
-        # The backward rebuilds the vjp from the probe's layout: it must be this one.
+        outputs, vjp = unit.vjp(body, params, x_in, k_prefix, v_prefix)
+        # The backward rebuilds the vjp from the probe's layout: stash what it reads.
         probe = unit.layout(x_in.shape[0], _static(first), depth is not None)
-        if not layout.same_as(probe):
-            raise AssertionError(
-                f"segment {unit.seg}: the forward's residuals differ from the probe's"
-            )
-        return outputs, tuple(stored)
+        kept = probe.take(vjp, (*params, k_prefix, v_prefix), f"segment {unit.seg}")
+        return outputs, tuple(kept)
 
     def backward(self, unit, body, saved, params, k_prefix, v_prefix, cotangents, first, depth):
         rows = k_prefix.shape[1]
@@ -375,7 +383,8 @@ def _probe_layout(unit: SegmentUnit, rows: int, first, depth: bool) -> ResidualL
     def probe(p, sh, x_in, k_prefix, v_prefix, tokens, flag, count):
         flag = first if first is not None else flag
         body = unit.body(tokens, flag, count if depth else None)
-        _, layout, stored = _split_forward(unit, body, (p, sh), x_in, k_prefix, v_prefix)
+        _, vjp = unit.vjp(body, (p, sh), x_in, k_prefix, v_prefix)
+        layout, stored = ResidualLayout.split(vjp, (p, sh, k_prefix, v_prefix))
         found.append(layout)
         return stored
 
@@ -388,13 +397,6 @@ def _probe_layout(unit: SegmentUnit, rows: int, first, depth: bool) -> ResidualL
 def _static(first):
     """`first` if fixed at trace time, else None (decided at run time)."""
     return first if isinstance(first, bool) else None
-
-
-def _split_forward(unit, body, params, x_in, k_prefix, v_prefix):
-    """(outputs, layout, leaves to stash) of the body's vjp (`SegmentUnit.vjp`)."""
-    outputs, vjp = unit.vjp(body, params, x_in, k_prefix, v_prefix)
-    layout, stored = ResidualLayout.split(vjp, (*params, k_prefix, v_prefix))
-    return outputs, layout, stored
 
 
 def _choose(flag, if_true, if_false):

@@ -323,14 +323,61 @@ def test_pipelined_eval_matches_the_model(case):
     assert (collectives["collective-permute"] > 0) == (case[1][1] > 1)
 
 
+def _take(layout, unit):
+    """What `layout` stashes of a fresh trace of `unit`'s vjp (abstract)."""
+
+    def trace(p, sh, x_in, k_prefix, v_prefix, tokens, flag):
+        _, vjp = unit.vjp(unit.body(tokens, flag), (p, sh), x_in, k_prefix, v_prefix)
+        return layout.take(vjp, (p, sh, k_prefix, v_prefix), f"segment {unit.seg}")
+
+    flag = jax.ShapeDtypeStruct((), jnp.bool_)
+    return jax.eval_shape(trace, *unit.avals(2)[:6], flag)
+
+
 def test_the_executors_residual_layout_is_checked_against_the_probe():
-    """The backward rebuilds each vjp from a probe's layout; the forward checks that its own
-    layout is that one (`same_as`), which tells segments' layouts apart (under `xla`,
-    whose prefix probabilities differ in shape; `blockwise` keeps nothing prefix-shaped)."""
+    """The backward rebuilds each vjp from a probe's layout; the forward stashes by it
+    (`take`), which tells segments' layouts apart (under `xla`, whose prefix
+    probabilities differ in shape; `blockwise` keeps nothing prefix-shaped)."""
     config = make_config("seq1f1b", (1, 2), 2, "uniform", "equal", 1, "xla")
     config.pipeline.remat = "none"
     spec = pipeline.make_spec(config)
     first, second = (units.SegmentUnit(spec, k) for k in (0, 1))
-    fresh = units._probe_layout(first, 2, None, False)  # a second trace of segment 0
-    assert fresh is not first.layout(2) and fresh.same_as(first.layout(2))
-    assert not first.layout(2).same_as(second.layout(2))  # its prefix differs
+    kept = _take(first.layout(2), first)  # a second trace of segment 0
+    assert tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in kept) == first.layout(2).stored
+    with pytest.raises(AssertionError, match="segment 0: the forward's residuals differ"):
+        _take(second.layout(2), first)  # its prefix differs
+
+
+def test_a_residual_the_probe_saw_constant_is_rebuilt_from_the_probe():
+    """A kernel's constant residual (splash's mask tables) is a constant in the probe's
+    abstract trace but may be a tracer in the executor's (JAX lifts it into a
+    `shard_map` trace): the forward leaves it out of the stash and the backward's
+    rebuilt vjp uses the probe's constant."""
+    table = np.arange(1, 5, dtype=np.float32)
+
+    def scale(by):
+        @jax.custom_vjp
+        def f(x):
+            return x * by
+
+        f.defvjp(lambda x: (x * by, (by,)), lambda res, g: (g * res[0],))
+        return f
+
+    found = []
+
+    def probe(x):
+        _, vjp = jax.vjp(scale(table), x)
+        found.append(units.ResidualLayout.split(vjp, (x,))[0])
+
+    jax.eval_shape(probe, jax.ShapeDtypeStruct((4,), jnp.float32))
+    layout = found[0]
+
+    @jax.jit
+    def forward_then_backward(x):
+        by = table + 0 * x.sum()  # the same values, as a tracer
+        _, vjp = jax.vjp(scale(by), x)
+        stored = layout.take(vjp, (x,), "test")
+        assert stored == []  # nothing to stash: the table is the probe's constant
+        return layout.rebuild(stored, (x,))(jnp.ones(4))[0]
+
+    np.testing.assert_array_equal(forward_then_backward(jnp.zeros(4)), table)
