@@ -64,3 +64,43 @@ class Prefix:
             return np.zeros(x.shape, jax.dtypes.float0)
 
         return jax.tree.map(zero, self)
+
+
+@struct.dataclass
+class Cotangents:
+    """The prefix K/V cotangents of one micro-batch (slot `slot` of the cotangent caches
+    `words_k`, `words_v`, [slots, n, b, Lkv, H, E] storage words), which a segment's
+    backward adds to: its prefix [0, prefix_len) waits for the earlier segments' backwards;
+    its own window and any later one are spent, so they are cleared for the slot's next
+    micro-batch. Each add touches only its window of the caches."""
+
+    words_k: jax.Array
+    words_v: jax.Array
+    slot: jax.Array
+    prefix_len: int = struct.field(pytree_node=False)
+    dtype: np.dtype = struct.field(pytree_node=False)
+
+    def add_layer(self, layer, dk: jax.Array, dv: jax.Array) -> "Cotangents":
+        """Adds one layer's prefix cotangents ([b, >= prefix_len, H, E])."""
+        return self._add((self.slot, layer), dk, dv)
+
+    def add_chunk(self, dk: jax.Array, dv: jax.Array) -> "Cotangents":
+        """Adds every layer's prefix cotangents ([n, b, >= prefix_len, H, E])."""
+        return self._add((self.slot,), dk, dv)
+
+    def _add(self, lead: tuple, dk, dv) -> "Cotangents":
+        def update(words, d):
+            shape = words.shape[len(words.shape) - d.ndim :]
+            at = lead + (0,) * d.ndim
+            d = jnp.pad(d[..., : self.prefix_len, :, :], _pad_positions(shape, self.prefix_len))
+            old = from_words(jax.lax.dynamic_slice(words, at, (1,) * len(lead) + shape), self.dtype)
+            before = (jnp.arange(shape[-3]) < self.prefix_len)[:, None, None]
+            new = jnp.where(before, old + d.astype(self.dtype), 0)
+            return jax.lax.dynamic_update_slice(words, to_words(new), at)
+
+        return self.replace(words_k=update(self.words_k, dk), words_v=update(self.words_v, dv))
+
+
+def _pad_positions(shape: tuple, length: int) -> list:
+    """jnp.pad widths taking [..., length, H, E] to `shape` along the positions."""
+    return [(0, 0)] * (len(shape) - 3) + [(0, shape[-3] - length), (0, 0), (0, 0)]

@@ -281,12 +281,12 @@ def _output_cotangent(ctx: Context, carry: Carry, op: TickOps) -> jax.Array:
 
 def _backward_unit(ctx: Context, inp: StageInputs, op: TickOps, k: int, saved, dy, caches):
     """Segment k's backward on the tick's unit: (dx, parameter cotangents of the chunk and
-    the shared weights, prefix dK and dV as long as the cache). `caches`: the carry's K/V
-    and K/V cotangent buffers (storage words, every slot), read where they lie."""
+    the shared weights, the K/V cotangent caches with its prefix dK and dV added). `caches`:
+    the carry's K/V and K/V cotangent buffers (storage words, every slot), read and updated
+    where they lie."""
     spec, unit, chunk = ctx.spec, ctx.units[k], op["bwd_chunk"]
     words_k, words_v, words_dk, words_dv = caches
     act = jnp.dtype(spec.cfg.dtype)
-    pad = lambda d: _pad_kv(d.astype(act), spec.kv_len)  # noqa: E731
     off = spec.offsets[k]
     own = unit.kv_avals(ctx.rows)
     if k < spec.segments - 1:  # K/V cotangents that later segments left for this one
@@ -299,7 +299,8 @@ def _backward_unit(ctx: Context, inp: StageInputs, op: TickOps, k: int, saved, d
         dk_own = dv_own = jnp.zeros(own.shape, spec.cfg.dtype)
     tokens, _ = inp.tokens(spec, op["bwd_mb"], k)
     k_prefix, v_prefix, cache = _prefix_args(ctx, words_k, words_v, op["bwd_kv"], k)
-    d_chunk, d_shared, dx, dk_prefix, dv_prefix, *pack = unit.backward(
+    into = kv_cache.Cotangents(words_dk, words_dv, op["bwd_dkv"], off, act)
+    d_chunk, d_shared, dx, into, *pack = unit.backward(
         tuple(saved),
         (inp.chunk(chunk), inp.shared),
         k_prefix,
@@ -309,9 +310,10 @@ def _backward_unit(ctx: Context, inp: StageInputs, op: TickOps, k: int, saved, d
         (dy, dk_own, dv_own),
         depth=inp.depth(spec, chunk),
         cache=cache,
+        into=into,
     )
     # pack: a split B's (matmul inputs, output cotangents) for its W; else empty.
-    return dx.astype(act), d_chunk, d_shared, pad(dk_prefix), pad(dv_prefix), pack
+    return dx.astype(act), d_chunk, d_shared, into, pack
 
 
 def backward(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps) -> tuple[Carry, jax.Array]:
@@ -321,7 +323,6 @@ def backward(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps) -> tuple
     dy = _output_cotangent(ctx, carry, op)
     strategy = units.strategy(spec)
     slot = op[strategy.slot_fields[1]]
-    caches = (carry.kv_k, carry.kv_v, carry.dkv_k, carry.dkv_v)
 
     def read(group):
         return [
@@ -331,9 +332,10 @@ def backward(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps) -> tuple
 
     shared_stash = read(0) if strategy.read_before_branching else None
 
-    def run(k, grads, weight):
+    def run(k, grads, weight, words_dk, words_dv):
         saved = shared_stash if shared_stash is not None else read(ctx.units[k].group)
-        dx, d_chunk, d_shared, dk, dv, pack = _backward_unit(ctx, inp, op, k, saved, dy, caches)
+        caches = (carry.kv_k, carry.kv_v, words_dk, words_dv)
+        dx, d_chunk, d_shared, into, pack = _backward_unit(ctx, inp, op, k, saved, dy, caches)
         grads = {
             "layers": _add_chunk(grads["layers"], chunk, d_chunk),
             "shared": _accumulate(grads["shared"], d_shared),
@@ -342,28 +344,23 @@ def backward(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps) -> tuple
             slot = op["bwd_wgt"]
             buf = jax.tree.map(lambda b, x: write_slot(b, slot, x, True), weight[k], pack[0])
             weight = (*weight[:k], buf, *weight[k + 1 :])
-        return dx, grads, dk, dv, weight
+        return dx, grads, weight, into.words_k, into.words_v
 
     # Gradients accumulate inside the branch: returned apart, a parameter-sized
     # cotangent tree would be one more temporary. A split B writes its W's slot there
-    # too, since each segment's has its own shape.
+    # too, since each segment's has its own shape; and the prefix's K/V cotangents go
+    # into their cache there, as long as the context (`kv_cache.Cotangents`).
     branches = [functools.partial(run, k) for k in range(spec.segments)]
-    dx, grads, dk_prefix, dv_prefix, weight = jax.lax.cond(
+    dx, grads, weight, dkv_k, dkv_v = jax.lax.cond(
         op.on("bwd_mb"),
-        lambda grads, weight: _switch(op["bwd_seg"], branches, grads, weight),
-        lambda grads, weight: (
-            ctx.zeros("message"),
-            grads,
-            ctx.zeros("kv_all"),
-            ctx.zeros("kv_all"),
-            weight,
-        ),
+        lambda *buffers: _switch(op["bwd_seg"], branches, *buffers),
+        lambda *buffers: (ctx.zeros("message"), *buffers),
         carry.grads,
         carry.weight,
+        carry.dkv_k,
+        carry.dkv_v,
     )
-    carry = carry.replace(grads=grads, weight=weight)
-    if spec.segments > 1:
-        carry = _keep_prefix_cotangents(ctx, carry, op, dk_prefix, dv_prefix)
+    carry = carry.replace(grads=grads, weight=weight, dkv_k=dkv_k, dkv_v=dkv_v)
     return carry, dx
 
 
@@ -395,24 +392,6 @@ def weight(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps) -> Carry:
         carry.grads["layers"],
     )
     return carry.replace(grads={**carry.grads, "layers": layers})
-
-
-def _keep_prefix_cotangents(ctx: Context, carry: Carry, op: TickOps, dk_prefix, dv_prefix):
-    """Adds the unit's prefix cotangents to the micro-batch's, in place in their slot: they
-    wait for the earlier segments. This segment's own (and any later ones) are spent, so
-    they are cleared for the slot's next micro-batch."""
-    offsets = jnp.asarray(ctx.spec.offsets, jnp.int32)
-    before = (jnp.arange(ctx.spec.kv_len) < offsets[op["bwd_seg"]])[None, None, :, None, None]
-    on, slot = op.on("bwd_mb"), op["bwd_dkv"]
-    act = jnp.dtype(ctx.spec.cfg.dtype)
-
-    def update(words, d):
-        at = (slot,) + (0,) * d.ndim
-        old = kv_cache.from_words(jax.lax.dynamic_slice(words, at, (1, *d.shape))[0], act)
-        new = jnp.where(on, jnp.where(before, old + d, 0), old)
-        return jax.lax.dynamic_update_slice(words, kv_cache.to_words(new)[None], at)
-
-    return carry.replace(dkv_k=update(carry.dkv_k, dk_prefix), dkv_v=update(carry.dkv_v, dv_prefix))
 
 
 def transfer(ctx: Context, carry: Carry, op: TickOps, y: jax.Array, dx: jax.Array) -> Carry:

@@ -96,9 +96,12 @@ class RecomputeInput:
     def forward(self, unit, body, params, x_in, k_prefix, v_prefix, first, depth):
         return body(*params, x_in, k_prefix, v_prefix), (x_in,)
 
-    def backward(self, unit, body, saved, params, k_prefix, v_prefix, cotangents, first, depth):
+    def backward(
+        self, unit, saved, params, k_prefix, v_prefix, tokens, first, cotangents, depth, cache, into
+    ):
+        body = unit.body(tokens, first, depth, cache)
         outputs, vjp = unit.vjp(body, params, saved[0], k_prefix, v_prefix)
-        return outputs, unit.pull(vjp, cotangents)
+        return outputs, _added(unit.pull(vjp, cotangents), into)
 
     slot_fields = ("fwd_stash", "bwd_stash")  # the `Program` rows naming a unit's slot
     # The body runs afresh in the backward, so it can read the prefix from the KV cache
@@ -116,6 +119,30 @@ class RecomputeInput:
 
     def group(self, seg: int) -> int:
         return 0
+
+
+class LayerwiseRecompute(RecomputeInput):
+    """`full_layer`: keep the unit's input, as `RecomputeInput`; the backward re-runs the
+    chunk keeping each layer's input, then runs the layers' backwards last first, each
+    layer's forward recomputed under its own vjp, and adds each layer's prefix dK/dV into
+    the cotangent cache as it goes (`SegmentUnit.layerwise_backward`): no cotangent of
+    the whole chunk's prefix ([n, b, P, H, E], as long as the context) is ever made."""
+
+    def backward(
+        self, unit, saved, params, k_prefix, v_prefix, tokens, first, cotangents, depth, cache, into
+    ):
+        return unit.layerwise_backward(
+            saved[0], params, k_prefix, v_prefix, tokens, first, cotangents, depth, cache, into
+        )
+
+
+def _added(grads: tuple, into) -> tuple:
+    """A backward's (d chunk, d shared, dx, dK prefix, dV prefix, ...), the prefix's
+    cotangents added into `into` (a `kv_cache.Cotangents`) in their place when given."""
+    if into is None:
+        return grads
+    d_chunk, d_shared, dx, dk, dv, *pack = grads
+    return (d_chunk, d_shared, dx, into.add_chunk(dk, dv), *pack)
 
 
 class KeepResiduals:
@@ -136,10 +163,13 @@ class KeepResiduals:
         kept = probe.take(vjp, (*params, k_prefix, v_prefix), f"segment {unit.seg}")
         return outputs, tuple(kept)
 
-    def backward(self, unit, body, saved, params, k_prefix, v_prefix, cotangents, first, depth):
+    def backward(
+        self, unit, saved, params, k_prefix, v_prefix, tokens, first, cotangents, depth, cache, into
+    ):
         rows = k_prefix.shape[1]
         layout = unit.layout(rows, _static(first), depth is not None)
-        return None, unit.pull(layout.rebuild(saved, (*params, k_prefix, v_prefix)), cotangents)
+        vjp = layout.rebuild(saved, (*params, k_prefix, v_prefix))
+        return None, _added(unit.pull(vjp, cotangents), into)
 
     @property
     def slot_fields(self) -> tuple[str, str]:
@@ -164,7 +194,7 @@ class KeepResiduals:
 def strategy(spec: PipelineSpec):
     """The remat strategy of a spec's policy (`KeepResiduals` shared where it can be)."""
     if not spec.policy.keeps_residuals:
-        return RecomputeInput()
+        return LayerwiseRecompute() if spec.remat == "full_layer" else RecomputeInput()
     key = (spec.cfg, spec.remat, spec.lengths, spec.chunk_layers, spec.schedule.split)
     key += (spec.uneven, jax.sharding.get_abstract_mesh())
     if key not in _SHARED:
@@ -314,16 +344,106 @@ class SegmentUnit:
         keep_outputs=False,
         depth=None,
         cache=None,
+        into=None,
     ):
         """(d chunk, d shared, dx, dK prefix, dV prefix) from what the forward saved and the
         cotangents (dy, dK, dV) of the body's outputs; split, B's (`pull`). `keep_outputs`
         (measurement only) also returns a recomputed forward's outputs, so XLA cannot drop
         the work that only they need, as it cannot inside the executor's layer loop."""
-        body = self.body(tokens_bxL, first, depth, cache)
         outputs, grads = self.strategy.backward(
-            self, body, saved, params, k_prefix, v_prefix, cotangents, first, depth
+            self,
+            saved,
+            params,
+            k_prefix,
+            v_prefix,
+            tokens_bxL,
+            first,
+            cotangents,
+            depth,
+            cache,
+            into,
         )
         return (outputs, grads) if keep_outputs else grads
+
+    def layerwise_backward(
+        self, x_in, params, k_prefix, v_prefix, tokens_bxL, first, cotangents, depth, cache, into
+    ):
+        """`backward` a layer at a time (`LayerwiseRecompute`): ((y, K, V) recomputed,
+        grads). The chunk is re-run keeping each layer's input; then, last layer first, each
+        layer's vjp (its forward recomputed) pulls dx back, and its prefix dK/dV go into
+        `into` at once (or, without it, are stacked and returned as `backward` does)."""
+        spec, cfg, n = self.spec, self.spec.cfg, self.n
+        offset, length = spec.offsets[self.seg], spec.local_length(self.seg)
+        chunk, shared = params
+        dy, dk_own, dv_own = cotangents
+        rows = x_in.shape[0]
+        index = jnp.arange(n)
+
+        def start(shared, x_in):  # the chunk's input: the embedding on global chunk 0
+            return _choose(
+                first, lambda: model.embed(shared, tokens_bxL, cfg), lambda: x_in[:, :length]
+            )
+
+        def prefix(k_prefix, v_prefix):
+            """One layer's prefix: zero sinks for its cotangents when it lies in the cache."""
+            if cache is None:
+                return k_prefix, v_prefix
+            sink = jnp.zeros((rows, offset, cfg.local_heads, cfg.head_dim), cfg.dtype)
+            return sink, sink
+
+        def run(i, p, x, k_prefix, v_prefix, taps=None):
+            at = None if cache is None else cache.at_layer(i)
+            return model.layer(p, x, k_prefix, v_prefix, offset, cfg, taps, at)
+
+        def alive(i, live, dead, *args):  # past `depth` a layer is padding (`model.layers`)
+            return live(*args) if depth is None else jax.lax.cond(i < depth, live, dead, *args)
+
+        def forward(x, per):
+            i, p, k_prefix, v_prefix = per
+            args = (i, p, x, *prefix(k_prefix, v_prefix))
+            y, k, v = alive(i, lambda *a: run(*a)[:3], _passed(lambda *a: run(*a)[:3]), *args)
+            return y, (x, k, v)
+
+        # The prefix arrays when there is no cache (a unit measured alone); else sinks.
+        k_prefix, v_prefix = (k_prefix, v_prefix) if cache is None else (None, None)
+        x0, start_vjp = jax.vjp(start, shared, x_in)
+        y, (inputs, k, v) = jax.lax.scan(forward, x0, (index, chunk, k_prefix, v_prefix))
+        outputs = (jnp.pad(y, ((0, 0), (0, spec.msg_len - length), (0, 0))), k, v)
+
+        def layer_vjp(i, p, x, k_prefix, v_prefix, d_out):
+            """(d params, dx, dK prefix, dV prefix, what W reads) of one layer."""
+            if not self.split:
+                _, vjp = jax.vjp(lambda *a: run(i, *a), p, x, k_prefix, v_prefix)
+                return (*vjp(d_out), ())
+            mats = {k: w for k, w in p.items() if k in model.MATMULS}
+            rest = {k: w for k, w in p.items() if k not in model.MATMULS}
+            shapes = model.matmul_shapes(cfg, (rows, self.length))[1]
+            taps = {k: jnp.zeros(s, cfg.dtype) for k, s in shapes.items()}
+
+            def tapped(rest, x, kp, vp, taps):
+                y, k, v, inputs = run(i, {**rest, **mats}, x, kp, vp, taps)
+                return (y, k, v), inputs
+
+            _, vjp, inputs = jax.vjp(tapped, rest, x, k_prefix, v_prefix, taps, has_aux=True)
+            d_rest, dx, dkp, dvp, d_taps = vjp(d_out)
+            return d_rest, dx, dkp, dvp, (inputs, d_taps)
+
+        def backward(carry, per):
+            dx, into = carry
+            i, p, x, k_prefix, v_prefix, dk, dv = per
+            args = (i, p, x, *prefix(k_prefix, v_prefix), (dx, dk, dv))
+            d_p, dx, dkp, dvp, pack = alive(i, layer_vjp, _passed(layer_vjp, at=1), *args)
+            if into is None:
+                return (dx, into), (d_p, pack, dkp, dvp)
+            return (dx, into.add_layer(i, dkp, dvp)), (d_p, pack, None, None)
+
+        per_layer = (index, chunk, inputs, k_prefix, v_prefix, dk_own, dv_own)
+        (dx0, into), (d_chunk, pack, dk, dv) = jax.lax.scan(
+            backward, (dy[:, :length], into), per_layer, reverse=True
+        )
+        d_shared, dx = start_vjp(dx0)
+        kept = (into,) if into is not None else (dk, dv)
+        return outputs, (d_chunk, d_shared, dx, *kept, *((pack,) if self.split else ()))
 
     # ----------------------------------------------------------------- shapes
 
@@ -397,6 +517,18 @@ def _probe_layout(unit: SegmentUnit, rows: int, first, depth: bool) -> ResidualL
 def _static(first):
     """`first` if fixed at trace time, else None (decided at run time)."""
     return first if isinstance(first, bool) else None
+
+
+def _passed(fn, at: int = 0):
+    """What `fn` gives for a padding layer (past `depth`): its input x (argument 2, or the
+    cotangent dx of a backward) passed through as output `at`, zeros elsewhere."""
+
+    def passed(*args):
+        out = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn, *args))
+        x = args[2] if at == 0 else args[-1][0]
+        return (*out[:at], x, *out[at + 1 :])
+
+    return passed
 
 
 def _choose(flag, if_true, if_false):
