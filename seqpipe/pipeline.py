@@ -299,8 +299,13 @@ def _backward_unit(ctx: Context, inp: StageInputs, op: TickOps, k: int, saved, d
         dk_own = dv_own = jnp.zeros(own.shape, spec.cfg.dtype)
     tokens, _ = inp.tokens(spec, op["bwd_mb"], k)
     k_prefix, v_prefix, cache = _prefix_args(ctx, words_k, words_v, op["bwd_kv"], k)
-    into = kv_cache.Cotangents(words_dk, words_dv, op["bwd_dkv"], off, act)
-    d_chunk, d_shared, dx, into, *pack = unit.backward(
+    # With one segment there is no prefix: nothing to add to.
+    into = (
+        None
+        if words_dk is None
+        else kv_cache.Cotangents(words_dk, words_dv, op["bwd_dkv"], off, act)
+    )
+    d_chunk, d_shared, dx, *rest = unit.backward(
         tuple(saved),
         (inp.chunk(chunk), inp.shared),
         k_prefix,
@@ -312,6 +317,7 @@ def _backward_unit(ctx: Context, inp: StageInputs, op: TickOps, k: int, saved, d
         cache=cache,
         into=into,
     )
+    into, *pack = rest if into is not None else (None, *rest[2:])
     # pack: a split B's (matmul inputs, output cotangents) for its W; else empty.
     return dx.astype(act), d_chunk, d_shared, into, pack
 
@@ -332,9 +338,9 @@ def backward(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps) -> tuple
 
     shared_stash = read(0) if strategy.read_before_branching else None
 
-    def run(k, grads, weight, words_dk, words_dv):
+    def run(k, grads, weight, *dkv):
         saved = shared_stash if shared_stash is not None else read(ctx.units[k].group)
-        caches = (carry.kv_k, carry.kv_v, words_dk, words_dv)
+        caches = (carry.kv_k, carry.kv_v, *(dkv or (None, None)))
         dx, d_chunk, d_shared, into, pack = _backward_unit(ctx, inp, op, k, saved, dy, caches)
         grads = {
             "layers": _add_chunk(grads["layers"], chunk, d_chunk),
@@ -344,23 +350,25 @@ def backward(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps) -> tuple
             slot = op["bwd_wgt"]
             buf = jax.tree.map(lambda b, x: write_slot(b, slot, x, True), weight[k], pack[0])
             weight = (*weight[:k], buf, *weight[k + 1 :])
-        return dx, grads, weight, into.words_k, into.words_v
+        return dx, grads, weight, *(() if into is None else (into.words_k, into.words_v))
 
     # Gradients accumulate inside the branch: returned apart, a parameter-sized
     # cotangent tree would be one more temporary. A split B writes its W's slot there
     # too, since each segment's has its own shape; and the prefix's K/V cotangents go
     # into their cache there, as long as the context (`kv_cache.Cotangents`).
     branches = [functools.partial(run, k) for k in range(spec.segments)]
-    dx, grads, weight, dkv_k, dkv_v = jax.lax.cond(
+    dkv = (carry.dkv_k, carry.dkv_v) if spec.kv_len else ()
+    dx, grads, weight, *dkv = jax.lax.cond(
         op.on("bwd_mb"),
         lambda *buffers: _switch(op["bwd_seg"], branches, *buffers),
         lambda *buffers: (ctx.zeros("message"), *buffers),
         carry.grads,
         carry.weight,
-        carry.dkv_k,
-        carry.dkv_v,
+        *dkv,
     )
-    carry = carry.replace(grads=grads, weight=weight, dkv_k=dkv_k, dkv_v=dkv_v)
+    carry = carry.replace(grads=grads, weight=weight)
+    if dkv:
+        carry = carry.replace(dkv_k=dkv[0], dkv_v=dkv[1])
     return carry, dx
 
 

@@ -430,7 +430,9 @@ class SegmentUnit:
 
         def backward(carry, per):
             dx, into = carry
-            i, p, x, k_prefix, v_prefix, dk, dv = per
+            # As jax.checkpoint does: XLA must not merge this forward with the one above
+            # (it would, in a one-layer chunk, whose loops it unrolls).
+            i, p, x, k_prefix, v_prefix, dk, dv = jax.lax.optimization_barrier(per)
             args = (i, p, x, *prefix(k_prefix, v_prefix), (dx, dk, dv))
             d_p, dx, dkp, dvp, pack = alive(i, layer_vjp, _passed(layer_vjp, at=1), *args)
             if into is None:

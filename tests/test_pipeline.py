@@ -138,6 +138,7 @@ UNEVEN_CASES = [
     ("1f1b", (1, 4), 1, 6, "1,2,2,1", "layer"),
     ("seq1f1b", (1, 4), 4, 9, "flops", "dots"),
     ("gpipe", (2, 2), 2, 5, "3,2", "none"),
+    ("seq_zb_h1", (1, 2), 3, 3, "2,1", "full_layer"),  # padding layers in the layer loop
 ]
 
 
