@@ -8,11 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from seqpipe import attention, blockwise, kv_cache, splash
+from seqpipe import attention, blockwise, gpu_attention, kv_cache, splash
 from seqpipe import config as config_lib
 from seqpipe.attention import segment_attention
 
 RTOL = ATOL = 1e-5  # float32 on CPU: both compute in float32
+KERNEL_TOL = 1e-6  # pallas_gpu in interpret mode, float32: measured within 5.4e-7
 NAMES = ("out", "dq", "dk_prefix", "dv_prefix", "dk_own", "dv_own")
 
 
@@ -31,18 +32,19 @@ def _out_and_grads(fn):
     return jax.jit(run)
 
 
-def check_segments(fn, lengths, **shape):
-    """fn against xla on each segment of a sequence cut into `lengths` (prefix 0 first)."""
+def check_segments(fn, lengths, first=0, tol=RTOL, **shape):
+    """fn against xla on each segment of a sequence cut into `lengths` (prefix 0 first),
+    from segment `first` on, to `tol` (relative and absolute)."""
     q, k, v, g = sequence(sum(lengths), **shape)
-    offset = 0
-    for length in lengths:
+    offset = sum(lengths[:first])
+    for length in lengths[first:]:
         own = slice(offset, offset + length)
         args = (q[:, own], k[:, :offset], v[:, :offset], k[:, own], v[:, own], g[:, own])
         want = _out_and_grads(segment_attention)(*args)
         got = _out_and_grads(fn)(*args)
         for name, x, y in zip(NAMES, got, want, strict=True):
             np.testing.assert_allclose(
-                x, y, rtol=RTOL, atol=ATOL, err_msg=f"{name}, segments {lengths} at {offset}"
+                x, y, rtol=tol, atol=tol, err_msg=f"{name}, segments {lengths} at {offset}"
             )
         offset += length
 
@@ -146,6 +148,70 @@ def test_splash_in_interpret_mode_matches_xla():
     check_segments(functools.partial(splash.splash_attention, interpret=True), (130, 6), h=2)
 
 
+# Tiles smaller than the segments, query and key blocks of different sizes both ways
+# round (the diagonal crossing differs), every length off every block: the prefix (5)
+# and the segments (5, 7) leave a partial last block in each kernel.
+TINY_TILES = gpu_attention.Blocks(forward=(4, 2), dkv=(4, 2), dq=(2, 4))
+
+
+def test_pallas_gpu_in_interpret_mode_matches_xla():
+    """The Triton kernels in Pallas interpret mode, three heads, two segments: prefix 0,
+    then prefix 5. Float32 throughout, as xla: measured within 5.4e-7 of it, so the
+    tolerance is 1e-6, not the 1e-5 of blockwise."""
+    fn = functools.partial(gpu_attention.pallas_gpu_attention, blocks=TINY_TILES, interpret=True)
+    check_segments(fn, (5, 7), tol=KERNEL_TOL)
+
+
+def test_pallas_gpu_with_default_tiles_in_interpret_mode():
+    """The default tiles, fitted to a short segment: 20 queries in a 32-row block, a
+    40-key prefix in a 64-key block (Triton's tiles are powers of two, 16 or more)."""
+    fn = functools.partial(gpu_attention.pallas_gpu_attention, interpret=True)
+    check_segments(fn, (40, 20), first=1, tol=KERNEL_TOL, b=1, h=2, e=16)
+
+
+def test_pallas_gpu_in_bfloat16_matches_xla_within_rounding():
+    """bfloat16 inputs: both cast probabilities to bfloat16 before the PV and dS matmuls,
+    in another order; they agree to bfloat16's rounding, as blockwise does."""
+    q, k, v, g = (x.astype(jnp.bfloat16) for x in sequence(19))
+    args = (q[:, 11:], k[:, :11], v[:, :11], k[:, 11:], v[:, 11:], g[:, 11:])
+    fn = functools.partial(gpu_attention.pallas_gpu_attention, blocks=TINY_TILES, interpret=True)
+    want = _out_and_grads(segment_attention)(*args)
+    got = _out_and_grads(fn)(*args)
+    for name, x, y in zip(NAMES, got, want, strict=True):
+        assert x.dtype == y.dtype, name
+        x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+        assert np.abs(x - y).max() <= 2e-2 * np.abs(y).max(), name
+
+
+def test_pallas_gpu_lowers_to_verified_triton_modules(monkeypatch):
+    """Compiled for a GPU (not interpreted), at gpt_1b's head width in bfloat16: JAX lowers
+    the four kernels (forward, prefix dK/dV, own dK/dV, dq) to Triton modules that pass
+    MLIR's verifier. This needs no GPU; compiling them to PTX and running them does."""
+    from jax._src.pallas.triton import lowering
+
+    verified = []
+    lower = lowering.lower_jaxpr_to_triton_module
+
+    def lower_and_verify(*args, **kwargs):
+        result = lower(*args, **kwargs)
+        verified.append(result.module.operation.verify())
+        return result
+
+    monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", lower_and_verify)
+    shape = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.bfloat16)
+    q, prefix = shape((2, 100, 4, 128)), shape((2, 300, 4, 128))
+    traced = _out_and_grads(gpu_attention.pallas_gpu_attention).trace(q, prefix, prefix, q, q, q)
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert verified == [True] * 4
+    assert text.count("__gpu$xla.gpu.triton") == 4
+
+
+def test_pallas_gpu_refuses_odd_widths_in_one_line():
+    q = jnp.zeros((1, 4, 1, 24))
+    with pytest.raises(ValueError, match="powers of two for the head width"):
+        gpu_attention.pallas_gpu_attention(q, q, q, q, q, interpret=True)
+
+
 def test_auto_picks_per_backend():
     assert attention.resolve("auto", "tpu") == "splash"
     assert attention.resolve("auto", "cpu") == "blockwise"  # measured faster than xla here
@@ -163,9 +229,10 @@ def test_config_names_every_implementation_and_rejects_others():
         config_lib.validate(c)
 
 
-def test_the_tpu_kernel_is_refused_off_tpu_and_outside_a_pipeline_in_one_line():
-    """Splash runs inside the pipeline's shard_map on TPU; without a pipeline XLA cannot
-    partition it, so `auto` is blockwise there and an explicit splash is refused."""
+def test_the_kernels_are_refused_off_their_platform_and_outside_a_pipeline_in_one_line():
+    """Splash (TPU) and pallas_gpu (NVIDIA GPU) run inside the pipeline's shard_map;
+    without a pipeline XLA cannot partition them, so `auto` is blockwise there and an
+    explicit kernel is refused."""
     from seqpipe import attention, train
 
     def config(name, schedule):
@@ -181,5 +248,10 @@ def test_the_tpu_kernel_is_refused_off_tpu_and_outside_a_pipeline_in_one_line():
     for name, schedule, platform in [("auto", "seq1f1b", "cpu"), ("auto", "none", "tpu")]:
         train.check_attention(config(name, schedule), platform)
     train.check_attention(config("splash", "seq1f1b"), "tpu")
+    with pytest.raises(config_lib.ConfigError, match="pallas_gpu is an NVIDIA GPU kernel and"):
+        train.check_attention(config("pallas_gpu", "seq1f1b"), "cpu")
+    with pytest.raises(config_lib.ConfigError, match="pallas_gpu runs inside the pipeline"):
+        train.check_attention(config("pallas_gpu", "none"), "gpu")
+    train.check_attention(config("pallas_gpu", "seq1f1b"), "gpu")
     assert attention.resolve("auto", "tpu") == "splash"
     assert attention.resolve("auto", "tpu", pipelined=False) == "blockwise"
