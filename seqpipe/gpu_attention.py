@@ -137,6 +137,7 @@ def _key_loops(s: _Static, visit, carry, start, prefix_refs, own_refs):
         whole = s.prefix_len // s.bk
         carry = lax.fori_loop(0, whole, visit(prefix_refs, s.prefix_len, None), carry)
         if s.prefix_len % s.bk:
+
             def in_prefix(cols):
                 return cols[None, :] < s.prefix_len
 
@@ -279,7 +280,9 @@ def _statics(q, prefix_len, block):
     _, q_len, _, width = q.shape
     bq, bk = block
     keys = max(prefix_len, q_len)
-    return _Static(q_len, prefix_len, width, _fit(bq, q_len), _fit(bk, keys), q.dtype == jnp.float32)
+    return _Static(
+        q_len, prefix_len, width, _fit(bq, q_len), _fit(bk, keys), q.dtype == jnp.float32
+    )
 
 
 def _call(kernel, grid, in_specs, out_shape, out_specs, blocks: Blocks, width, interpret, name):
@@ -307,7 +310,10 @@ def _forward(q, k_prefix, v_prefix, k_seg, v_seg, blocks: Blocks, interpret: boo
         functools.partial(_forward_kernel, s=s),
         (pl.cdiv(q_len, s.bq), b, heads),
         [seq, *prefix, seq, seq],
-        [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, heads, q_len), jnp.float32)],
+        [
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct((b, heads, q_len), jnp.float32),
+        ],
         [seq, _row_spec(q_len)],
         blocks,
         width,
@@ -387,8 +393,8 @@ def pallas_gpu_attention(
 ) -> jax.Array:
     """`attention.segment_attention`'s contract by the Triton kernels. `interpret` (Pallas
     interpret mode, for tests off GPU) is never chosen by the backend."""
-    return _fwd(q_BxQxHxE, k_prefix_BxPxHxE, v_prefix_BxPxHxE, k_seg_BxQxHxE, v_seg_BxQxHxE,
-                blocks, interpret)[0]
+    args = (q_BxQxHxE, k_prefix_BxPxHxE, v_prefix_BxPxHxE, k_seg_BxQxHxE, v_seg_BxQxHxE)
+    return _fwd(*args, blocks, interpret)[0]
 
 
 def _fwd(q, k_prefix, v_prefix, k_seg, v_seg, blocks, interpret):

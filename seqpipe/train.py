@@ -589,8 +589,7 @@ def check_attention(config: ConfigDict, platform: str) -> None:
     if platform not in KERNEL_PLATFORMS[name]:
         kind = "a TPU" if name == "splash" else "an NVIDIA GPU"
         raise config_lib.ConfigError(
-            f"model.attention={name} is {kind} kernel and this is {platform}; "
-            "use auto or blockwise"
+            f"model.attention={name} is {kind} kernel and this is {platform}; use auto or blockwise"
         )
     if not pipelined:
         raise config_lib.ConfigError(

@@ -60,8 +60,11 @@ def check_exact() -> dict:
     for name, x, y in zip(NAMES, got, want, strict=True):
         x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
         errors[name] = float(np.abs(x - y).max() / np.abs(y).max())
-    return {"shape": "b2 P1000 Q700 H4 E128 bf16", "rel_err": errors,
-            "ok": all(e <= BOUND for e in errors.values())}
+    return {
+        "shape": "b2 P1000 Q700 H4 E128 bf16",
+        "rel_err": errors,
+        "ok": all(e <= BOUND for e in errors.values()),
+    }
 
 
 def time_case(name: str, prefix: int, q_len: int, reps: int = 5) -> dict:
@@ -77,8 +80,14 @@ def time_case(name: str, prefix: int, q_len: int, reps: int = 5) -> dict:
         times.append(time.perf_counter() - start)
     step = statistics.median(times)
     forward = 4 * HEADS * WIDTH * (q_len * prefix + q_len * (q_len + 1) / 2)
-    return {"impl": name, "prefix": prefix, "q": q_len, "compile_s": round(compile_s, 1),
-            "ms": round(step * 1e3, 2), "tflops": round(3.5 * forward / step / 1e12, 1)}
+    return {
+        "impl": name,
+        "prefix": prefix,
+        "q": q_len,
+        "compile_s": round(compile_s, 1),
+        "ms": round(step * 1e3, 2),
+        "tflops": round(3.5 * forward / step / 1e12, 1),
+    }
 
 
 def main(argv=None) -> int:
@@ -105,7 +114,9 @@ def main(argv=None) -> int:
                 results["timed"].append(row)
                 print(json.dumps(row), flush=True)
             except Exception as e:
-                results["errors"].append(f"{name} P{prefix} Q{q_len}: {type(e).__name__}: {e}"[:2000])
+                results["errors"].append(
+                    f"{name} P{prefix} Q{q_len}: {type(e).__name__}: {e}"[:2000]
+                )
                 print(results["errors"][-1], flush=True)
     if results["skipped"]:
         print(f"skipped (past {flags.budget_s:.0f} s): {results['skipped']}")
