@@ -88,13 +88,20 @@ def attend_cached(name: str, q_BxQxHxE, prefix, sink_k, sink_v, prefix_len: int,
     """`attend` with the prefix's first `prefix_len` positions read from the KV cache where
     they lie (`prefix`: a `kv_cache.Prefix`); the prefix's dK and dV come back as the
     cotangents of `sink_k`, `sink_v` ([b, >= prefix_len, H, E], values unread: zeros).
-    `blockwise` reads the cache block by block; the others (`xla`, `splash`, `pallas_gpu`,
-    whose kernels take the prefix as an array) get it copied out of the cache (per layer)
-    and add the sinks to it, so their gradients flow as before."""
-    if resolve(name) == "blockwise":
+    `blockwise` and `pallas_gpu` read the cache block by block; `xla` and `splash` (whose
+    kernel takes the prefix as an array) get it copied out of the cache (per layer) and
+    add the sinks to it, so their gradients flow as before."""
+    impl = resolve(name)
+    if impl == "blockwise":
         from seqpipe import blockwise
 
         return blockwise.cached_attention(
+            q_BxQxHxE, prefix, sink_k, sink_v, k_seg, v_seg, prefix_len
+        )
+    if impl == "pallas_gpu":
+        from seqpipe import gpu_attention
+
+        return gpu_attention.cached_attention(
             q_BxQxHxE, prefix, sink_k, sink_v, k_seg, v_seg, prefix_len
         )
     dtype = q_BxQxHxE.dtype

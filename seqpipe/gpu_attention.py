@@ -16,7 +16,10 @@ query i iff j <= i). FlashAttention-2, written for this mask:
 
 The prefix and the segment's own K/V are two inputs, not one concatenated array: a
 concatenation would copy the prefix (which grows to the whole context) on every call and
-for every layer, and would keep the copy for the backward.
+for every layer, and would keep the copy for the backward. `cached_attention` goes
+further: its kernels take the K/V cache's storage words whole, with the slot and layer as
+a small int32 input, and slice each prefix tile from there (bitcast from uint16 words to
+bf16 in the kernel), so the prefix is never copied, nor kept for the backward.
 
 Layout: every array stays as the model holds it, [b, L, H, E]; a program reads its
 [block, E] tiles with a stride of H * E, so nothing is transposed or padded in memory.
@@ -39,6 +42,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from seqpipe import kv_cache
 
 # A finite "minus infinity" for masked scores: exp(MASKED - m) is 0, and a row's maximum
 # is never -inf, so no inf - inf turns into NaN.
@@ -79,14 +84,14 @@ class _Static:
     width: int
     bq: int
     bk: int
-    f32_dots: bool  # float32 inputs: no TF32 in the matmuls
+    dtype: np.dtype  # the compute dtype; float32: no TF32 in the matmuls
 
     @property
     def scale(self) -> float:
         return self.width**-0.5
 
     def dot(self, a, b, trans_a=False, trans_b=False):
-        allow_tf32 = False if self.f32_dots else None
+        allow_tf32 = False if self.dtype == np.float32 else None
         return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, allow_tf32=allow_tf32)
 
 
@@ -116,6 +121,38 @@ def _store_rows(ref, start, value, length: int):
         plgpu.store(ref.at[pl.ds(start, size), :], value, mask=valid[:, None])
 
 
+def _array_reader(kv_refs, size: int, length: int):
+    """read(which, start): rows [start, start + size) of K (which 0) or V (1), [length, E]
+    refs of one (batch row, head)."""
+    return lambda which, start: _rows(kv_refs[which], start, size, length)
+
+
+def _prefix_reader(s: _Static, kind: str, refs):
+    """(read, the refs after the prefix's) for a prefix given as `kind`: None (empty),
+    "array" ([P, E] K and V refs) or "cache" (the K/V cache's words, whole, after an int32
+    [slot, layer] ref: tiles are read from the cache where they lie and bitcast from the
+    storage words to the compute dtype)."""
+    if kind is None:
+        return None, refs
+    if kind == "array":
+        return _array_reader(refs[:2], s.bk, s.prefix_len), refs[2:]
+    where_ref, words_k_ref, words_v_ref = refs[:3]
+    slot, layer = where_ref[0], where_ref[1]
+    row, head = pl.program_id(1), pl.program_id(2)
+
+    def read(which, start):
+        words = (words_k_ref, words_v_ref)[which]
+        window = words.at[slot, layer, row, pl.ds(start, s.bk), head, :]
+        if s.prefix_len % s.bk == 0:
+            tile = plgpu.load(window)
+        else:
+            valid = start + jnp.arange(s.bk) < s.prefix_len
+            tile = plgpu.load(window, mask=valid[:, None], other=0)
+        return kv_cache.from_words(tile, s.dtype)
+
+    return read, refs[3:]
+
+
 def _own_key_range(s: _Static, first_row):
     """Own key blocks a query block starting at `first_row` visits: [0, full) whole (all
     their keys at or before the block's first row) and [full, seen) crossing the diagonal."""
@@ -129,13 +166,13 @@ def _query_block(s: _Static):
     return pl.cdiv(s.q_len, s.bq) - 1 - pl.program_id(0)
 
 
-def _key_loops(s: _Static, visit, carry, start, prefix_refs, own_refs):
-    """Run `visit(refs, length, mask_fn)`'s loop bodies over the prefix's key blocks (a
-    partial last one masked) and the own key blocks up to the diagonal (crossing ones
-    masked causally): the forward's and dq's shared key order."""
-    if prefix_refs is not None:
+def _key_loops(s: _Static, visit, carry, start, read_prefix, read_own):
+    """Run `visit(read, mask_fn)`'s loop bodies over the prefix's key blocks (a partial
+    last one masked) and the own key blocks up to the diagonal (crossing ones masked
+    causally): the forward's and dq's shared key order."""
+    if read_prefix is not None:
         whole = s.prefix_len // s.bk
-        carry = lax.fori_loop(0, whole, visit(prefix_refs, s.prefix_len, None), carry)
+        carry = lax.fori_loop(0, whole, visit(read_prefix, None), carry)
         if s.prefix_len % s.bk:
 
             def in_prefix(cols):
@@ -143,35 +180,30 @@ def _key_loops(s: _Static, visit, carry, start, prefix_refs, own_refs):
 
             # A loop of one, not a call: its start must stay dynamic (a static one past
             # the end of the ref fails Pallas's bounds check; the load is masked).
-            partial = visit(prefix_refs, s.prefix_len, in_prefix)
+            partial = visit(read_prefix, in_prefix)
             carry = lax.fori_loop(whole, whole + 1, partial, carry)
     full, seen = _own_key_range(s, start)
-    carry = lax.fori_loop(0, full, visit(own_refs, s.q_len, None), carry)
+    carry = lax.fori_loop(0, full, visit(read_own, None), carry)
     rows = start + jnp.arange(s.bq)
 
     def causal(cols):
         return cols[None, :] <= rows[:, None]
 
-    return lax.fori_loop(full, seen, visit(own_refs, s.q_len, causal), carry)
+    return lax.fori_loop(full, seen, visit(read_own, causal), carry)
 
 
 # ------------------------------------------------------------------------------ forward
 
 
-def _forward_kernel(*refs, s: _Static):
-    if s.prefix_len:
-        q_ref, kp_ref, vp_ref, ks_ref, vs_ref, o_ref, lse_ref = refs
-        prefix_refs = (kp_ref, vp_ref)
-    else:
-        q_ref, ks_ref, vs_ref, o_ref, lse_ref = refs
-        prefix_refs = None
+def _forward_kernel(q_ref, *refs, s: _Static, prefix: str | None):
+    read_prefix, (ks_ref, vs_ref, o_ref, lse_ref) = _prefix_reader(s, prefix, refs)
     start = _query_block(s) * s.bq
     q = _rows(q_ref, start, s.bq, s.q_len)
 
-    def visit(kv_refs, length, mask_fn):
+    def visit(read, mask_fn):
         def body(j, carry):
             acc, m, total = carry
-            k, v = (_rows(r, j * s.bk, s.bk, length) for r in kv_refs)
+            k, v = read(0, j * s.bk), read(1, j * s.bk)
             scores = s.dot(q, k, trans_b=True) * s.scale
             if mask_fn is not None:
                 scores = jnp.where(mask_fn(j * s.bk + jnp.arange(s.bk)), scores, MASKED)
@@ -188,7 +220,8 @@ def _forward_kernel(*refs, s: _Static):
         jnp.full((s.bq,), -jnp.inf, jnp.float32),
         jnp.zeros((s.bq,), jnp.float32),
     )
-    acc, m, total = _key_loops(s, visit, init, start, prefix_refs, (ks_ref, vs_ref))
+    read_own = _array_reader((ks_ref, vs_ref), s.bk, s.q_len)
+    acc, m, total = _key_loops(s, visit, init, start, read_prefix, read_own)
     _store_rows(o_ref, start, (acc / total[:, None]).astype(o_ref.dtype), s.q_len)
     _store_rows(lse_ref, start, m + jnp.log(total), s.q_len)
 
@@ -196,13 +229,20 @@ def _forward_kernel(*refs, s: _Static):
 # ----------------------------------------------------------------------------- backward
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref, dk_ref, dv_ref, *, s, causal):
-    """dK, dV of key block program_id(0) of k_ref (the prefix, or the own keys if
-    `causal`), summed over the query blocks that see it."""
-    length = k_ref.shape[0]
+def _dkv_kernel(q_ref, *refs, s: _Static, keys: str):
+    """dK, dV of key block program_id(0) of the segment's own keys (`keys` "own", masked
+    causally) or of the prefix (`keys` a `_prefix_reader` kind), summed over the query
+    blocks that see it."""
+    causal = keys == "own"
+    if causal:
+        read, length = _array_reader(refs[:2], s.bk, s.q_len), s.q_len
+        refs = refs[2:]
+    else:
+        (read, refs), length = _prefix_reader(s, keys, refs), s.prefix_len
+    do_ref, lse_ref, d_ref, dk_ref, dv_ref = refs
     start = pl.program_id(0) * s.bk
     cols = start + jnp.arange(s.bk)
-    k, v = (_rows(r, start, s.bk, length) for r in (k_ref, v_ref))
+    k, v = read(0, start), read(1, start)
 
     def visit(masked):
         def body(i, carry):
@@ -236,20 +276,16 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref, dk_ref, dv_ref, *, 
     _store_rows(dv_ref, start, dv.astype(dv_ref.dtype), length)
 
 
-def _dq_kernel(*refs, s: _Static):
-    if s.prefix_len:
-        q_ref, kp_ref, vp_ref, ks_ref, vs_ref, do_ref, lse_ref, d_ref, dq_ref = refs
-        prefix_refs = (kp_ref, vp_ref)
-    else:
-        q_ref, ks_ref, vs_ref, do_ref, lse_ref, d_ref, dq_ref = refs
-        prefix_refs = None
+def _dq_kernel(q_ref, *refs, s: _Static, prefix: str | None):
+    read_prefix, refs = _prefix_reader(s, prefix, refs)
+    ks_ref, vs_ref, do_ref, lse_ref, d_ref, dq_ref = refs
     start = _query_block(s) * s.bq
     q, do = (_rows(r, start, s.bq, s.q_len) for r in (q_ref, do_ref))
     lse, delta = (_entries(r, start, s.bq, s.q_len) for r in (lse_ref, d_ref))
 
-    def visit(kv_refs, length, mask_fn):
+    def visit(read, mask_fn):
         def body(j, dq):
-            k, v = (_rows(r, j * s.bk, s.bk, length) for r in kv_refs)
+            k, v = read(0, j * s.bk), read(1, j * s.bk)
             p = jnp.exp(s.dot(q, k, trans_b=True) * s.scale - lse[:, None])
             if mask_fn is not None:
                 p = jnp.where(mask_fn(j * s.bk + jnp.arange(s.bk)), p, 0.0)
@@ -259,7 +295,8 @@ def _dq_kernel(*refs, s: _Static):
         return body
 
     init = jnp.zeros((s.bq, s.width), jnp.float32)
-    dq = _key_loops(s, visit, init, start, prefix_refs, (ks_ref, vs_ref))
+    read_own = _array_reader((ks_ref, vs_ref), s.bk, s.q_len)
+    dq = _key_loops(s, visit, init, start, read_prefix, read_own)
     _store_rows(dq_ref, start, dq.astype(dq_ref.dtype), s.q_len)
 
 
@@ -276,13 +313,39 @@ def _row_spec(length: int) -> pl.BlockSpec:
     return pl.BlockSpec((None, None, length), lambda _, b, h: (b, h, 0))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Prefix:
+    """The prefix as the kernels take it: `kind` (a `_prefix_reader` kind), its length,
+    the pallas_call inputs and their block specs."""
+
+    kind: str | None
+    length: int
+    inputs: tuple
+    specs: tuple
+
+
+def _array_prefix(k_prefix, v_prefix) -> _Prefix:
+    length, width = k_prefix.shape[1], k_prefix.shape[-1]
+    if not length:
+        return _Prefix(None, 0, (), ())
+    return _Prefix("array", length, (k_prefix, v_prefix), (_seq_spec(length, width),) * 2)
+
+
+def _cache_prefix(cache, length: int) -> _Prefix:
+    """The first `length` positions of a `kv_cache.Prefix`: its words go in whole (no
+    copy; each program slices its tiles at the cache's slot and layer)."""
+    if not length:
+        return _Prefix(None, 0, (), ())
+    where = jnp.stack([cache.slot, cache.layer]).astype(jnp.int32)
+    inputs = (where, cache.words_k, cache.words_v)
+    return _Prefix("cache", length, inputs, (pl.no_block_spec,) * 3)
+
+
 def _statics(q, prefix_len, block):
     _, q_len, _, width = q.shape
     bq, bk = block
     keys = max(prefix_len, q_len)
-    return _Static(
-        q_len, prefix_len, width, _fit(bq, q_len), _fit(bk, keys), q.dtype == jnp.float32
-    )
+    return _Static(q_len, prefix_len, width, _fit(bq, q_len), _fit(bk, keys), np.dtype(q.dtype))
 
 
 def _call(kernel, grid, in_specs, out_shape, out_specs, blocks: Blocks, width, interpret, name):
@@ -290,7 +353,7 @@ def _call(kernel, grid, in_specs, out_shape, out_specs, blocks: Blocks, width, i
     return pl.pallas_call(
         kernel,
         grid=grid,
-        in_specs=in_specs,
+        in_specs=list(in_specs),
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=blocks.num_stages),
@@ -299,17 +362,14 @@ def _call(kernel, grid, in_specs, out_shape, out_specs, blocks: Blocks, width, i
     )
 
 
-def _forward(q, k_prefix, v_prefix, k_seg, v_seg, blocks: Blocks, interpret: bool):
+def _forward(q, prefix: _Prefix, k_seg, v_seg, blocks: Blocks, interpret: bool):
     b, q_len, heads, width = q.shape
-    prefix_len = k_prefix.shape[1]
-    s = _statics(q, prefix_len, blocks.forward)
+    s = _statics(q, prefix.length, blocks.forward)
     seq = _seq_spec(q_len, width)
-    prefix = [_seq_spec(prefix_len, width)] * 2 if prefix_len else []
-    inputs = (q, k_prefix, v_prefix, k_seg, v_seg) if prefix_len else (q, k_seg, v_seg)
-    out, lse = _call(
-        functools.partial(_forward_kernel, s=s),
+    return _call(
+        functools.partial(_forward_kernel, s=s, prefix=prefix.kind),
         (pl.cdiv(q_len, s.bq), b, heads),
-        [seq, *prefix, seq, seq],
+        [seq, *prefix.specs, seq, seq],
         [
             jax.ShapeDtypeStruct(q.shape, q.dtype),
             jax.ShapeDtypeStruct((b, heads, q_len), jnp.float32),
@@ -319,55 +379,50 @@ def _forward(q, k_prefix, v_prefix, k_seg, v_seg, blocks: Blocks, interpret: boo
         width,
         interpret,
         "segment_attention_forward",
-    )(*inputs)
-    return out, lse
+    )(q, *prefix.inputs, k_seg, v_seg)
 
 
-def _backward(q, k_prefix, v_prefix, k_seg, v_seg, out, lse, d_out, blocks: Blocks, interpret):
+def _backward(q, prefix: _Prefix, k_seg, v_seg, out, lse, d_out, blocks: Blocks, interpret):
+    """dq, the prefix's dK and dV ([b, P, H, E]; None for an empty prefix), own dK, dV."""
     b, q_len, heads, width = q.shape
-    prefix_len = k_prefix.shape[1]
     f32 = jnp.float32
     # D = rowsum(dO * O), the softmax backward's row term: [b, H, Q] float32.
     delta = jnp.einsum("bqhe,bqhe->bhq", d_out.astype(f32), out.astype(f32))
     seq, rows = _seq_spec(q_len, width), _row_spec(q_len)
 
-    def dkv(k, v, causal):
-        length = k.shape[1]
-        s = _statics(q, prefix_len, blocks.dkv)
+    def dkv(keys, length, key_inputs, key_specs):
+        s = _statics(q, prefix.length, blocks.dkv)
         spec = _seq_spec(length, width)
-        shapes = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+        shape = jax.ShapeDtypeStruct((b, length, heads, width), k_seg.dtype)
         return _call(
-            functools.partial(_dkv_kernel, s=s, causal=causal),
+            functools.partial(_dkv_kernel, s=s, keys=keys),
             (pl.cdiv(length, s.bk), b, heads),
-            [seq, spec, spec, seq, rows, rows],
-            shapes,
+            [seq, *key_specs, seq, rows, rows],
+            [shape, shape],
             [spec, spec],
             blocks,
             width,
             interpret,
             "segment_attention_dkv",
-        )(q, k, v, d_out, lse, delta)
+        )(q, *key_inputs, d_out, lse, delta)
 
-    if prefix_len:
-        dk_prefix, dv_prefix = dkv(k_prefix, v_prefix, causal=False)
-    else:
-        dk_prefix, dv_prefix = jnp.zeros_like(k_prefix), jnp.zeros_like(v_prefix)
-    dk_seg, dv_seg = dkv(k_seg, v_seg, causal=True)
+    dk_prefix = dv_prefix = None
+    if prefix.kind is not None:
+        dk_prefix, dv_prefix = dkv(prefix.kind, prefix.length, prefix.inputs, prefix.specs)
+    dk_seg, dv_seg = dkv("own", q_len, (k_seg, v_seg), (seq, seq))
 
-    s = _statics(q, prefix_len, blocks.dq)
-    prefix = [_seq_spec(prefix_len, width)] * 2 if prefix_len else []
-    kv = (k_prefix, v_prefix, k_seg, v_seg) if prefix_len else (k_seg, v_seg)
+    s = _statics(q, prefix.length, blocks.dq)
     dq = _call(
-        functools.partial(_dq_kernel, s=s),
+        functools.partial(_dq_kernel, s=s, prefix=prefix.kind),
         (pl.cdiv(q_len, s.bq), b, heads),
-        [seq, *prefix, seq, seq, seq, rows, rows],
+        [seq, *prefix.specs, seq, seq, seq, rows, rows],
         jax.ShapeDtypeStruct(q.shape, q.dtype),
         seq,
         blocks,
         width,
         interpret,
         "segment_attention_dq",
-    )(q, *kv, d_out, lse, delta)
+    )(q, *prefix.inputs, k_seg, v_seg, d_out, lse, delta)
     return dq, dk_prefix, dv_prefix, dk_seg, dv_seg
 
 
@@ -399,15 +454,69 @@ def pallas_gpu_attention(
 
 def _fwd(q, k_prefix, v_prefix, k_seg, v_seg, blocks, interpret):
     _check(q, blocks)
-    out, lse = _forward(q, k_prefix, v_prefix, k_seg, v_seg, blocks, interpret)
+    out, lse = _forward(q, _array_prefix(k_prefix, v_prefix), k_seg, v_seg, blocks, interpret)
     return out, (q, k_prefix, v_prefix, k_seg, v_seg, out, lse)
 
 
 def _bwd(blocks, interpret, residuals, d_out):
-    return _backward(*residuals, d_out, blocks, interpret)
+    q, k_prefix, v_prefix, k_seg, v_seg, out, lse = residuals
+    prefix = _array_prefix(k_prefix, v_prefix)
+    dq, dkp, dvp, dks, dvs = _backward(q, prefix, k_seg, v_seg, out, lse, d_out, blocks, interpret)
+    if dkp is None:
+        dkp, dvp = jnp.zeros_like(k_prefix), jnp.zeros_like(v_prefix)
+    return dq, dkp, dvp, dks, dvs
 
 
 pallas_gpu_attention.defvjp(_fwd, _bwd)
+
+
+# ------------------------------------------------------------------ prefix in a KV cache
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def cached_attention(
+    q_BxQxHxE: jax.Array,
+    cache,
+    sink_k_BxPxHxE: jax.Array,
+    sink_v_BxPxHxE: jax.Array,
+    k_seg_BxQxHxE: jax.Array,
+    v_seg_BxQxHxE: jax.Array,
+    prefix_len: int,
+    blocks: Blocks = BLOCKS,
+    interpret: bool = False,
+) -> jax.Array:
+    """`pallas_gpu_attention` with the prefix's first `prefix_len` positions read by the
+    kernels from `cache` (a `kv_cache.Prefix`) where they lie: no copy of the prefix, and
+    none kept for the backward. As `blockwise.cached_attention`: the prefix's dK and dV
+    are the cotangents of the sinks ([b, >= prefix_len, H, E], never read; zeros past
+    prefix_len)."""
+    args = (q_BxQxHxE, cache, sink_k_BxPxHxE, sink_v_BxPxHxE, k_seg_BxQxHxE, v_seg_BxQxHxE)
+    return _cached_fwd(*args, prefix_len, blocks, interpret)[0]
+
+
+def _cached_fwd(q, cache, sink_k, sink_v, k_seg, v_seg, prefix_len, blocks, interpret):
+    _check(q, blocks)
+    out, lse = _forward(q, _cache_prefix(cache, prefix_len), k_seg, v_seg, blocks, interpret)
+    sink_len = jnp.zeros((0, sink_k.shape[1]), jnp.int8)  # the sinks' length, not values
+    return out, (q, cache, k_seg, v_seg, out, lse, sink_len)
+
+
+def _cached_bwd(prefix_len, blocks, interpret, residuals, d_out):
+    q, cache, k_seg, v_seg, out, lse, sink_len = residuals
+    prefix = _cache_prefix(cache, prefix_len)
+    dq, dkp, dvp, dks, dvs = _backward(q, prefix, k_seg, v_seg, out, lse, d_out, blocks, interpret)
+    b, _, heads, width = q.shape
+    sink_shape = (b, sink_len.shape[1], heads, width)
+
+    def to_sink(g):  # the prefix's cotangent, zeros past it
+        if g is None:
+            return jnp.zeros(sink_shape, k_seg.dtype)
+        return jnp.pad(g, ((0, 0), (0, sink_shape[1] - prefix_len), (0, 0), (0, 0)))
+
+    return dq, cache.no_gradient(), to_sink(dkp), to_sink(dvp), dks, dvs
+
+
+cached_attention.defvjp(_cached_fwd, _cached_bwd)
 
 
 def executed_flops(q_len: int, prefix_len: int, width: int, blocks: Blocks = BLOCKS) -> int:

@@ -183,10 +183,48 @@ def test_pallas_gpu_in_bfloat16_matches_xla_within_rounding():
         assert np.abs(x - y).max() <= 2e-2 * np.abs(y).max(), name
 
 
+def cached_tiny_tiles(q, kp, vp, ks, vs):
+    """`gpu_attention.cached_attention` reading the prefix from a cache (kp, vp are the
+    sinks, so their cotangents are the prefix's)."""
+    cache = _in_cache(kp, vp, q.dtype)
+    fn = gpu_attention.cached_attention
+    return fn(q, cache, kp, vp, ks, vs, kp.shape[1], TINY_TILES, True)
+
+
+def test_pallas_gpu_reading_the_kv_cache_matches_xla():
+    """The kernels slicing the prefix's tiles from the cache's slot and layer in place
+    (prefix 5, a partial last key block)."""
+    check_segments(cached_tiny_tiles, (5, 7), first=1, tol=KERNEL_TOL)
+
+
+def test_bfloat16_cache_words_give_pallas_gpu_bit_for_bit():
+    """From uint16 cache words, bitcast in the kernel, the kernels compute exactly what they
+    compute on prefix arrays (forward and all five cotangents); sinks longer than the
+    prefix get zero cotangents past it."""
+    q, k, v, g = (x.astype(jnp.bfloat16) for x in sequence(13))
+    own, pre = slice(6, 13), slice(0, 6)
+    args = (q[:, own], k[:, pre], v[:, pre], k[:, own], v[:, own])
+    tiles = functools.partial(gpu_attention.pallas_gpu_attention, blocks=TINY_TILES, interpret=True)
+    want = _out_and_grads(tiles)(*args, g[:, own])
+    cache = _in_cache(k[:, pre], v[:, pre], jnp.bfloat16)
+    assert cache.words_k.dtype == jnp.uint16
+    sink = jnp.zeros((2, 9, 3, 8), jnp.bfloat16)
+
+    def cached(q, sk, sv, ks, vs):
+        return gpu_attention.cached_attention(q, cache, sk, sv, ks, vs, 6, TINY_TILES, True)
+
+    out, vjp = jax.jit(lambda *a: jax.vjp(cached, *a))(args[0], sink, sink, *args[3:])
+    got = (out, *vjp(g[:, own]))
+    for name, x, y in zip(NAMES, got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(x[:, : y.shape[1]], np.float32), y, err_msg=name)
+    assert not np.asarray(got[2][:, 6:], np.float32).any()
+
+
 def test_pallas_gpu_lowers_to_verified_triton_modules(monkeypatch):
-    """Compiled for a GPU (not interpreted), at gpt_1b's head width in bfloat16: JAX lowers
-    the four kernels (forward, prefix dK/dV, own dK/dV, dq) to Triton modules that pass
-    MLIR's verifier. This needs no GPU; compiling them to PTX and running them does."""
+    """Compiled for a GPU (not interpreted), at gpt_1b's head width in bfloat16, the prefix
+    as arrays and in a K/V cache: JAX lowers the four kernels (forward, prefix dK/dV, own
+    dK/dV, dq) to Triton modules that pass MLIR's verifier. This needs no GPU; compiling
+    them to PTX and running them does."""
     from jax._src.pallas.triton import lowering
 
     verified = []
@@ -203,6 +241,25 @@ def test_pallas_gpu_lowers_to_verified_triton_modules(monkeypatch):
     traced = _out_and_grads(gpu_attention.pallas_gpu_attention).trace(q, prefix, prefix, q, q, q)
     text = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert verified == [True] * 4
+    assert text.count("__gpu$xla.gpu.triton") == 4
+
+    # The same four reading the prefix from uint16 cache words (the slot and layer traced).
+    words = jax.ShapeDtypeStruct((2, 3, 2, 400, 4, 128), jnp.uint16)
+    index = jax.ShapeDtypeStruct((), jnp.int32)
+
+    def cached(words_k, words_v, slot, layer, q, ks, vs, g):
+        cache = kv_cache.Prefix(words_k, words_v, slot, layer)
+        sink = jnp.zeros((2, 350, 4, 128), jnp.bfloat16)
+
+        def fn(q, sk, sv, ks, vs):
+            return gpu_attention.cached_attention(q, cache, sk, sv, ks, vs, 300)
+
+        out, vjp = jax.vjp(fn, q, sink, sink, ks, vs)
+        return (out, *vjp(g))
+
+    traced = jax.jit(cached).trace(words, words, index, index, q, q, q, q)
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert verified == [True] * 8
     assert text.count("__gpu$xla.gpu.triton") == 4
 
 
