@@ -61,15 +61,16 @@ def test_blockwise_matches_xla_on_every_segment_of_eight():
 
 
 def _in_cache(kp, vp, dtype):
-    """A `kv_cache.Prefix` holding kp, vp in slot 1, layer 1 of two-slot, two-layer caches
-    (stored as words) whose other positions hold 7s, as the executor's neighbours would."""
+    """A `kv_cache.Prefix` holding kp, vp in slot 1, layer 2 of two-slot, three-layer caches
+    (stored as words) whose other positions hold 7s, as the executor's neighbours would
+    (slot and layer differ, so reading one for the other fails)."""
     b, length, h, e = kp.shape
-    base = jnp.full((2, 2, b, length + 5, h, e), 7.0, dtype)
+    base = jnp.full((2, 3, b, length + 5, h, e), 7.0, dtype)
     words = [
-        kv_cache.to_words(base.at[1, 1, :, :length].set(jax.lax.stop_gradient(x).astype(dtype)))
+        kv_cache.to_words(base.at[1, 2, :, :length].set(jax.lax.stop_gradient(x).astype(dtype)))
         for x in (kp, vp)
     ]
-    return kv_cache.Prefix(*words, jnp.int32(1), jnp.int32(1))
+    return kv_cache.Prefix(*words, jnp.int32(1), jnp.int32(2))
 
 
 def cached_small_blocks(q, kp, vp, ks, vs):
