@@ -19,7 +19,8 @@ SEQPIPE_XLA_GPU_FLAGS=0 timeout 90 python3 -m seqpipe.tools.bench --accelerator 
   --config gpt_1b --variants ref --steps 3 --no_profile --json "$OUT/accel_noflags.json" \
   2>&1 | tail -5 | tee -a "$OUT/accel.txt"
 # The pallas_gpu Triton kernel compiled for the GPU: exact against xla (bf16, output and
-# five cotangents), then forward + backward against blockwise and xla at gpt_1b's
-# 8192-token shapes; cases past 50 s are skipped, so this adds about a minute at most.
+# five cotangents), reading a K/V cache bit for bit as on arrays, then forward + backward
+# against blockwise and xla at gpt_1b's 8192-token shapes; cases past 50 s are skipped,
+# so this adds about a minute at most. Exit status 1: a check failed (see the output).
 timeout 75 python3 -m seqpipe.tools.attention_check --budget_s 50 --json "$OUT/attention.json" \
   2>&1 | tail -20 | tee "$OUT/attention.txt"

@@ -5,7 +5,9 @@
 1. `pallas_gpu` compiled for the GPU (not interpreted) against `xla` in bfloat16: the
    output and all five cotangents, on a segment whose prefix and length are off every
    block; the error relative to each array's largest entry, bound 2e-2 (bfloat16's
-   rounding, as tests/test_attention.py bounds blockwise).
+   rounding, as tests/test_attention.py bounds blockwise). Then the same kernels reading
+   the prefix from a bf16 K/V cache's uint16 words (`attention.attend_cached`) against
+   them on the prefix arrays: the same arithmetic, so bit for bit.
 2. Forward + backward time of `xla`, `blockwise` and `pallas_gpu` at gpt_1b's 8192-token
    shapes (one row, 16 heads of 128): the last of four seq1f1b segments (prefix 6144,
    2048 queries) and the whole sequence as one segment (the reference). Median of 5
@@ -27,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from seqpipe import attention
+from seqpipe import attention, kv_cache
 
 NAMES = ("out", "dq", "dk_prefix", "dv_prefix", "dk_own", "dv_own")
 BOUND = 2e-2
@@ -67,6 +69,30 @@ def check_exact() -> dict:
     }
 
 
+def check_cached() -> dict:
+    """attend_cached against attend, both pallas_gpu: max |difference| of the output and
+    the five cotangents (the prefix's as the sinks')."""
+    q, kp, vp, ks, vs, g = _inputs(2, 1000, 700, 4, WIDTH, jnp.bfloat16)
+    base = jnp.zeros((2, 3, 2, 1024, 4, WIDTH), jnp.bfloat16)
+    words = [kv_cache.to_words(base.at[1, 2, :, :1000].set(x)) for x in (kp, vp)]
+    cache = kv_cache.Prefix(*words, jnp.int32(1), jnp.int32(2))
+
+    def cached(q, sink_k, sink_v, ks, vs, g):
+        def fn(*a):
+            return attention.attend_cached("pallas_gpu", a[0], cache, a[1], a[2], 1000, *a[3:])
+
+        out, vjp = jax.vjp(fn, q, sink_k, sink_v, ks, vs)
+        return (out, *vjp(g))
+
+    want = _out_and_grads("pallas_gpu")(q, kp, vp, ks, vs, g)
+    got = jax.jit(cached)(q, jnp.zeros_like(kp), jnp.zeros_like(vp), ks, vs, g)
+    diffs = {
+        name: float(np.abs(np.asarray(x, np.float32) - np.asarray(y, np.float32)).max())
+        for name, x, y in zip(NAMES, got, want, strict=True)
+    }
+    return {"max_abs_diff": diffs, "ok": not any(diffs.values())}
+
+
 def time_case(name: str, prefix: int, q_len: int, reps: int = 5) -> dict:
     args = _inputs(1, prefix, q_len, HEADS, WIDTH, jnp.bfloat16)
     fn = _out_and_grads(name)
@@ -97,13 +123,14 @@ def main(argv=None) -> int:
     flags = parser.parse_args(argv)
     began = time.perf_counter()
     print(f"devices: {jax.devices()}", flush=True)
-    results = {"exact": None, "timed": [], "skipped": [], "errors": []}
-    try:
-        results["exact"] = check_exact()
-        print(f"pallas_gpu vs xla (bf16): {results['exact']}", flush=True)
-    except Exception as e:  # a kernel that does not compile is a result to report
-        results["errors"].append(f"exact: {type(e).__name__}: {e}"[:2000])
-        print(results["errors"][-1], flush=True)
+    results = {"exact": None, "cached": None, "timed": [], "skipped": [], "errors": []}
+    for key, check in (("exact", check_exact), ("cached", check_cached)):
+        try:
+            results[key] = check()
+            print(f"pallas_gpu {key}: {results[key]}", flush=True)
+        except Exception as e:  # a kernel that does not compile is a result to report
+            results["errors"].append(f"{key}: {type(e).__name__}: {e}"[:2000])
+            print(results["errors"][-1], flush=True)
     for prefix, q_len in TIMED:
         for name in ("pallas_gpu", "blockwise", "xla"):
             if time.perf_counter() - began > flags.budget_s:
@@ -123,7 +150,8 @@ def main(argv=None) -> int:
     if flags.json:
         with open(flags.json, "w") as f:
             json.dump(results, f, indent=1)
-    ok = results["exact"] is not None and results["exact"]["ok"] and not results["errors"]
+    checks = (results["exact"], results["cached"])
+    ok = all(c is not None and c["ok"] for c in checks) and not results["errors"]
     return 0 if ok else 1
 
 
