@@ -3,7 +3,8 @@
 # run through the `run` tool with carry [".whl"], the wheels downloaded as device.md says.
 #   bash scripts/device_accel.sh            # every variant, then a no-flags reference
 # Results under $OUT: accel.json (written after each variant), accel.txt (the table),
-# accel_noflags.json (the reference without seqpipe's GPU XLA flags).
+# accel_noflags.json (the reference without seqpipe's GPU XLA flags), attention.json and
+# attention.txt (the pallas_gpu kernel against xla, and timed against blockwise).
 set -uo pipefail
 OUT=${OUT:-runs/device}
 mkdir -p "$OUT"
@@ -17,3 +18,9 @@ timeout 400 python3 -m seqpipe.tools.bench --accelerator --config gpt_1b --steps
 SEQPIPE_XLA_GPU_FLAGS=0 timeout 90 python3 -m seqpipe.tools.bench --accelerator \
   --config gpt_1b --variants ref --steps 3 --no_profile --json "$OUT/accel_noflags.json" \
   2>&1 | tail -5 | tee -a "$OUT/accel.txt"
+# The pallas_gpu Triton kernel compiled for the GPU: exact against xla (bf16, output and
+# five cotangents), reading a K/V cache bit for bit as on arrays, then forward + backward
+# against blockwise and xla at gpt_1b's 8192-token shapes; cases past 50 s are skipped,
+# so this adds about a minute at most. Exit status 1: a check failed (see the output).
+timeout 75 python3 -m seqpipe.tools.attention_check --budget_s 50 --json "$OUT/attention.json" \
+  2>&1 | tail -20 | tee "$OUT/attention.txt"

@@ -8,8 +8,9 @@ would be wrong here whenever Q < number of keys.
 
 `attend` runs the implementation `model.attention` names (`IMPLEMENTATIONS`):
 `segment_attention` here (`xla`: einsums over whole score matrices, the tests' oracle),
-`seqpipe.blockwise` (score blocks with an online softmax, O(block) memory), or
-`seqpipe.splash` (the Pallas TPU kernel); `auto` picks per backend (`resolve`).
+`seqpipe.blockwise` (score blocks with an online softmax, O(block) memory),
+`seqpipe.splash` (the Pallas TPU kernel) or `seqpipe.gpu_attention` (`pallas_gpu`, the
+Pallas Triton kernel for NVIDIA GPUs); `auto` picks per backend (`resolve`).
 """
 
 import jax
@@ -36,9 +37,10 @@ def rope(x_BxQxHxE: jax.Array, offset: int, base: float) -> jax.Array:
 
 
 NAME_SCOPE = "segment_attention"
-IMPLEMENTATIONS = ("auto", "xla", "blockwise", "splash")
+IMPLEMENTATIONS = ("auto", "xla", "blockwise", "splash", "pallas_gpu")
 # What `auto` runs on each JAX platform: the fused kernel where there is one; elsewhere
-# blockwise, exact like `xla` but without its [b, H, Q, P + Q] float32 scores.
+# blockwise, exact like `xla` but without its [b, H, Q, P + Q] float32 scores. GPUs stay
+# on blockwise until a device run measures `pallas_gpu` faster (it has not run on one).
 AUTO = {"tpu": "splash", "gpu": "blockwise", "cuda": "blockwise", "rocm": "blockwise"}
 AUTO_DEFAULT = "blockwise"
 
@@ -75,6 +77,10 @@ def attend(
         from seqpipe import splash
 
         return splash.splash_attention(*args)
+    if impl == "pallas_gpu":
+        from seqpipe import gpu_attention
+
+        return gpu_attention.pallas_gpu_attention(*args)
     return segment_attention(*args)
 
 
@@ -82,12 +88,20 @@ def attend_cached(name: str, q_BxQxHxE, prefix, sink_k, sink_v, prefix_len: int,
     """`attend` with the prefix's first `prefix_len` positions read from the KV cache where
     they lie (`prefix`: a `kv_cache.Prefix`); the prefix's dK and dV come back as the
     cotangents of `sink_k`, `sink_v` ([b, >= prefix_len, H, E], values unread: zeros).
-    `blockwise` reads the cache block by block; the others get the prefix copied out
-    (per layer) and add the sinks to it, so their gradients flow as before."""
-    if resolve(name) == "blockwise":
+    `blockwise` and `pallas_gpu` read the cache block by block; `xla` and `splash` (whose
+    kernel takes the prefix as an array) get it copied out of the cache (per layer) and
+    add the sinks to it, so their gradients flow as before."""
+    impl = resolve(name)
+    if impl == "blockwise":
         from seqpipe import blockwise
 
         return blockwise.cached_attention(
+            q_BxQxHxE, prefix, sink_k, sink_v, k_seg, v_seg, prefix_len
+        )
+    if impl == "pallas_gpu":
+        from seqpipe import gpu_attention
+
+        return gpu_attention.cached_attention(
             q_BxQxHxE, prefix, sink_k, sink_v, k_seg, v_seg, prefix_len
         )
     dtype = q_BxQxHxE.dtype

@@ -23,7 +23,7 @@ SOURCES = ("stdlib", "text", "tokens")
 TOKENIZERS = ("bpe", "byte")
 REMAT_POLICIES = tuple(remat.POLICIES)
 # seqpipe.attention.IMPLEMENTATIONS, named here so that loading a config imports no jax.
-ATTENTION = ("auto", "xla", "blockwise", "splash")
+ATTENTION = ("auto", "xla", "blockwise", "splash", "pallas_gpu")
 # Keys whose value is a name or an integer: an override is read from its own text (an
 # integer if it is one, else a name), never coerced to the type of the value it replaces,
 # so a file's `inflight=6` can be overridden back to `full`. Their sections are not type-safe.
@@ -161,7 +161,8 @@ def base_config() -> ml_collections.ConfigDict:
         rope_base=10000.0,
         init_std=0.02,
         # Segment attention: xla (whole score matrices; the tests' oracle), blockwise
-        # (O(block) memory, any backend), splash (Pallas, TPU), auto (the best per backend).
+        # (O(block) memory, any backend), splash (Pallas, TPU), pallas_gpu (Pallas Triton,
+        # NVIDIA GPUs), auto (the best per backend).
         attention="auto",
         # Tokens per cross-entropy chunk: the head's float32 logits are never whole
         # (`model.head_loss_sum`); 0: one chunk.

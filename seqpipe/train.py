@@ -575,19 +575,25 @@ def compile_only(config: ConfigDict, devices: list | None = None) -> dict:
     }
 
 
+# The Pallas kernels and the platforms they compile for.
+KERNEL_PLATFORMS = {"splash": ("tpu",), "pallas_gpu": ("gpu", "cuda")}
+
+
 def check_attention(config: ConfigDict, platform: str) -> None:
-    """ConfigError for an attention the step cannot run: the TPU kernel elsewhere, or
-    outside a pipeline's shard_map."""
+    """ConfigError for an attention the step cannot run: a Pallas kernel on another
+    platform than its own, or outside a pipeline's shard_map."""
     pipelined = config.pipeline.schedule != "none"
-    if attention.resolve(config.model.attention, platform, pipelined) != "splash":
+    name = attention.resolve(config.model.attention, platform, pipelined)
+    if name not in KERNEL_PLATFORMS:
         return
-    if platform != "tpu":
+    if platform not in KERNEL_PLATFORMS[name]:
+        kind = "a TPU" if name == "splash" else "an NVIDIA GPU"
         raise config_lib.ConfigError(
-            f"model.attention=splash is a TPU kernel and this is {platform}; use auto or blockwise"
+            f"model.attention={name} is {kind} kernel and this is {platform}; use auto or blockwise"
         )
     if not pipelined:
         raise config_lib.ConfigError(
-            "model.attention=splash runs inside the pipeline's shard_map; with "
+            f"model.attention={name} runs inside the pipeline's shard_map; with "
             "pipeline.schedule=none use auto or blockwise"
         )
 

@@ -8,11 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from seqpipe import attention, blockwise, kv_cache, splash
+from seqpipe import attention, blockwise, gpu_attention, kv_cache, splash
 from seqpipe import config as config_lib
 from seqpipe.attention import segment_attention
 
 RTOL = ATOL = 1e-5  # float32 on CPU: both compute in float32
+KERNEL_TOL = 1e-6  # pallas_gpu in interpret mode, float32: measured within 5.4e-7
 NAMES = ("out", "dq", "dk_prefix", "dv_prefix", "dk_own", "dv_own")
 
 
@@ -31,18 +32,19 @@ def _out_and_grads(fn):
     return jax.jit(run)
 
 
-def check_segments(fn, lengths, **shape):
-    """fn against xla on each segment of a sequence cut into `lengths` (prefix 0 first)."""
+def check_segments(fn, lengths, first=0, tol=RTOL, **shape):
+    """fn against xla on each segment of a sequence cut into `lengths` (prefix 0 first),
+    from segment `first` on, to `tol` (relative and absolute)."""
     q, k, v, g = sequence(sum(lengths), **shape)
-    offset = 0
-    for length in lengths:
+    offset = sum(lengths[:first])
+    for length in lengths[first:]:
         own = slice(offset, offset + length)
         args = (q[:, own], k[:, :offset], v[:, :offset], k[:, own], v[:, own], g[:, own])
         want = _out_and_grads(segment_attention)(*args)
         got = _out_and_grads(fn)(*args)
         for name, x, y in zip(NAMES, got, want, strict=True):
             np.testing.assert_allclose(
-                x, y, rtol=RTOL, atol=ATOL, err_msg=f"{name}, segments {lengths} at {offset}"
+                x, y, rtol=tol, atol=tol, err_msg=f"{name}, segments {lengths} at {offset}"
             )
         offset += length
 
@@ -59,15 +61,16 @@ def test_blockwise_matches_xla_on_every_segment_of_eight():
 
 
 def _in_cache(kp, vp, dtype):
-    """A `kv_cache.Prefix` holding kp, vp in slot 1, layer 1 of two-slot, two-layer caches
-    (stored as words) whose other positions hold 7s, as the executor's neighbours would."""
+    """A `kv_cache.Prefix` holding kp, vp in slot 1, layer 2 of two-slot, three-layer caches
+    (stored as words) whose other positions hold 7s, as the executor's neighbours would
+    (slot and layer differ, so reading one for the other fails)."""
     b, length, h, e = kp.shape
-    base = jnp.full((2, 2, b, length + 5, h, e), 7.0, dtype)
+    base = jnp.full((2, 3, b, length + 5, h, e), 7.0, dtype)
     words = [
-        kv_cache.to_words(base.at[1, 1, :, :length].set(jax.lax.stop_gradient(x).astype(dtype)))
+        kv_cache.to_words(base.at[1, 2, :, :length].set(jax.lax.stop_gradient(x).astype(dtype)))
         for x in (kp, vp)
     ]
-    return kv_cache.Prefix(*words, jnp.int32(1), jnp.int32(1))
+    return kv_cache.Prefix(*words, jnp.int32(1), jnp.int32(2))
 
 
 def cached_small_blocks(q, kp, vp, ks, vs):
@@ -146,6 +149,127 @@ def test_splash_in_interpret_mode_matches_xla():
     check_segments(functools.partial(splash.splash_attention, interpret=True), (130, 6), h=2)
 
 
+# Tiles smaller than the segments, query and key blocks of different sizes both ways
+# round (the diagonal crossing differs), every length off every block: the prefix (5)
+# and the segments (5, 7) leave a partial last block in each kernel.
+TINY_TILES = gpu_attention.Blocks(forward=(4, 2), dkv=(4, 2), dq=(2, 4))
+
+
+def test_pallas_gpu_in_interpret_mode_matches_xla():
+    """The Triton kernels in Pallas interpret mode, three heads, two segments: prefix 0,
+    then prefix 5. Float32 throughout, as xla: measured within 5.4e-7 of it, so the
+    tolerance is 1e-6, not the 1e-5 of blockwise."""
+    fn = functools.partial(gpu_attention.pallas_gpu_attention, blocks=TINY_TILES, interpret=True)
+    check_segments(fn, (5, 7), tol=KERNEL_TOL)
+
+
+def test_pallas_gpu_with_default_tiles_in_interpret_mode():
+    """The default tiles, fitted to a short segment: 20 queries in a 32-row block, a
+    40-key prefix in a 64-key block (Triton's tiles are powers of two, 16 or more)."""
+    fn = functools.partial(gpu_attention.pallas_gpu_attention, interpret=True)
+    check_segments(fn, (40, 20), first=1, tol=KERNEL_TOL, b=1, h=2, e=16)
+
+
+def test_pallas_gpu_in_bfloat16_matches_xla_within_rounding():
+    """bfloat16 inputs: both cast probabilities to bfloat16 before the PV and dS matmuls,
+    in another order; they agree to bfloat16's rounding, as blockwise does."""
+    q, k, v, g = (x.astype(jnp.bfloat16) for x in sequence(19))
+    args = (q[:, 11:], k[:, :11], v[:, :11], k[:, 11:], v[:, 11:], g[:, 11:])
+    fn = functools.partial(gpu_attention.pallas_gpu_attention, blocks=TINY_TILES, interpret=True)
+    want = _out_and_grads(segment_attention)(*args)
+    got = _out_and_grads(fn)(*args)
+    for name, x, y in zip(NAMES, got, want, strict=True):
+        assert x.dtype == y.dtype, name
+        x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+        assert np.abs(x - y).max() <= 2e-2 * np.abs(y).max(), name
+
+
+def cached_tiny_tiles(q, kp, vp, ks, vs):
+    """`gpu_attention.cached_attention` reading the prefix from a cache (kp, vp are the
+    sinks, so their cotangents are the prefix's)."""
+    cache = _in_cache(kp, vp, q.dtype)
+    fn = gpu_attention.cached_attention
+    return fn(q, cache, kp, vp, ks, vs, kp.shape[1], TINY_TILES, True)
+
+
+def test_pallas_gpu_reading_the_kv_cache_matches_xla():
+    """The kernels slicing the prefix's tiles from the cache's slot and layer in place
+    (prefix 5, a partial last key block)."""
+    check_segments(cached_tiny_tiles, (5, 7), first=1, tol=KERNEL_TOL)
+
+
+def test_bfloat16_cache_words_give_pallas_gpu_bit_for_bit():
+    """From uint16 cache words, bitcast in the kernel, the kernels compute exactly what they
+    compute on prefix arrays (forward and all five cotangents); sinks longer than the
+    prefix get zero cotangents past it."""
+    q, k, v, g = (x.astype(jnp.bfloat16) for x in sequence(13))
+    own, pre = slice(6, 13), slice(0, 6)
+    args = (q[:, own], k[:, pre], v[:, pre], k[:, own], v[:, own])
+    tiles = functools.partial(gpu_attention.pallas_gpu_attention, blocks=TINY_TILES, interpret=True)
+    want = _out_and_grads(tiles)(*args, g[:, own])
+    cache = _in_cache(k[:, pre], v[:, pre], jnp.bfloat16)
+    assert cache.words_k.dtype == jnp.uint16
+    sink = jnp.zeros((2, 9, 3, 8), jnp.bfloat16)
+
+    def cached(q, sk, sv, ks, vs):
+        return gpu_attention.cached_attention(q, cache, sk, sv, ks, vs, 6, TINY_TILES, True)
+
+    out, vjp = jax.jit(lambda *a: jax.vjp(cached, *a))(args[0], sink, sink, *args[3:])
+    got = (out, *vjp(g[:, own]))
+    for name, x, y in zip(NAMES, got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(x[:, : y.shape[1]], np.float32), y, err_msg=name)
+    assert not np.asarray(got[2][:, 6:], np.float32).any()
+
+
+def test_pallas_gpu_lowers_to_verified_triton_modules(monkeypatch):
+    """Compiled for a GPU (not interpreted), at gpt_1b's head width in bfloat16, the prefix
+    as arrays and in a K/V cache: JAX lowers the four kernels (forward, prefix dK/dV, own
+    dK/dV, dq) to Triton modules that pass MLIR's verifier. This needs no GPU; compiling
+    them to PTX and running them does."""
+    from jax._src.pallas.triton import lowering
+
+    verified = []
+    lower = lowering.lower_jaxpr_to_triton_module
+
+    def lower_and_verify(*args, **kwargs):
+        result = lower(*args, **kwargs)
+        verified.append(result.module.operation.verify())
+        return result
+
+    monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", lower_and_verify)
+    shape = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.bfloat16)
+    q, prefix = shape((2, 100, 4, 128)), shape((2, 300, 4, 128))
+    traced = _out_and_grads(gpu_attention.pallas_gpu_attention).trace(q, prefix, prefix, q, q, q)
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert verified == [True] * 4
+    assert text.count("__gpu$xla.gpu.triton") == 4
+
+    # The same four reading the prefix from uint16 cache words (the slot and layer traced).
+    words = jax.ShapeDtypeStruct((2, 3, 2, 400, 4, 128), jnp.uint16)
+    index = jax.ShapeDtypeStruct((), jnp.int32)
+
+    def cached(words_k, words_v, slot, layer, q, ks, vs, g):
+        cache = kv_cache.Prefix(words_k, words_v, slot, layer)
+        sink = jnp.zeros((2, 350, 4, 128), jnp.bfloat16)
+
+        def fn(q, sk, sv, ks, vs):
+            return gpu_attention.cached_attention(q, cache, sk, sv, ks, vs, 300)
+
+        out, vjp = jax.vjp(fn, q, sink, sink, ks, vs)
+        return (out, *vjp(g))
+
+    traced = jax.jit(cached).trace(words, words, index, index, q, q, q, q)
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert verified == [True] * 8
+    assert text.count("__gpu$xla.gpu.triton") == 4
+
+
+def test_pallas_gpu_refuses_odd_widths_in_one_line():
+    q = jnp.zeros((1, 4, 1, 24))
+    with pytest.raises(ValueError, match="powers of two for the head width"):
+        gpu_attention.pallas_gpu_attention(q, q, q, q, q, interpret=True)
+
+
 def test_auto_picks_per_backend():
     assert attention.resolve("auto", "tpu") == "splash"
     assert attention.resolve("auto", "cpu") == "blockwise"  # measured faster than xla here
@@ -163,9 +287,10 @@ def test_config_names_every_implementation_and_rejects_others():
         config_lib.validate(c)
 
 
-def test_the_tpu_kernel_is_refused_off_tpu_and_outside_a_pipeline_in_one_line():
-    """Splash runs inside the pipeline's shard_map on TPU; without a pipeline XLA cannot
-    partition it, so `auto` is blockwise there and an explicit splash is refused."""
+def test_the_kernels_are_refused_off_their_platform_and_outside_a_pipeline_in_one_line():
+    """Splash (TPU) and pallas_gpu (NVIDIA GPU) run inside the pipeline's shard_map;
+    without a pipeline XLA cannot partition them, so `auto` is blockwise there and an
+    explicit kernel is refused."""
     from seqpipe import attention, train
 
     def config(name, schedule):
@@ -181,5 +306,10 @@ def test_the_tpu_kernel_is_refused_off_tpu_and_outside_a_pipeline_in_one_line():
     for name, schedule, platform in [("auto", "seq1f1b", "cpu"), ("auto", "none", "tpu")]:
         train.check_attention(config(name, schedule), platform)
     train.check_attention(config("splash", "seq1f1b"), "tpu")
+    with pytest.raises(config_lib.ConfigError, match="pallas_gpu is an NVIDIA GPU kernel and"):
+        train.check_attention(config("pallas_gpu", "seq1f1b"), "cpu")
+    with pytest.raises(config_lib.ConfigError, match="pallas_gpu runs inside the pipeline"):
+        train.check_attention(config("pallas_gpu", "none"), "gpu")
+    train.check_attention(config("pallas_gpu", "seq1f1b"), "gpu")
     assert attention.resolve("auto", "tpu") == "splash"
     assert attention.resolve("auto", "tpu", pipelined=False) == "blockwise"

@@ -1,0 +1,531 @@
+"""Segment attention as a Pallas kernel that lowers through Triton (`model.attention=pallas_gpu`).
+
+The contract of `attention.segment_attention`: queries at absolute positions [P, P + Q)
+see the prefix's P keys unmasked and their own Q keys up to the diagonal (own key j for
+query i iff j <= i). FlashAttention-2, written for this mask:
+
+- forward: one program per (query block, batch row, head); it loops over the prefix's key
+  blocks, then its own key blocks up to the diagonal with an online softmax in float32.
+  Only blocks that cross the diagonal get the causal mask; blocks above it are never
+  visited. It returns the output and the rows' float32 log-sum-exp.
+- backward (a `jax.custom_vjp`): D = rowsum(dO * O) in XLA, then three kernels that
+  recompute P = exp(S - lse) tile by tile: dK, dV of the prefix (one program per prefix
+  key block, every query block, no mask), dK, dV of the segment's own keys (from the first
+  query block that reaches the key block, masked while crossing the diagonal), and dq
+  (one program per query block, the forward's key loop).
+
+The prefix and the segment's own K/V are two inputs, not one concatenated array: a
+concatenation would copy the prefix (which grows to the whole context) on every call and
+for every layer, and would keep the copy for the backward. `cached_attention` goes
+further: its kernels take the K/V cache's storage words whole, with the slot and layer as
+a small int32 input, and slice each prefix tile from there (bitcast from uint16 words to
+bf16 in the kernel), so the prefix is never copied, nor kept for the backward.
+
+Layout: every array stays as the model holds it, [b, L, H, E]; a program reads its
+[block, E] tiles with a stride of H * E, so nothing is transposed or padded in memory.
+Lengths that are not a multiple of a block get a last, partial block: its loads are
+masked (zeros past the end), its stores are masked, and past-the-end prefix keys are
+masked out of the scores. Past-the-end query rows need no mask in dK, dV: their q, dO,
+lse and D load as zeros, so P is 1 there and dP, D and dO are 0: they add exactly 0.
+
+`interpret=True` runs the kernels in Pallas interpret mode (any backend; the CPU tests).
+Triton wants power-of-two tiles, at least 16 in every matmul dimension on a GPU: the head
+width E must be a power of two (16 or more on a GPU), and the blocks are powers of two.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from seqpipe import kv_cache
+
+# A finite "minus infinity" for masked scores: exp(MASKED - m) is 0, and a row's maximum
+# is never -inf, so no inf - inf turns into NaN.
+MASKED = -0.7 * float(np.finfo(np.float32).max)
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """Tile sizes (query block, key block) of the three kernels, and Triton's launch
+    settings. Untuned: chosen to fit an H100/H200's shared memory at E = 128."""
+
+    forward: tuple[int, int] = (128, 64)
+    dkv: tuple[int, int] = (64, 64)
+    dq: tuple[int, int] = (64, 64)
+    num_warps: int | None = None  # None: 4 for E <= 64, else 8
+    num_stages: int = 2
+
+
+BLOCKS = Blocks()
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _fit(block: int, length: int) -> int:
+    """A block no longer than needed: a short segment gets a shorter (power of two,
+    >= 16 for Triton's matmuls) block, an explicit smaller block stays."""
+    return min(block, max(16, _pow2_at_least(length)))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """What a kernel is compiled for: lengths, head width, its tiles."""
+
+    q_len: int
+    prefix_len: int
+    width: int
+    bq: int
+    bk: int
+    dtype: np.dtype  # the compute dtype; float32: no TF32 in the matmuls
+
+    @property
+    def scale(self) -> float:
+        return self.width**-0.5
+
+    def dot(self, a, b, trans_a=False, trans_b=False):
+        allow_tf32 = False if self.dtype == np.float32 else None
+        return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, allow_tf32=allow_tf32)
+
+
+def _rows(ref, start, size: int, length: int):
+    """Rows [start, start + size) of a [length, E] ref, zeros past the end."""
+    window = ref.at[pl.ds(start, size), :]
+    if length % size == 0:  # every block is whole: no mask
+        return plgpu.load(window)
+    valid = start + jnp.arange(size) < length
+    return plgpu.load(window, mask=valid[:, None], other=0.0)
+
+
+def _entries(ref, start, size: int, length: int):
+    """Entries [start, start + size) of a [length] ref, zeros past the end."""
+    window = ref.at[pl.ds(start, size)]
+    if length % size == 0:
+        return plgpu.load(window)
+    return plgpu.load(window, mask=start + jnp.arange(size) < length, other=0.0)
+
+
+def _store_rows(ref, start, value, length: int):
+    size = value.shape[0]
+    valid = start + jnp.arange(size) < length
+    if value.ndim == 1:
+        plgpu.store(ref.at[pl.ds(start, size)], value, mask=valid)
+    else:
+        plgpu.store(ref.at[pl.ds(start, size), :], value, mask=valid[:, None])
+
+
+def _array_reader(kv_refs, size: int, length: int):
+    """read(which, start): rows [start, start + size) of K (which 0) or V (1), [length, E]
+    refs of one (batch row, head)."""
+    return lambda which, start: _rows(kv_refs[which], start, size, length)
+
+
+def _prefix_reader(s: _Static, kind: str, refs):
+    """(read, the refs after the prefix's) for a prefix given as `kind`: None (empty),
+    "array" ([P, E] K and V refs) or "cache" (the K/V cache's words, whole, after an int32
+    [slot, layer] ref: tiles are read from the cache where they lie and bitcast from the
+    storage words to the compute dtype)."""
+    if kind is None:
+        return None, refs
+    if kind == "array":
+        return _array_reader(refs[:2], s.bk, s.prefix_len), refs[2:]
+    where_ref, words_k_ref, words_v_ref = refs[:3]
+    slot, layer = where_ref[0], where_ref[1]
+    row, head = pl.program_id(1), pl.program_id(2)
+
+    def read(which, start):
+        words = (words_k_ref, words_v_ref)[which]
+        window = words.at[slot, layer, row, pl.ds(start, s.bk), head, :]
+        if s.prefix_len % s.bk == 0:
+            tile = plgpu.load(window)
+        else:
+            valid = start + jnp.arange(s.bk) < s.prefix_len
+            tile = plgpu.load(window, mask=valid[:, None], other=0)
+        return kv_cache.from_words(tile, s.dtype)
+
+    return read, refs[3:]
+
+
+def _own_key_range(s: _Static, first_row):
+    """Own key blocks a query block starting at `first_row` visits: [0, full) whole (all
+    their keys at or before the block's first row) and [full, seen) crossing the diagonal."""
+    full = lax.div(first_row + 1, s.bk)
+    seen = jnp.minimum(pl.cdiv(s.q_len, s.bk), lax.div(first_row + s.bq - 1, s.bk) + 1)
+    return full, seen
+
+
+def _query_block(s: _Static):
+    """This program's query block, the last first: they have the most keys to visit."""
+    return pl.cdiv(s.q_len, s.bq) - 1 - pl.program_id(0)
+
+
+def _key_loops(s: _Static, visit, carry, start, read_prefix, read_own):
+    """Run `visit(read, mask_fn)`'s loop bodies over the prefix's key blocks (a partial
+    last one masked) and the own key blocks up to the diagonal (crossing ones masked
+    causally): the forward's and dq's shared key order."""
+    if read_prefix is not None:
+        whole = s.prefix_len // s.bk
+        carry = lax.fori_loop(0, whole, visit(read_prefix, None), carry)
+        if s.prefix_len % s.bk:
+
+            def in_prefix(cols):
+                return cols[None, :] < s.prefix_len
+
+            # A loop of one, not a call: its start must stay dynamic (a static one past
+            # the end of the ref fails Pallas's bounds check; the load is masked).
+            partial = visit(read_prefix, in_prefix)
+            carry = lax.fori_loop(whole, whole + 1, partial, carry)
+    full, seen = _own_key_range(s, start)
+    carry = lax.fori_loop(0, full, visit(read_own, None), carry)
+    rows = start + jnp.arange(s.bq)
+
+    def causal(cols):
+        return cols[None, :] <= rows[:, None]
+
+    return lax.fori_loop(full, seen, visit(read_own, causal), carry)
+
+
+# ------------------------------------------------------------------------------ forward
+
+
+def _forward_kernel(q_ref, *refs, s: _Static, prefix: str | None):
+    read_prefix, (ks_ref, vs_ref, o_ref, lse_ref) = _prefix_reader(s, prefix, refs)
+    start = _query_block(s) * s.bq
+    q = _rows(q_ref, start, s.bq, s.q_len)
+
+    def visit(read, mask_fn):
+        def body(j, carry):
+            acc, m, total = carry
+            k, v = read(0, j * s.bk), read(1, j * s.bk)
+            scores = s.dot(q, k, trans_b=True) * s.scale
+            if mask_fn is not None:
+                scores = jnp.where(mask_fn(j * s.bk + jnp.arange(s.bk)), scores, MASKED)
+            m_new = jnp.maximum(m, scores.max(axis=-1))
+            p = jnp.exp(scores - m_new[:, None])
+            alpha = jnp.exp(m - m_new)
+            acc = acc * alpha[:, None] + s.dot(p.astype(v.dtype), v)
+            return acc, m_new, total * alpha + p.sum(axis=-1)
+
+        return body
+
+    init = (
+        jnp.zeros((s.bq, s.width), jnp.float32),
+        jnp.full((s.bq,), -jnp.inf, jnp.float32),
+        jnp.zeros((s.bq,), jnp.float32),
+    )
+    read_own = _array_reader((ks_ref, vs_ref), s.bk, s.q_len)
+    acc, m, total = _key_loops(s, visit, init, start, read_prefix, read_own)
+    _store_rows(o_ref, start, (acc / total[:, None]).astype(o_ref.dtype), s.q_len)
+    _store_rows(lse_ref, start, m + jnp.log(total), s.q_len)
+
+
+# ----------------------------------------------------------------------------- backward
+
+
+def _dkv_kernel(q_ref, *refs, s: _Static, keys: str):
+    """dK, dV of key block program_id(0) of the segment's own keys (`keys` "own", masked
+    causally) or of the prefix (`keys` a `_prefix_reader` kind), summed over the query
+    blocks that see it."""
+    causal = keys == "own"
+    if causal:
+        read, length = _array_reader(refs[:2], s.bk, s.q_len), s.q_len
+        refs = refs[2:]
+    else:
+        (read, refs), length = _prefix_reader(s, keys, refs), s.prefix_len
+    do_ref, lse_ref, d_ref, dk_ref, dv_ref = refs
+    start = pl.program_id(0) * s.bk
+    cols = start + jnp.arange(s.bk)
+    k, v = read(0, start), read(1, start)
+
+    def visit(masked):
+        def body(i, carry):
+            dk, dv = carry
+            rows = i * s.bq + jnp.arange(s.bq)
+            q, do = (_rows(r, i * s.bq, s.bq, s.q_len) for r in (q_ref, do_ref))
+            lse, delta = (_entries(r, i * s.bq, s.bq, s.q_len) for r in (lse_ref, d_ref))
+            p = jnp.exp(s.dot(q, k, trans_b=True) * s.scale - lse[:, None])
+            if masked:
+                p = jnp.where(cols[None, :] <= rows[:, None], p, 0.0)
+            dv += s.dot(p.astype(do.dtype), do, trans_a=True)
+            ds = p * (s.dot(do, v, trans_b=True) - delta[:, None]) * s.scale
+            dk += s.dot(ds.astype(q.dtype), q, trans_a=True)
+            return dk, dv
+
+        return body
+
+    q_blocks = pl.cdiv(s.q_len, s.bq)
+    carry = (jnp.zeros((s.bk, s.width), jnp.float32),) * 2
+    if causal:
+        # Query blocks before `first` end above this key block; from `whole` on, every
+        # row is at or below its last key.
+        first = lax.div(start, s.bq)
+        whole = jnp.minimum(q_blocks, lax.div(start + s.bk - 1 + s.bq - 1, s.bq))
+        carry = lax.fori_loop(first, whole, visit(True), carry)
+        carry = lax.fori_loop(whole, q_blocks, visit(False), carry)
+    else:
+        carry = lax.fori_loop(0, q_blocks, visit(False), carry)
+    dk, dv = carry
+    _store_rows(dk_ref, start, dk.astype(dk_ref.dtype), length)
+    _store_rows(dv_ref, start, dv.astype(dv_ref.dtype), length)
+
+
+def _dq_kernel(q_ref, *refs, s: _Static, prefix: str | None):
+    read_prefix, refs = _prefix_reader(s, prefix, refs)
+    ks_ref, vs_ref, do_ref, lse_ref, d_ref, dq_ref = refs
+    start = _query_block(s) * s.bq
+    q, do = (_rows(r, start, s.bq, s.q_len) for r in (q_ref, do_ref))
+    lse, delta = (_entries(r, start, s.bq, s.q_len) for r in (lse_ref, d_ref))
+
+    def visit(read, mask_fn):
+        def body(j, dq):
+            k, v = read(0, j * s.bk), read(1, j * s.bk)
+            p = jnp.exp(s.dot(q, k, trans_b=True) * s.scale - lse[:, None])
+            if mask_fn is not None:
+                p = jnp.where(mask_fn(j * s.bk + jnp.arange(s.bk)), p, 0.0)
+            ds = p * (s.dot(do, v, trans_b=True) - delta[:, None]) * s.scale
+            return dq + s.dot(ds.astype(k.dtype), k)
+
+        return body
+
+    init = jnp.zeros((s.bq, s.width), jnp.float32)
+    read_own = _array_reader((ks_ref, vs_ref), s.bk, s.q_len)
+    dq = _key_loops(s, visit, init, start, read_prefix, read_own)
+    _store_rows(dq_ref, start, dq.astype(dq_ref.dtype), s.q_len)
+
+
+# ------------------------------------------------------------------------------- calls
+
+
+def _seq_spec(length: int, width: int) -> pl.BlockSpec:
+    """A whole [length, E] sequence of one (batch row, head) of a [b, L, H, E] array."""
+    return pl.BlockSpec((None, length, None, width), lambda _, b, h: (b, 0, h, 0))
+
+
+def _row_spec(length: int) -> pl.BlockSpec:
+    """A whole [length] row of one (batch row, head) of a [b, H, L] array."""
+    return pl.BlockSpec((None, None, length), lambda _, b, h: (b, h, 0))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Prefix:
+    """The prefix as the kernels take it: `kind` (a `_prefix_reader` kind), its length,
+    the pallas_call inputs and their block specs."""
+
+    kind: str | None
+    length: int
+    inputs: tuple
+    specs: tuple
+
+
+def _array_prefix(k_prefix, v_prefix) -> _Prefix:
+    length, width = k_prefix.shape[1], k_prefix.shape[-1]
+    if not length:
+        return _Prefix(None, 0, (), ())
+    return _Prefix("array", length, (k_prefix, v_prefix), (_seq_spec(length, width),) * 2)
+
+
+def _cache_prefix(cache, length: int) -> _Prefix:
+    """The first `length` positions of a `kv_cache.Prefix`: its words go in whole (no
+    copy; each program slices its tiles at the cache's slot and layer)."""
+    if not length:
+        return _Prefix(None, 0, (), ())
+    where = jnp.stack([cache.slot, cache.layer]).astype(jnp.int32)
+    inputs = (where, cache.words_k, cache.words_v)
+    return _Prefix("cache", length, inputs, (pl.no_block_spec,) * 3)
+
+
+def _statics(q, prefix_len, block):
+    _, q_len, _, width = q.shape
+    bq, bk = block
+    keys = max(prefix_len, q_len)
+    return _Static(q_len, prefix_len, width, _fit(bq, q_len), _fit(bk, keys), np.dtype(q.dtype))
+
+
+def _call(kernel, grid, in_specs, out_shape, out_specs, blocks: Blocks, width, interpret, name):
+    warps = blocks.num_warps or (4 if width <= 64 else 8)
+    return pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=list(in_specs),
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=blocks.num_stages),
+        interpret=interpret,
+        name=name,
+    )
+
+
+def _forward(q, prefix: _Prefix, k_seg, v_seg, blocks: Blocks, interpret: bool):
+    b, q_len, heads, width = q.shape
+    s = _statics(q, prefix.length, blocks.forward)
+    seq = _seq_spec(q_len, width)
+    return _call(
+        functools.partial(_forward_kernel, s=s, prefix=prefix.kind),
+        (pl.cdiv(q_len, s.bq), b, heads),
+        [seq, *prefix.specs, seq, seq],
+        [
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct((b, heads, q_len), jnp.float32),
+        ],
+        [seq, _row_spec(q_len)],
+        blocks,
+        width,
+        interpret,
+        "segment_attention_forward",
+    )(q, *prefix.inputs, k_seg, v_seg)
+
+
+def _backward(q, prefix: _Prefix, k_seg, v_seg, out, lse, d_out, blocks: Blocks, interpret):
+    """dq, the prefix's dK and dV ([b, P, H, E]; None for an empty prefix), own dK, dV."""
+    b, q_len, heads, width = q.shape
+    f32 = jnp.float32
+    # D = rowsum(dO * O), the softmax backward's row term: [b, H, Q] float32.
+    delta = jnp.einsum("bqhe,bqhe->bhq", d_out.astype(f32), out.astype(f32))
+    seq, rows = _seq_spec(q_len, width), _row_spec(q_len)
+
+    def dkv(keys, length, key_inputs, key_specs):
+        s = _statics(q, prefix.length, blocks.dkv)
+        spec = _seq_spec(length, width)
+        shape = jax.ShapeDtypeStruct((b, length, heads, width), k_seg.dtype)
+        return _call(
+            functools.partial(_dkv_kernel, s=s, keys=keys),
+            (pl.cdiv(length, s.bk), b, heads),
+            [seq, *key_specs, seq, rows, rows],
+            [shape, shape],
+            [spec, spec],
+            blocks,
+            width,
+            interpret,
+            "segment_attention_dkv",
+        )(q, *key_inputs, d_out, lse, delta)
+
+    dk_prefix = dv_prefix = None
+    if prefix.kind is not None:
+        dk_prefix, dv_prefix = dkv(prefix.kind, prefix.length, prefix.inputs, prefix.specs)
+    dk_seg, dv_seg = dkv("own", q_len, (k_seg, v_seg), (seq, seq))
+
+    s = _statics(q, prefix.length, blocks.dq)
+    dq = _call(
+        functools.partial(_dq_kernel, s=s, prefix=prefix.kind),
+        (pl.cdiv(q_len, s.bq), b, heads),
+        [seq, *prefix.specs, seq, seq, seq, rows, rows],
+        jax.ShapeDtypeStruct(q.shape, q.dtype),
+        seq,
+        blocks,
+        width,
+        interpret,
+        "segment_attention_dq",
+    )(q, *prefix.inputs, k_seg, v_seg, d_out, lse, delta)
+    return dq, dk_prefix, dv_prefix, dk_seg, dv_seg
+
+
+def _check(q, blocks: Blocks):
+    width = q.shape[-1]
+    sizes = [width, *blocks.forward, *blocks.dkv, *blocks.dq]
+    if any(n < 1 or n & (n - 1) for n in sizes):
+        raise ValueError(
+            f"pallas_gpu needs powers of two for the head width ({width}) and the blocks "
+            f"({blocks}); use blockwise for other widths"
+        )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def pallas_gpu_attention(
+    q_BxQxHxE: jax.Array,
+    k_prefix_BxPxHxE: jax.Array,
+    v_prefix_BxPxHxE: jax.Array,
+    k_seg_BxQxHxE: jax.Array,
+    v_seg_BxQxHxE: jax.Array,
+    blocks: Blocks = BLOCKS,
+    interpret: bool = False,
+) -> jax.Array:
+    """`attention.segment_attention`'s contract by the Triton kernels. `interpret` (Pallas
+    interpret mode, for tests off GPU) is never chosen by the backend."""
+    args = (q_BxQxHxE, k_prefix_BxPxHxE, v_prefix_BxPxHxE, k_seg_BxQxHxE, v_seg_BxQxHxE)
+    return _fwd(*args, blocks, interpret)[0]
+
+
+def _fwd(q, k_prefix, v_prefix, k_seg, v_seg, blocks, interpret):
+    _check(q, blocks)
+    out, lse = _forward(q, _array_prefix(k_prefix, v_prefix), k_seg, v_seg, blocks, interpret)
+    return out, (q, k_prefix, v_prefix, k_seg, v_seg, out, lse)
+
+
+def _bwd(blocks, interpret, residuals, d_out):
+    q, k_prefix, v_prefix, k_seg, v_seg, out, lse = residuals
+    prefix = _array_prefix(k_prefix, v_prefix)
+    dq, dkp, dvp, dks, dvs = _backward(q, prefix, k_seg, v_seg, out, lse, d_out, blocks, interpret)
+    if dkp is None:
+        dkp, dvp = jnp.zeros_like(k_prefix), jnp.zeros_like(v_prefix)
+    return dq, dkp, dvp, dks, dvs
+
+
+pallas_gpu_attention.defvjp(_fwd, _bwd)
+
+
+# ------------------------------------------------------------------ prefix in a KV cache
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def cached_attention(
+    q_BxQxHxE: jax.Array,
+    cache,
+    sink_k_BxPxHxE: jax.Array,
+    sink_v_BxPxHxE: jax.Array,
+    k_seg_BxQxHxE: jax.Array,
+    v_seg_BxQxHxE: jax.Array,
+    prefix_len: int,
+    blocks: Blocks = BLOCKS,
+    interpret: bool = False,
+) -> jax.Array:
+    """`pallas_gpu_attention` with the prefix's first `prefix_len` positions read by the
+    kernels from `cache` (a `kv_cache.Prefix`) where they lie: no copy of the prefix, and
+    none kept for the backward. As `blockwise.cached_attention`: the prefix's dK and dV
+    are the cotangents of the sinks ([b, >= prefix_len, H, E], never read; zeros past
+    prefix_len)."""
+    args = (q_BxQxHxE, cache, sink_k_BxPxHxE, sink_v_BxPxHxE, k_seg_BxQxHxE, v_seg_BxQxHxE)
+    return _cached_fwd(*args, prefix_len, blocks, interpret)[0]
+
+
+def _cached_fwd(q, cache, sink_k, sink_v, k_seg, v_seg, prefix_len, blocks, interpret):
+    _check(q, blocks)
+    out, lse = _forward(q, _cache_prefix(cache, prefix_len), k_seg, v_seg, blocks, interpret)
+    sink_len = jnp.zeros((0, sink_k.shape[1]), jnp.int8)  # the sinks' length, not values
+    return out, (q, cache, k_seg, v_seg, out, lse, sink_len)
+
+
+def _cached_bwd(prefix_len, blocks, interpret, residuals, d_out):
+    q, cache, k_seg, v_seg, out, lse, sink_len = residuals
+    prefix = _cache_prefix(cache, prefix_len)
+    dq, dkp, dvp, dks, dvs = _backward(q, prefix, k_seg, v_seg, out, lse, d_out, blocks, interpret)
+    b, _, heads, width = q.shape
+    sink_shape = (b, sink_len.shape[1], heads, width)
+
+    def to_sink(g):  # the prefix's cotangent, zeros past it
+        if g is None:
+            return jnp.zeros(sink_shape, k_seg.dtype)
+        return jnp.pad(g, ((0, 0), (0, sink_shape[1] - prefix_len), (0, 0), (0, 0)))
+
+    return dq, cache.no_gradient(), to_sink(dkp), to_sink(dvp), dks, dvs
+
+
+cached_attention.defvjp(_cached_fwd, _cached_bwd)
+
+
+def executed_flops(q_len: int, prefix_len: int, width: int, blocks: Blocks = BLOCKS) -> int:
+    """Forward matmul FLOPs (QK and PV, per row) the forward kernel runs for one segment,
+    `width` = H * E: every key block a query block visits, whole (padding and the
+    diagonal's masked part included)."""
+    bq, bk = _fit(blocks.forward[0], q_len), _fit(blocks.forward[1], max(prefix_len, q_len))
+    key_blocks = 0
+    for i in range(-(-q_len // bq)):
+        seen = min(-(-q_len // bk), (i * bq + bq - 1) // bk + 1)
+        key_blocks += -(-prefix_len // bk) + seen
+    return 2 * 2 * key_blocks * bq * bk * width
