@@ -338,7 +338,7 @@ def backward(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps) -> tuple
 
     shared_stash = read(0) if strategy.read_before_branching else None
 
-    def run(k, grads, weight, *dkv):
+    def run(k, dx, grads, weight, *dkv):
         saved = shared_stash if shared_stash is not None else read(ctx.units[k].group)
         caches = (carry.kv_k, carry.kv_v, *(dkv or (None, None)))
         dx, d_chunk, d_shared, into, pack = _backward_unit(ctx, inp, op, k, saved, dy, caches)
@@ -355,17 +355,15 @@ def backward(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps) -> tuple
     # Gradients accumulate inside the branch: returned apart, a parameter-sized
     # cotangent tree would be one more temporary. A split B writes its W's slot there
     # too, since each segment's has its own shape; and the prefix's K/V cotangents go
-    # into their cache there, as long as the context (`kv_cache.Cotangents`).
-    branches = [functools.partial(run, k) for k in range(spec.segments)]
+    # into their cache there, as long as the context (`kv_cache.Cotangents`). One
+    # conditional per segment, of which one runs: under a switch whose branches all
+    # update a buffer in a loop (`LayerwiseRecompute`), XLA copied the buffer whole.
     dkv = (carry.dkv_k, carry.dkv_v) if spec.kv_len else ()
-    dx, grads, weight, *dkv = jax.lax.cond(
-        op.on("bwd_mb"),
-        lambda *buffers: _switch(op["bwd_seg"], branches, *buffers),
-        lambda *buffers: (ctx.zeros("message"), *buffers),
-        carry.grads,
-        carry.weight,
-        *dkv,
-    )
+    buffers = (ctx.zeros("message"), carry.grads, carry.weight, *dkv)
+    for k in range(spec.segments):
+        runs = op.on("bwd_mb") & (op["bwd_seg"] == k)
+        buffers = jax.lax.cond(runs, functools.partial(run, k), lambda *b: b, *buffers)
+    dx, grads, weight, *dkv = buffers
     carry = carry.replace(grads=grads, weight=weight)
     if dkv:
         carry = carry.replace(dkv_k=dkv[0], dkv_v=dkv[1])
