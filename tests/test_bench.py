@@ -2,12 +2,13 @@
 
 import json
 import math
+import weakref
 
 import pytest
 
 from seqpipe import config as config_lib
 from seqpipe import pipeline, schedule
-from seqpipe.tools import bench
+from seqpipe.tools import bench, flops
 
 
 def test_predicted_matches_schedule_stats_with_unit_costs():
@@ -31,9 +32,42 @@ def test_predicted_matches_schedule_stats_with_unit_costs():
     assert got["time"] < want["time"]  # W really costed
 
 
-def test_quick_end_to_end(tmp_path, capsys):
+def test_release_frees_the_compiled_units():
+    """`flops.release` drops the executables themselves (each holds mapped code pages;
+    all of make bench's at once passed vm.max_map_count and crashed XLA)."""
+    c = config_lib.base_config()
+    c.model.update(vocab_size=64, num_layers=2, d_model=16, num_heads=2, d_ff=32)
+    c.mesh.update(stage=2)
+    c.pipeline.update(schedule="1f1b", microbatches=2)
+    spec = pipeline.make_spec(c)
+    compiled, _ = flops.compiled_unit(spec, 1, 0, False, False, 0)
+    ref = weakref.ref(compiled)
+    del compiled
+    assert flops.release() >= 1
+    assert ref() is None and not flops._COMPILED
+
+
+def test_quick_end_to_end(tmp_path, capsys, monkeypatch):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    # Every step the rows compiled, and every unit, is gone before the remat policies
+    # compile theirs (the full bench's executables together crashed XLA; `flops.release`).
+    compiled, policy_rows = [], bench.policy_rows
+
+    def compile_step(config):
+        step = compile_step.original(config)
+        compiled.append(weakref.ref(step["compiled"]))
+        return step
+
+    def policies_after_release(*args):
+        assert compiled and all(r() is None for r in compiled), "a step outlived its phase"
+        assert not flops._COMPILED, "units outlived their phase"
+        return policy_rows(*args)
+
+    compile_step.original = bench.compile_step
+    monkeypatch.setattr(bench, "compile_step", compile_step)
+    monkeypatch.setattr(bench, "policy_rows", policies_after_release)
     assert bench.main(["--quick", "--json", str(out), "--png", str(png)]) == 0
+    assert not flops._COMPILED  # the policies' units freed too
     result = json.loads(out.read_text())
     labels = ["1f1b", "seq1f1b K2 uniform", "seq_zb_h1 K2 uniform"]
     assert [r["label"] for r in result["rows"]] == labels

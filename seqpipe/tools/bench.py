@@ -296,21 +296,27 @@ def policy_rows(config, runs, rows_per_mb: int) -> list[dict]:
             c = variant(config, *run)
             with c.unlocked():
                 c.pipeline.remat = policy
-            step = compile_step(c)
-            spec = step["spec"]
+            spec, temp = _temp_bytes(c)
             carry = memory.carry_bytes(spec, rows_per_mb)
             out.append(
                 {
                     "label": label(*run),
                     "remat": policy,
-                    "temp_bytes": int(step["compiled"].memory_analysis().temp_size_in_bytes),
+                    "temp_bytes": temp,
                     "stash_bytes": int(carry["stash"] + carry["res"]),
                     "kv_bytes": int(carry["kv"] + carry["dkv"]),
                     "weight_bytes": int(carry["weight"]),
                     "flop_ratio": flops.step_ratio(spec, rows_per_mb, c.mesh.data)["ratio"],
                 }
             )
+        flops.release()  # this schedule's units (`flops.release`: memory mappings)
     return out
+
+
+def _temp_bytes(config) -> tuple:
+    """(spec, XLA temp bytes) of the compiled step; the executable is dropped on return."""
+    step = compile_step(config)
+    return step["spec"], int(step["compiled"].memory_analysis().temp_size_in_bytes)
 
 
 def policy_table(rows: list[dict]) -> str:
@@ -406,6 +412,7 @@ def split_rows(config, rows_per_mb: int, repeats: int, log=print) -> list[dict]:
     import numpy as np
 
     from seqpipe import model
+    from seqpipe.tools import flops
 
     timer = UnitTimer(rows_per_mb, repeats=5)
     out = []
@@ -439,6 +446,8 @@ def split_rows(config, rows_per_mb: int, repeats: int, log=print) -> list[dict]:
             }
         )
         log(f"# layer split {split}: {out[-1]['layers_per_stage']}")
+        del step  # the compiled step goes before the next one's (`flops.release`)
+    flops.release()
     return out
 
 
@@ -609,7 +618,10 @@ def bench(config, runs, repeats: int, log=print, quick: bool = False, save=None)
     variants = [(k, p) for name, k, p, v in runs if name == "seq1f1b" and v == 1]
     stages = (config.mesh.stage,) if quick else PREDICT_STAGES
     predict = prediction_specs(config, stages, variants)
-    # Compile everything first, on every core: XLA compiles release the GIL.
+    # Compile each phase's steps and units first, on every core (XLA compiles release the
+    # GIL), and free them once the phase has its numbers: every live executable keeps
+    # its code mapped, and all of the bench's together pass vm.max_map_count
+    # (`flops.release`).
     start = time.perf_counter()
     workers = max(1, os.cpu_count() or 1)
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
@@ -620,15 +632,11 @@ def bench(config, runs, repeats: int, log=print, quick: bool = False, save=None)
         for u in flops.needed_units(st["spec"], rows_per_mb)
     ]
     layers = _chunk_layers(steps[0]["spec"])
-    units += [
-        u
-        for p in predict
-        for u in flops.needed_units(p["spec"], rows_per_mb, _chunk_layers(p["spec"]) != layers)
-    ]
     flops.precompile(units, workers)
     log(f"# compiled {len(configs) + 1} steps and the units in {time.perf_counter() - start:.0f} s")
-    for c, step in zip(configs, steps, strict=False):
+    for i, c in enumerate(configs):
         start = time.perf_counter()
+        step, steps[i] = steps[i], None  # run_one's step is freed when the next replaces it
         result["rows"].append(run_one(c, step, params, tokens, timer, repeats))
         r, u = result["rows"][-1], result["rows"][-1]["unit_s"]
         log(
@@ -649,8 +657,10 @@ def bench(config, runs, repeats: int, log=print, quick: bool = False, save=None)
         "seconds": reference_seconds(cfg, params, tokens, matching, repeats),
         "no_checkpoint_s": reference_seconds(cfg, params, tokens, None, repeats),
     }
-    solo = run_one(one, steps[-1], params, tokens, None, repeats, count_flops=False)
+    solo = run_one(one, steps.pop(), params, tokens, None, repeats, count_flops=False)
     solo_s = solo["measured_s"]
+    del step, steps
+    log(f"# freed {len(configs) + 1} steps and {flops.release()} units")
     result["overhead"] = {
         "pipelined_one_stage_s": solo_s,
         "reference_s": result["reference"]["seconds"],
@@ -660,7 +670,20 @@ def bench(config, runs, repeats: int, log=print, quick: bool = False, save=None)
     }
     log(f"# overhead: one-stage pipeline / reference = {result['overhead']['ratio']:.3f}")
     save(result)
+    # The prediction's units not timed for the rows (other stage counts, kept outputs).
+    units = [
+        u
+        for p in predict
+        for u in flops.needed_units(p["spec"], rows_per_mb, _chunk_layers(p["spec"]) != layers)
+        if flops.unit_key(*u) not in timer.seconds
+    ]
+    start = time.perf_counter()
+    flops.precompile(units, workers)
     result["prediction"] = prediction(predict, timer, layers)
+    log(
+        f"# prediction: {len(predict)} tables, {flops.release()} more units compiled and timed "
+        f"({time.perf_counter() - start:.0f} s)"
+    )
     save(result)
     policy_runs = runs[:2] if quick else POLICY_RUNS
     result["policies"] = policy_rows(config, policy_runs, rows_per_mb)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import gc
 import math
 
 import jax
@@ -179,6 +180,18 @@ def precompile(units: list[tuple], workers: int) -> None:
             todo.setdefault(key, args)
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         list(pool.map(lambda a: compiled_unit(*a), todo.values()))
+
+
+def release() -> int:
+    """Drop every compiled unit (and jax's own caches); returns how many units. Each live
+    executable keeps its code mapped (hundreds of mappings a step, dozens a unit), and a
+    process holding them all passes `vm.max_map_count` (65530 by default): LLVM then fails
+    with "Cannot allocate memory" and XLA crashes. Call once their numbers are taken."""
+    count = len(_COMPILED)
+    _COMPILED.clear()
+    jax.clear_caches()
+    gc.collect()  # the executables go now, not at some later collection
+    return count
 
 
 def _one_layer_flops(spec, rows, seg, first, last, backward, keep=False) -> float:
