@@ -347,7 +347,9 @@ class SegmentUnit:
         into=None,
     ):
         """(d chunk, d shared, dx, dK prefix, dV prefix) from what the forward saved and the
-        cotangents (dy, dK, dV) of the body's outputs; split, B's (`pull`). `keep_outputs`
+        cotangents (dy, dK, dV) of the body's outputs; split, B's (`pull`). With `into` (a
+        `kv_cache.Cotangents`) the prefix's dK, dV are added to it, which takes their
+        place in the result (`full_layer` adds them layer by layer). `keep_outputs`
         (measurement only) also returns a recomputed forward's outputs, so XLA cannot drop
         the work that only they need, as it cannot inside the executor's layer loop."""
         outputs, grads = self.strategy.backward(
