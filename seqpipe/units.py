@@ -275,20 +275,8 @@ class SegmentUnit:
         if not self.split:
             return jax.vjp(body, *params, x_in, k_prefix, v_prefix)
         chunk, shared = params
-        mats = {k: w for k, w in chunk.items() if k in model.MATMULS}
-        rest = {k: w for k, w in chunk.items() if k not in model.MATMULS}
-        act, lead = jnp.dtype(self.spec.cfg.dtype), (self.n, x_in.shape[0], self.length)
-        taps = {
-            k: jnp.zeros(s, act) for k, s in model.matmul_shapes(self.spec.cfg, lead)[1].items()
-        }
-
-        def tapped(rest, shared, x_in, k_prefix, v_prefix, taps):
-            y, k, v, inputs = body({**rest, **mats}, shared, x_in, k_prefix, v_prefix, taps)
-            return (y, k, v), inputs
-
-        outputs, vjp, inputs = jax.vjp(
-            tapped, rest, shared, x_in, k_prefix, v_prefix, taps, has_aux=True
-        )
+        taps = _zero_taps(self.spec.cfg, (self.n, x_in.shape[0], self.length))
+        outputs, vjp, inputs = _split_vjp(body, chunk, shared, x_in, k_prefix, v_prefix, taps)
         return outputs, (vjp, inputs)
 
     def pull(self, pullback, cotangents):
@@ -417,16 +405,8 @@ class SegmentUnit:
             if not self.split:
                 _, vjp = jax.vjp(lambda *a: run(i, *a), p, x, k_prefix, v_prefix)
                 return (*vjp(d_out), ())
-            mats = {k: w for k, w in p.items() if k in model.MATMULS}
-            rest = {k: w for k, w in p.items() if k not in model.MATMULS}
-            shapes = model.matmul_shapes(cfg, (rows, self.length))[1]
-            taps = {k: jnp.zeros(s, cfg.dtype) for k, s in shapes.items()}
-
-            def tapped(rest, x, kp, vp, taps):
-                y, k, v, inputs = run(i, {**rest, **mats}, x, kp, vp, taps)
-                return (y, k, v), inputs
-
-            _, vjp, inputs = jax.vjp(tapped, rest, x, k_prefix, v_prefix, taps, has_aux=True)
+            taps = _zero_taps(cfg, (rows, self.length))
+            _, vjp, inputs = _split_vjp(lambda *a: run(i, *a), p, x, k_prefix, v_prefix, taps)
             d_rest, dx, dkp, dvp, d_taps = vjp(d_out)
             return d_rest, dx, dkp, dvp, (inputs, d_taps)
 
@@ -521,6 +501,26 @@ def _probe_layout(unit: SegmentUnit, rows: int, first, depth: bool) -> ResidualL
 def _static(first):
     """`first` if fixed at trace time, else None (decided at run time)."""
     return first if isinstance(first, bool) else None
+
+
+def _zero_taps(cfg, lead: tuple) -> dict:
+    """Zeros shaped as each weight matmul's output (`lead` dimensions in front), added to
+    them so that their cotangents are the matmuls' output cotangents (a split B)."""
+    return {k: jnp.zeros(s, cfg.dtype) for k, s in model.matmul_shapes(cfg, lead)[1].items()}
+
+
+def _split_vjp(fn, p, *args):
+    """(outputs, vjp, the matmuls' inputs) of fn(p, *args) -> (*outputs, inputs), the last
+    of `args` being the taps, with p's weight matmuls held constant: vjp gives (d p less
+    the matmuls, *d args), the taps' cotangents last."""
+    mats = {k: w for k, w in p.items() if k in model.MATMULS}
+
+    def tapped(rest, *args):
+        *outputs, inputs = fn({**rest, **mats}, *args)
+        return tuple(outputs), inputs
+
+    rest = {k: w for k, w in p.items() if k not in model.MATMULS}
+    return jax.vjp(tapped, rest, *args, has_aux=True)
 
 
 def _passed(fn, at: int = 0):
