@@ -28,10 +28,12 @@ restores the run stops with one line instead of starting from scratch over them.
 """
 
 import errno
+import gc
 import os
 import re
 import shutil
 import sys
+import types
 from pathlib import Path
 from typing import Any
 
@@ -210,6 +212,7 @@ def restore_latest(
     """
     directory = Path(manager.directory)
     damaged = []
+    _drop_failed_reads()
     for step in sorted(manager.all_steps(), reverse=True):
         read, reason = None, None
         try:
@@ -218,6 +221,8 @@ def restore_latest(
             raise  # a checkpoint of another model is not damaged: the config is wrong
         except Exception as e:  # orbax's and tensorstore's errors, and Damaged
             reason = _reason(e)
+        if reason is not None:
+            gc.collect()  # the step's pending reads, while their errors are dropped
         reason = _agree(reason, "another process could not read its part")
         if reason is None:
             try:
@@ -250,6 +255,24 @@ def restore_latest(
             "from scratch, or use another --workdir"
         )
     return None
+
+
+def _drop_failed_reads() -> None:
+    """A failed restore leaves orbax's other reads of that step pending; collected, each
+    raises its own read error as an "Exception ignored in <coroutine>" traceback on stderr
+    (during the restore, later, or at exit), over the one line that already says why.
+    From the first restore on, such errors of read coroutines are dropped."""
+    if getattr(sys.unraisablehook, "drops_failed_reads", False):
+        return
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        name = getattr(unraisable.object, "__qualname__", "")
+        if not (isinstance(unraisable.object, types.CoroutineType) and "read" in name):
+            previous(unraisable)
+
+    hook.drops_failed_reads = True
+    sys.unraisablehook = hook
 
 
 def _agree(reason: str | None, other: str) -> str | None:
