@@ -6,6 +6,10 @@ orbax logs a few lines per save and restore at info level, and a failed save (a 
 used to bury the one line that matters under two thousand. Python's `logging` carries all
 of them (absl's logger included), so one capture on the root logger takes them all.
 
+An exception that ends a background thread (tensorboardX's writer on a full disk) is
+logged the same way, an error line on the console and its traceback in the file, rather
+than printed whole by Python.
+
 Records are held in memory until the run owns its workdir and has restored its checkpoint
 (`open`): a refused run leaves the workdir as it was. The log file is appended to, a line
 marking each run's start; a write that fails (a full disk) stops the file, silently: the
@@ -16,6 +20,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -118,6 +123,8 @@ class Capture:
         root.addHandler(self._file)
         root.setLevel(logging.INFO)
         absl.logging.set_verbosity(absl.logging.INFO)  # absl's logger filters on its own
+        self._thread_hook = threading.excepthook
+        threading.excepthook = _log_thread_exception
 
     def open(self, workdir: str | os.PathLike, process_index: int = 0) -> None:
         path = log_path(workdir, process_index)
@@ -134,3 +141,18 @@ class Capture:
         level, verbosity = self._saved
         root.setLevel(level)
         self._absl.set_verbosity(verbosity)
+        threading.excepthook = self._thread_hook
+
+
+def _log_thread_exception(args) -> None:
+    """threading.excepthook: a background thread's end by an exception, as a log record."""
+    if args.exc_type is SystemExit:
+        return
+    name = args.thread.name if args.thread is not None else "a thread"
+    logging.getLogger("threads").error(
+        "%s stopped: %s: %s",
+        name,
+        args.exc_type.__name__,
+        args.exc_value,
+        exc_info=(args.exc_type, args.exc_value, args.exc_traceback),
+    )

@@ -185,3 +185,30 @@ def test_a_warning_reaches_the_console_and_the_log_holds_what_came_before_it_ope
     assert "an info line while restoring" in text and "a warning line" in text, text
     assert "an info line while training" in text and "after the run" not in text, text
     assert "Traceback" in text and "  on many lines" in text, text
+
+
+def test_a_background_threads_exception_is_one_console_line_and_its_traceback_in_the_log(
+    tmp_path, capsys
+):
+    """tensorboardX's writer thread dies on a full disk: Python printed its whole traceback
+    over the run's one error line (test_faults' disk-full test failed now and then)."""
+    import threading
+
+    def writer():
+        raise OSError(28, "No space left on device")
+
+    capture = logs.Capture()
+    try:
+        capture.open(tmp_path)
+        thread = threading.Thread(target=writer, name="event-writer")
+        thread.start()
+        thread.join()
+    finally:
+        capture.close()
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        "ERROR:threads:event-writer stopped: OSError: [Errno 28] No space left on device "
+        f"(the rest in {tmp_path / 'train.log'})"
+    ], err
+    text = (tmp_path / "train.log").read_text()
+    assert "Traceback" in text and "in writer" in text, text
