@@ -6,9 +6,10 @@ orbax logs a few lines per save and restore at info level, and a failed save (a 
 used to bury the one line that matters under two thousand. Python's `logging` carries all
 of them (absl's logger included), so one capture on the root logger takes them all.
 
-An exception that ends a background thread (tensorboardX's writer on a full disk) is
-logged the same way, an error line on the console and its traceback in the file, rather
-than printed whole by Python.
+An exception that ends a background thread (tensorboardX's writer on a full disk), or one
+Python can only report as "Exception ignored" (orbax's asyncio callbacks on a closed event
+loop after a failed save), is logged the same way: an error line on the console and its
+traceback in the file, rather than printed whole by Python.
 
 Records are held in memory until the run owns its workdir and has restored its checkpoint
 (`open`): a refused run leaves the workdir as it was. The log file is appended to, a line
@@ -123,8 +124,8 @@ class Capture:
         root.addHandler(self._file)
         root.setLevel(logging.INFO)
         absl.logging.set_verbosity(absl.logging.INFO)  # absl's logger filters on its own
-        self._thread_hook = threading.excepthook
-        threading.excepthook = _log_thread_exception
+        self._hooks = (threading.excepthook, sys.unraisablehook)
+        threading.excepthook, sys.unraisablehook = _log_thread_exception, _log_unraisable
 
     def open(self, workdir: str | os.PathLike, process_index: int = 0) -> None:
         path = log_path(workdir, process_index)
@@ -141,7 +142,7 @@ class Capture:
         level, verbosity = self._saved
         root.setLevel(level)
         self._absl.set_verbosity(verbosity)
-        threading.excepthook = self._thread_hook
+        threading.excepthook, sys.unraisablehook = self._hooks
 
 
 def _log_thread_exception(args) -> None:
@@ -155,4 +156,17 @@ def _log_thread_exception(args) -> None:
         args.exc_type.__name__,
         args.exc_value,
         exc_info=(args.exc_type, args.exc_value, args.exc_traceback),
+    )
+
+
+def _log_unraisable(unraisable) -> None:
+    """sys.unraisablehook: an exception Python cannot raise anywhere, as a log record."""
+    exc = unraisable.exc_value
+    logging.getLogger("unraisable").error(
+        "%s %r: %s: %s",
+        unraisable.err_msg or "Exception ignored in",
+        unraisable.object,
+        unraisable.exc_type.__name__,
+        exc,
+        exc_info=(unraisable.exc_type, exc, unraisable.exc_traceback),
     )
