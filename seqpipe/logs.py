@@ -160,9 +160,13 @@ def _log_thread_exception(args) -> None:
 
 
 def _log_unraisable(unraisable) -> None:
-    """sys.unraisablehook: an exception Python cannot raise anywhere, as a log record."""
+    """sys.unraisablehook: an exception Python cannot raise anywhere, as a log record. An
+    asyncio callback that finds its event loop closed (orbax's, dozens of them after a
+    failed save or restore, which the run reports itself) goes to the file only."""
     exc = unraisable.exc_value
-    logging.getLogger("unraisable").error(
+    closed = isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
+    logging.getLogger("unraisable").log(
+        logging.INFO if closed else logging.ERROR,
         "%s %r: %s: %s",
         unraisable.err_msg or "Exception ignored in",
         unraisable.object,
