@@ -202,13 +202,20 @@ def test_a_damaged_checkpoint_makes_both_processes_fall_back_to_the_same_step(
     ckpt = checkpoint.directory(workdir)
     damage(_process_1_data_file(ckpt / "2"))
     procs = _launch(workdir, {**ONE_BY_EIGHT, "train.stop_at": "3"})
+    named = []
     for i, p in enumerate(procs):
         assert p.returncode == 0, (i, p.stderr[-3000:])
         (line,) = [x for x in p.stderr.splitlines() if "damaged" in x]
         assert line.startswith(f"warning: checkpoint {ckpt}/2 is damaged ("), (i, line)
-        if damage is _truncate:  # the array, not TensorStore's spec
-            assert "(array " in line and " cannot be read)" in line, line
+        if damage is _truncate:
+            # Process 0 may or may not touch the damaged file in its own reads (both
+            # happen); if it does not, it says that another process could not read its part.
+            own = "(array " in line and " cannot be read)" in line
+            assert own or "(another process could not read its part)" in line, (i, line)
+            named.append(own)
         assert line.endswith(f"; moved aside to {ckpt}/2.damaged; resuming from step 1"), line
+    if damage is _truncate:  # the array, not TensorStore's spec, by the process that read it
+        assert named[1], procs[1].stderr[-3000:]
     # gloo prints its connections on stdout, among the run's lines.
     assert f"resumed from {ckpt}/1" in procs[0].stdout.splitlines(), procs[0].stdout
     assert checkpoint.complete_steps(ckpt) == [1, 2, 3]
