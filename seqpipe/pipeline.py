@@ -338,7 +338,7 @@ def backward(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps) -> tuple
 
     shared_stash = read(0) if strategy.read_before_branching else None
 
-    def run(k, dx, grads, weight, *dkv):
+    def run(k, _dx, grads, weight, *dkv):  # _dx: the idle unit's zeros, replaced
         saved = shared_stash if shared_stash is not None else read(ctx.units[k].group)
         caches = (carry.kv_k, carry.kv_v, *(dkv or (None, None)))
         dx, d_chunk, d_shared, into, pack = _backward_unit(ctx, inp, op, k, saved, dy, caches)
