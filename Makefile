@@ -12,6 +12,12 @@ $(STAMP): pyproject.toml
 	python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
+	@# JAX's CUDA plugin (no CUDA libraries) outside site-packages: it compiles for NVIDIA
+	@# GPUs from any Linux machine (--compile_only --topology h200-8, and the tests), and
+	@# jax does not look for a GPU at every start.
+	if [ "$$(uname -s)" = Linux ]; then V=$$($(PY) -c 'import jax; print(jax.__version__)'); \
+	  $(PY) -m pip install -q --no-deps --upgrade --target .venv/cuda-compiler \
+	    "jax-cuda13-plugin==$$V" "jax-cuda13-pjrt==$$V"; fi
 	touch $(STAMP)
 
 train: $(STAMP)

@@ -2,6 +2,7 @@
 
 --compile_only                 compile the step, print memory and FLOPs as JSON, exit
 --compile_only --topology v5p-16    the same for a Cloud TPU slice, from any machine
+--compile_only --topology h200-8     the same for NVIDIA GPUs (8 H200s), from any machine
 --coordinator HOST:PORT --num_processes N --process_id I    one process of N
 """
 
@@ -17,22 +18,20 @@ def _mesh_text(mesh: dict) -> str:
     return "x".join(map(str, sizes))
 
 
-def summary(result: dict) -> str:
-    """The --compile_only report in one line (the JSON follows it)."""
+def summary(result: dict, target=None) -> str:
+    """The --compile_only report in one line (the JSON follows it); `target` is the TPU
+    slice or GPU system compiled for (`seqpipe.topology.parse`), if any."""
     mem = result["memory_per_device_bytes"]
     gib = lambda key: f"{mem[key] / 2**30:.2f}"
     where = "per device"
-    if "slice" in result:
-        where = (
-            f"{result['slice']}: {result['chips']} chips ({result['topology']}, "
-            f"{result['chip_config']}), mesh {_mesh_text(result['mesh'])}; per chip"
-        )
+    if target is not None:
+        where = f"{target.headline()}, mesh {_mesh_text(result['mesh'])}; per {target.unit}"
     line = (
         f"{where}: arguments {gib('arguments')} GiB, outputs {gib('outputs')} GiB (aliased "
         f"{gib('aliased')}), temporaries {gib('temporaries')} GiB; evaluation temporaries "
         f"{result['eval_memory_per_device_bytes']['temporaries'] / 2**30:.2f} GiB"
     )
-    if "slice" in result:
+    if target is not None:
         verdict = "fits" if result["fits"] else "DOES NOT FIT"
         line += (
             f"; peak {result['peak_memory_per_device_bytes'] / 2**30:.2f} of "
@@ -48,26 +47,26 @@ def summary(result: dict) -> str:
 
 def main(argv: list[str]) -> int:
     config, args = cli.load_or_exit(argv, "train.py", cli.train_flags)
-    tpu_slice = cli.slice_or_exit(args)  # before jax is imported
-    if tpu_slice is None:
+    target = cli.target_or_exit(args)  # before jax is imported
+    if target is None:
         cli.quiet_libtpu()
         xla_flags.apply()  # GPU only, before the backend starts; the user's flags win
         cli.init_distributed(args)  # imports jax: only after the device count is set
     else:
-        config = cli.resolve_or_exit(config, tpu_slice.chips)
+        config = cli.resolve_or_exit(config, target.chips)
     from seqpipe import train
 
     if args.compile_only:
         import jax
 
         try:
-            if tpu_slice is None:
+            if target is None:
                 result = cli.run_or_exit(lambda: train.compile_only(config))
             else:
                 from seqpipe import topology
 
                 try:
-                    devices = topology.devices(tpu_slice)
+                    devices = target.devices()
                 except topology.TopologyError as e:
                     cli.fail(str(e))
                 result = cli.run_or_exit(lambda: train.compile_only(config, devices))
@@ -75,13 +74,11 @@ def main(argv: list[str]) -> int:
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
             cli.fail(f"does not fit: {str(e).splitlines()[0]}", code=1)
-        if tpu_slice is not None:
-            from seqpipe import topology
-
-            result.update(topology.report(tpu_slice, result["peak_memory_per_device_bytes"]))
-        print(summary(result))
+        if target is not None:
+            result.update(target.report(result["peak_memory_per_device_bytes"]))
+        print(summary(result, target))
         print(json.dumps(result))
-        return 0
+        return 0 if result.get("fits", True) else 1
     try:
         cli.run_or_exit(lambda: train.run(config, args.workdir))
     except train.TrainingError as e:

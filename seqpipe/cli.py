@@ -105,23 +105,24 @@ def resolve_or_exit(config, num_devices: int | None = None):
         fail(str(e))
 
 
-def slice_or_exit(args: argparse.Namespace):
-    """The TPU slice of --topology (None without it), with the environment set for
-    compiling for it: before jax is imported. A name that is not supported is one line."""
+def target_or_exit(args: argparse.Namespace):
+    """The TPU slice or GPU system of --topology (None without it), with the environment
+    set for compiling for it: before jax is imported. A name that is not supported is one
+    line."""
     if args.topology is None:
         return None
     from seqpipe import topology
 
     if not args.compile_only:
-        fail(f"--topology {args.topology} needs --compile_only: it compiles for a slice, here")
+        fail(f"--topology {args.topology} needs --compile_only: it compiles for it, here")
     if args.coordinator or args.num_processes or args.process_id is not None:
         fail("--topology compiles in one process; drop --coordinator/--num_processes/--process_id")
     try:
-        tpu_slice = topology.parse(args.topology)
+        target = topology.parse(args.topology)
     except ValueError as e:
         fail(str(e))
-    topology.prepare_env(tpu_slice)
-    return tpu_slice
+    target.prepare_env()
+    return target
 
 
 def train_flags(parser: argparse.ArgumentParser) -> None:
@@ -135,7 +136,8 @@ def train_flags(parser: argparse.ArgumentParser) -> None:
         "--topology",
         default=None,
         help="with --compile_only: compile for this Cloud TPU slice (v5p-16, v4-8, "
-        "v5litepod-16, v6e-8), from any machine with libtpu",
+        "v5litepod-16, v6e-8), from any machine with libtpu, or for these NVIDIA GPUs "
+        "(h200, h100-8, h200-16: N GPUs, 8 a host), from any machine with JAX's CUDA plugin",
     )
     parser.add_argument("--coordinator", default=None, help="HOST:PORT of process 0")
     parser.add_argument("--num_processes", type=int, default=None, help="number of processes")

@@ -1,4 +1,5 @@
-"""Cloud TPU slice names (v5p-16, v4-8, v5litepod-16, v6e-8) as compile-only TPU devices.
+"""Cloud TPU slice names (v5p-16, v4-8, v5litepod-16, v6e-8) as compile-only TPU devices;
+`parse` hands GPU system names (h200-8) to `seqpipe.gpu_topology`.
 
 With libtpu installed, JAX compiles for a TPU topology on a machine without TPUs: the
 devices are descriptions, enough to build a mesh and ask the TPU compiler for memory.
@@ -55,6 +56,7 @@ class Slice:
     generation: str  # a key of GENERATIONS
     chips: int
     shape: tuple[int, ...]  # chips along each torus axis
+    unit = "chip"  # what the --compile_only summary counts memory per
 
     @property
     def spec(self) -> Generation:
@@ -63,6 +65,18 @@ class Slice:
     @property
     def topology_name(self) -> str:
         return f"{self.spec.prefix}:{'x'.join(map(str, self.shape))}"
+
+    def headline(self) -> str:
+        return f"{self.name}: {self.chips} chips ({self.topology_name}, {self.spec.chip_config})"
+
+    def prepare_env(self) -> None:
+        prepare_env(self)
+
+    def devices(self) -> list:
+        return devices(self)
+
+    def report(self, memory_total: int) -> dict:
+        return report(self, memory_total)
 
     @property
     def chips_per_host_bounds(self) -> tuple[int, int, int]:
@@ -96,12 +110,19 @@ def supported_sizes(generation: str) -> list[int]:
     return [c * spec.cores_per_chip for c in chips]
 
 
-def parse(name: str) -> Slice:
-    """A slice from its Cloud TPU name; ValueError (one line: what is supported) if not."""
-    names = "v4-N, v5p-N, v5litepod-N (or v5e-N), v6e-N"
+def parse(name: str):
+    """A TPU slice from its Cloud TPU name, or a GPU system (`seqpipe.gpu_topology`) from
+    its; ValueError (one line: what is supported) if neither."""
+    from seqpipe import gpu_topology
+
+    if gpu_topology.is_gpu_name(name):
+        return gpu_topology.parse(name)
+    names = "v4-N, v5p-N, v5litepod-N (or v5e-N), v6e-N, h100-N, h200-N"
     match = re.fullmatch(r"(v4|v5p|v5litepod|v5e|v6e)-(\d+)", name.strip().lower())
     if not match:
-        raise ValueError(f"--topology {name!r} is not a TPU slice name; use one of {names}")
+        raise ValueError(
+            f"--topology {name!r} is not a TPU slice or GPU system name; use one of {names}"
+        )
     generation = ALIASES.get(match[1], match[1])
     size = int(match[2])
     sizes = supported_sizes(generation)

@@ -31,7 +31,7 @@ def run(args, cwd):
         (["--config", "tiny", "--config.train.global_batch_size=7"], "global_batch_size=7"),
         (["--config", "tiny", "--config.mesh.stage=3"], "mesh.stage"),
         (["--config", "tiny", "--compile_only", "--topology", "v5p-12"], "counts TensorCores"),
-        (["--config", "tiny", "--compile_only", "--topology", "v9-8"], "not a TPU slice name"),
+        (["--config", "tiny", "--compile_only", "--topology", "v9-8"], "GPU system name"),
         (["--config", "tiny", "--topology", "v5p-16"], "needs --compile_only"),
         (
             ["--config", "tiny", "--compile_only", "--topology", "v5p-8"],

@@ -54,8 +54,8 @@ def test_slice_names_map_to_chips_and_torus_shapes(name, chips, shape, config):
         ("v4-4", "supported N: 8, 16"),
         ("v5litepod-2", "v5litepod-N counts chips; supported N: 1, 4, 8"),
         ("v6e-512", "supported N: 1, 4, 8, 16, 32, 64, 128, 256"),
-        ("v3-8", "is not a TPU slice name"),
-        ("tpu", "is not a TPU slice name"),
+        ("v3-8", "is not a TPU slice or GPU system name"),
+        ("tpu", "is not a TPU slice or GPU system name"),
     ],
 )
 def test_unsupported_slice_names_are_refused_with_what_is_supported(name, expected):

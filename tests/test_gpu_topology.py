@@ -1,0 +1,166 @@
+"""Compiling for NVIDIA GPUs on a machine without one: system names, the CUDA plugin's
+compile-only devices, and train.py --compile_only --topology h200-N end to end (the
+Pallas GPU attention kernels lowered through Triton to PTX included)."""
+
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from seqpipe import gpu_topology, topology
+
+REPO = Path(__file__).resolve().parent.parent
+
+# `make install` puts JAX's CUDA plugin in .venv/cuda-compiler on Linux (the wheels exist
+# for Linux only).
+needs_plugin = pytest.mark.skipif(
+    sys.platform != "linux" or platform.machine() not in ("x86_64", "aarch64"),
+    reason="JAX's CUDA plugin exists for Linux only",
+)
+
+
+@pytest.mark.parametrize(
+    "name, model, gpus, shape",
+    [
+        ("h200", "h200", 1, "1x1x1"),
+        ("h200-1", "h200", 1, "1x1x1"),
+        ("H100-4", "h100", 4, "1x1x4"),
+        ("h200-8", "h200", 8, "1x1x8"),
+        ("h200-16", "h200", 16, "1x2x8"),
+        ("h100-64", "h100", 64, "1x8x8"),
+    ],
+)
+def test_system_names_map_to_gpus_and_hosts_of_eight(name, model, gpus, shape):
+    s = topology.parse(name)
+    assert isinstance(s, gpu_topology.System)
+    assert (s.model, s.chips, s.topology_name) == (model, gpus, shape)
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("h200-12", "h200-N counts GPUs, 8 a host; N is 1, 2, 4 or a multiple of 8"),
+        ("h100-0", "N is 1, 2, 4 or a multiple of 8"),
+        ("h200-eight", "GPU systems are h100-N or h200-N"),
+        ("a100-8", "is not a TPU slice or GPU system name; use one of v4-N"),
+    ],
+)
+def test_an_unknown_system_is_one_line_that_names_the_supported_ones(name, expected):
+    with pytest.raises(ValueError) as e:
+        topology.parse(name)
+    assert expected in str(e.value) and "\n" not in str(e.value)
+
+
+def test_target_config_describes_the_gpu_xla_compiles_for():
+    text = gpu_topology.parse("h200-8").target_config()
+    assert "device_memory_size: 151397597184" in text  # 141 GiB
+    assert "memory_bandwidth: 4800000000000" in text
+    assert 'device_description_str: "NVIDIA H200"' in text
+    assert "memory_bandwidth: 3352320000000" in gpu_topology.parse("h100").target_config()
+
+
+def _compile_only(tmp_path, overrides: dict, name: str, env_extra=None):
+    from test_train import tiny_args
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(env_extra or {})
+    return subprocess.run(
+        [sys.executable, "train.py", *tiny_args(**overrides), "--compile_only"]
+        + ["--topology", name, "--workdir", str(tmp_path / "never")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@needs_plugin
+def test_compile_only_for_gpus_reports_memory_per_gpu_and_collectives(tmp_path):
+    """The tiny model pipelined 4 ways with tensor parallelism on h200-16 (2 hosts of 8):
+    memory from XLA's GPU compiler, sends between stages and sums over replicas."""
+    overrides = {
+        "mesh.data": "-1",
+        "mesh.stage": "4",
+        "mesh.tensor": "2",
+        "pipeline.schedule": "seq1f1b",
+        "pipeline.microbatches": "2",
+        "pipeline.segments": "2",
+    }
+    proc = _compile_only(tmp_path, overrides, "h200-16")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == "", proc.stderr
+    summary, report = proc.stdout.strip().splitlines()
+    assert summary.startswith("h200-16: 16 GPUs (NVIDIA H200, 2 hosts of 8), mesh 2x4x2; per GPU:")
+    result = json.loads(report)
+    assert result["device_kind"] == "NVIDIA H200" and result["chips"] == 16
+    assert result["topology"] == "1x2x8"
+    assert result["mesh"] == {"data": 2, "stage": 4, "tensor": 2}
+    total = result["memory_per_device_bytes"]["total"]
+    assert 0 < total < result["hbm_per_chip_bytes"] == 151397597184 and result["fits"]
+    assert result["collectives"]["collective-permute"] > 0
+    assert result["collectives"]["all-reduce"] > 0
+    assert not (tmp_path / "never").exists()
+
+
+@needs_plugin
+def test_the_pallas_gpu_kernels_compile_to_ptx_for_an_h100(tmp_path):
+    """What interpret mode cannot show: Triton lowers the forward, dK/dV and dq kernels
+    for sm_90 (shared memory, layouts), as a GPU run would, and they are in the program."""
+    overrides = {
+        "mesh.data": "1",
+        "mesh.stage": "2",
+        "model.attention": "pallas_gpu",
+        "pipeline.schedule": "seq1f1b",
+        "pipeline.microbatches": "2",
+        "pipeline.segments": "2",
+    }
+    dump = tmp_path / "dump"
+    proc = _compile_only(tmp_path, overrides, "h100-2", {"XLA_FLAGS": f"--xla_dump_to={dump}"})
+    assert proc.returncode == 0, proc.stderr
+    assert "pallas_gpu attention" in proc.stdout
+    entries = {
+        line.split()[2].split("(")[0]
+        for ptx in dump.glob("*.ptx")
+        for line in ptx.read_text().splitlines()
+        if line.startswith(".visible .entry segment_attention")
+    }
+    kernels = {e.split("__")[0] for e in entries}
+    assert kernels == {"segment_attention_forward", "segment_attention_dkv", "segment_attention_dq"}
+
+
+@needs_plugin
+def test_a_step_larger_than_the_gpu_says_so_and_exits_1(tmp_path):
+    """Float32 logits of 8 x 32768 tokens over a vocabulary of 2^18, whole: 256 GiB."""
+    overrides = {
+        "mesh.data": "1",
+        "mesh.stage": "1",
+        "pipeline.schedule": "none",
+        "model.vocab_size": str(2**18),
+        "train.seq_len": "32768",
+        "train.global_batch_size": "8",
+        "model.loss_chunk": "0",
+    }
+    proc = _compile_only(tmp_path, overrides, "h100")
+    assert proc.returncode == 1, proc.stderr
+    summary = proc.stdout.strip().splitlines()[0]
+    assert summary.startswith("h100: 1 GPU (NVIDIA H100 80GB HBM3, 1 host of 1), mesh 1x1")
+    assert "of 79 GiB HBM" in summary and "DOES NOT FIT" in summary
+
+
+def test_without_the_cuda_plugin_compiling_for_gpus_is_one_line_that_says_how_to_install(
+    tmp_path,
+):
+    proc = _compile_only(
+        tmp_path, {}, "h200-8", {"SEQPIPE_CUDA_PLUGIN_DIR": str(tmp_path / "no-plugin")}
+    )
+    assert proc.returncode == 2, proc.stderr
+    line = proc.stderr.strip()
+    assert "\n" not in line, line
+    assert line.startswith("error: --topology h200-8: cannot describe 1x1x8")
+    assert "jax-cuda13-plugin==" in line and "make install" in line
+    assert proc.stdout == "" and not (tmp_path / "never").exists()
