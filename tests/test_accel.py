@@ -44,10 +44,23 @@ def test_classify_by_innermost_telling_frame():
 def test_bad_variant_is_one_line(capsys):
     import pytest
 
-    with pytest.raises(SystemExit) as e:
-        accel.main(["--quick", "--variants", "ref,gpipe"])
-    assert e.value.code == 2
-    assert capsys.readouterr().err.strip().splitlines() == [
-        "error: --variants: unknown gpipe; choose from ref, 1f1b, seq1f1b:1, seq1f1b:2, "
-        "seq1f1b:4, seq1f1b:8"
-    ]
+    for variants, message in (
+        ("ref,gpipe", "unknown gpipe; choose from ref, 1f1b, seq1f1b:1, seq1f1b:2, seq1f1b:4, "),
+        ("ref@fast", "ref@fast: unknown remat 'fast'; choose from full, full_layer, layer, dots"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            accel.main(["--quick", "--variants", variants])
+        assert e.value.code == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith(f"error: --variants: {message}"), line
+
+
+def test_a_variant_with_a_remat_policy_sets_it_and_keeps_its_schedule():
+    from seqpipe import cli
+
+    config, _ = cli.load_or_exit(["--config", "gpt_1b", *accel.QUICK], "x")
+    c = accel.variant_config(config, "seq1f1b:4@none")
+    assert (c.pipeline.schedule, c.pipeline.segments, c.pipeline.remat) == ("seq1f1b", 4, "none")
+    assert accel.variant_config(config, "ref").pipeline.remat == config.pipeline.remat
+    for name in accel.DEFAULT_VARIANTS.split(","):
+        assert accel.unknown_variant(name) is None, name

@@ -1,14 +1,16 @@
 """The real train step on whatever device JAX sees: the reference against the pipeline.
 
     python -m seqpipe.tools.accel [--config gpt_1b] [--quick] [--json FILE] [--steps N]
-        [--variants ref,1f1b,seq1f1b:1,seq1f1b:2,seq1f1b:4,seq1f1b:8] [--no_profile]
+        [--variants ref,1f1b,seq1f1b:4,ref@dots,seq1f1b:4@none,...] [--no_profile]
         [--config.key=value ...]
     (the same: python -m seqpipe.tools.bench --accelerator ..., python -m seqpipe.bench
     --accelerator ...)
 
 For the config and its overrides, on a one-device mesh: the un-pipelined reference step
 (`schedule none`) and the pipelined step on one stage (1f1b M=8, seq1f1b M=8 K=1, 2, 4,
-8), each the jitted step `seqpipe.train.make_train_step` builds (optimizer included), on
+8); `NAME@POLICY` runs a variant with `pipeline.remat=POLICY` (the default list adds the
+policies that recompute less and still fit an H200, from `--compile_only --topology h200`).
+Each is the jitted step `seqpipe.train.make_train_step` builds (optimizer included), on
 random tokens. Per variant: compile time, step time, tokens/s, MFU, XLA's memory and the
 device's peak, and a profile summary: one step traced with `jax.profiler`, the trace's
 events matched to the compiled HLO's instructions and grouped (`GROUPS`) by what the
@@ -48,6 +50,13 @@ QUICK = (
     "--config.train.global_batch_size=8",
     "--config.train.seq_len=64",
 )
+# The default run, most wanted first (a device session's time limit may cut it): the
+# default remat, then the ones that recompute less where gpt_1b fits an H200 (compiled for
+# it here: reference `dots` 82 GiB, one-stage 1f1b and seq1f1b K=4 `none` 48 GiB; the
+# reference's `none` needs 125 GiB), then the other segment counts.
+DEFAULT_VARIANTS = (
+    "ref,1f1b,seq1f1b:4,ref@dots,1f1b@none,seq1f1b:4@none,seq1f1b:1,seq1f1b:2,seq1f1b:8"
+)
 QUICK_VARIANTS = "ref,1f1b,seq1f1b:2"
 GROUPS = (
     "matmuls",
@@ -76,17 +85,32 @@ XENT_FUNCTIONS = {
 CONTAINERS = {"while", "conditional", "call", "async-start", "async-done"}
 
 
+def unknown_variant(name: str) -> str | None:
+    """What is wrong with a variant's name (`NAME` or `NAME@POLICY`), or None."""
+    from seqpipe import remat
+
+    base, _, policy = name.partition("@")
+    if base not in VARIANTS:
+        return f"unknown {base}; choose from {', '.join(VARIANTS)}"
+    if "@" in name and policy not in remat.POLICIES:
+        return f"{name}: unknown remat {policy!r}; choose from {', '.join(remat.POLICIES)}"
+    return None
+
+
 def variant_config(config, name: str):
-    """`config` on one device (data 1, stage 1) with the variant's schedule."""
+    """`config` on one device (data 1, stage 1) with the variant's schedule (and remat)."""
     from seqpipe import config as config_lib
 
-    schedule, microbatches, segments = VARIANTS[name]
+    base, _, policy = name.partition("@")
+    schedule, microbatches, segments = VARIANTS[base]
     c = config.copy_and_resolve_references()
     with c.unlocked():
         c.mesh.data, c.mesh.stage = 1, 1
         c.pipeline.schedule = schedule
         c.pipeline.microbatches = microbatches
         c.pipeline.segments = segments
+        if policy:
+            c.pipeline.remat = policy
     config_lib.validate(c)
     return c
 
@@ -428,7 +452,11 @@ def main(argv: list[str]) -> int:
         parser.add_argument("--quick", action="store_true", help="a tiny model (CPU, tests)")
         parser.add_argument("--json", default=None, help="write the results here")
         parser.add_argument("--steps", type=int, default=3, help="timed steps per variant")
-        parser.add_argument("--variants", default=None, help=f"of {', '.join(VARIANTS)}")
+        parser.add_argument(
+            "--variants",
+            default=None,
+            help=f"of {', '.join(VARIANTS)}, each optionally @REMAT (ref@dots)",
+        )
         parser.add_argument("--no_profile", action="store_true", help="skip the traced step")
 
     argv = [a for a in argv if a != "--accelerator"]
@@ -438,10 +466,9 @@ def main(argv: list[str]) -> int:
         argv = list(QUICK) + argv
     config, args = cli.load_or_exit(argv, "python -m seqpipe.tools.accel", flags)
     cli.no_tensor_or_exit(config, "python -m seqpipe.bench --accelerator")
-    names = (args.variants or (QUICK_VARIANTS if args.quick else ",".join(VARIANTS))).split(",")
-    unknown = [n for n in names if n not in VARIANTS]
-    if unknown:
-        cli.fail(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
+    names = (args.variants or (QUICK_VARIANTS if args.quick else DEFAULT_VARIANTS)).split(",")
+    for problem in filter(None, map(unknown_variant, names)):
+        cli.fail(f"--variants: {problem}")
     if args.steps < 1:
         cli.fail(f"--steps={args.steps} must be at least 1")
     cli.quiet_libtpu()
