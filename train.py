@@ -40,13 +40,14 @@ def summary(result: dict, target=None) -> str:
         )
     counts = ", ".join(f"{k} {v}" for k, v in result["collectives"].items())
     return (
-        f"{line}; {result['attention']} attention; {result['flops_per_step']:.3e} model FLOPs "
+        f"{line}; {result['attention']} attention; remat {result['remat']}"
+        f"{' (auto)' if 'remat_auto' in result else ''}; {result['flops_per_step']:.3e} model FLOPs "
         f"per step; collectives: {counts}"
     )
 
 
 def main(argv: list[str]) -> int:
-    config, args = cli.load_or_exit(argv, "train.py", cli.train_flags)
+    config, args = cli.load_or_exit(argv, "train.py", cli.train_flags, auto_remat=True)
     target = cli.target_or_exit(args)  # before jax is imported
     if target is None:
         cli.quiet_libtpu()
@@ -69,7 +70,8 @@ def main(argv: list[str]) -> int:
                     devices = target.devices()
                 except topology.TopologyError as e:
                     cli.fail(str(e))
-                result = cli.run_or_exit(lambda: train.compile_only(config, devices))
+                budget = target.budget()
+                result = cli.run_or_exit(lambda: train.compile_only(config, devices, budget))
         except jax.errors.JaxRuntimeError as e:  # the compiler's verdict, not a crash
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise

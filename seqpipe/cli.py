@@ -65,8 +65,12 @@ def fail(message: str, code: int = 2, at_once: bool = False) -> None:
     os._exit(code)
 
 
-def load_or_exit(argv: list[str], prog: str, add_flags: Callable | None = None):
-    """Parse `--config FILE [--workdir DIR] [--config.a.b=v ...]`; returns (config, args)."""
+def load_or_exit(
+    argv: list[str], prog: str, add_flags: Callable | None = None, auto_remat: bool = False
+):
+    """Parse `--config FILE [--workdir DIR] [--config.a.b=v ...]`; returns (config, args).
+    `pipeline.remat=auto` only where `auto_remat` (train.py): the tools measure the policy
+    they are named."""
     parser = _Parser(prog=prog)
     parser.add_argument("--config", required=True, help="config file, or a name in configs/")
     parser.add_argument("--workdir", default=None, help="output directory (default runs/NAME)")
@@ -78,6 +82,11 @@ def load_or_exit(argv: list[str], prog: str, add_flags: Callable | None = None):
         args.workdir = args.workdir or f"runs/{config_lib.resolve_path(args.config).stem}"
     except config_lib.ConfigError as e:
         fail(str(e))
+    if config.pipeline.remat == "auto" and not auto_remat:
+        fail(
+            f"pipeline.remat=auto is chosen by train.py (a run or --compile_only); {prog} "
+            "measures the policy it is given: name one of full, full_layer, layer, dots, none"
+        )
     # On CPU the devices are made to fit the mesh: an axis at -1 gets 1.
     devices = math.prod(n for n in (config.mesh.data, config.mesh.stage) if n != -1)
     devices *= config.mesh.get("tensor", 1)

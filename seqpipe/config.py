@@ -21,7 +21,8 @@ PARTITIONS = ("uniform", "flops")
 DTYPES = ("float32", "bfloat16", "float16")
 SOURCES = ("stdlib", "text", "tokens")
 TOKENIZERS = ("bpe", "byte")
-REMAT_POLICIES = tuple(remat.POLICIES)
+# `auto`: the least recompute that fits the device (`seqpipe.remat_auto`, train.py).
+REMAT_POLICIES = (*remat.POLICIES, "auto")
 # seqpipe.attention.IMPLEMENTATIONS, named here so that loading a config imports no jax.
 ATTENTION = ("auto", "xla", "blockwise", "splash", "pallas_gpu")
 # Keys whose value is a name or an integer: an override is read from its own text (an

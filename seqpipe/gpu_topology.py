@@ -135,6 +135,12 @@ class System:
             ) from None
         return list(desc.devices)
 
+    def budget(self) -> int:
+        """Bytes JAX's allocator will have of a GPU (`pipeline.remat=auto` fits it)."""
+        from seqpipe import remat_auto
+
+        return remat_auto.gpu_budget(self.spec.memory_bytes)
+
     def report(self, memory_total: int) -> dict:
         """The system's fields for the --compile_only JSON: what it is, and whether the
         step's memory per GPU fits the GPU's memory."""

@@ -33,6 +33,11 @@ class PipelineSpec:
 
     @property
     def policy(self) -> Policy:
+        if self.remat not in POLICIES:  # `auto`: train.py compiles to choose, tools don't
+            raise config_lib.ConfigError(
+                f"pipeline.remat={self.remat} is chosen by train.py (a run or --compile_only); "
+                f"name one of {', '.join(POLICIES)} here"
+            )
         return POLICIES[self.remat]
 
     @property

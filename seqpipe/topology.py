@@ -78,6 +78,10 @@ class Slice:
     def report(self, memory_total: int) -> dict:
         return report(self, memory_total)
 
+    def budget(self) -> int:
+        """Bytes a chip's program may use (`pipeline.remat=auto` fits it)."""
+        return self.spec.hbm_bytes
+
     @property
     def chips_per_host_bounds(self) -> tuple[int, int, int]:
         # Hosts of 4 chips (2x2), as multi-host slices are built; 1- and 8-chip v5e/v6e

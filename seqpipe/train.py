@@ -36,6 +36,7 @@ from seqpipe import (
     pipeline,
     reference,
     remat,
+    remat_auto,
     schedule,
     sharding,
 )
@@ -347,6 +348,11 @@ class Trainer:
     def train(self) -> list[dict]:
         """Steps start+1 .. end (or until a signal); returns the records logged."""
         config, t = self.config, self.config.train
+        if config.pipeline.remat == "auto":
+            devices = jax.devices()
+            budget = remat_auto.device_budget(jax.local_devices()[0])
+            config, choice = remat_auto.resolve(config, devices, budget)
+            self.log.print(f"pipeline.remat: {choice.line()}")
         step_fn = make_train_step(
             make_grad_fn(config, self.mesh),
             self.tx,
@@ -502,9 +508,12 @@ class Trainer:
             self.lock.release()
 
 
-def compile_only(config: ConfigDict, devices: list | None = None) -> dict:
+def compile_only(
+    config: ConfigDict, devices: list | None = None, budget: int | None = None
+) -> dict:
     """Compile the training step for the configured mesh over `devices` (default: this
-    process's) without allocating parameters.
+    process's) without allocating parameters. `pipeline.remat=auto` is chosen for `budget`
+    bytes a device (default: what JAX may allocate on this process's first device).
 
     Returns per-device memory from XLA's `memory_analysis()` (of the step, and of the
     evaluation beside the train state), the collectives in each compiled program, and the
@@ -512,6 +521,10 @@ def compile_only(config: ConfigDict, devices: list | None = None) -> dict:
     whatever its trip count)."""
     devices = jax.devices() if devices is None else devices
     config = config_lib.resolve(config, len(devices))
+    choice = None
+    if config.pipeline.remat == "auto":
+        budget = remat_auto.device_budget(devices[0]) if budget is None else budget
+        config, choice = remat_auto.resolve(config, devices, budget)
     # Resolved for the devices compiled for (a TPU slice's from this CPU, say), not this
     # process's default backend.
     platform = devices[0].platform
@@ -555,6 +568,8 @@ def compile_only(config: ConfigDict, devices: list | None = None) -> dict:
         else [],
         "device_kind": mesh.devices.flat[0].device_kind,
         "schedule": config.pipeline.schedule,
+        "remat": config.pipeline.remat,
+        **({"remat_auto": dataclasses.asdict(choice)} if choice else {}),
         "microbatches": config.pipeline.microbatches,
         "segments": config.pipeline.segments,
         "attention": config.model.attention,

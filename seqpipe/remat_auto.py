@@ -1,0 +1,94 @@
+"""`pipeline.remat=auto`: the policy that recomputes least among those whose compiled step
+fits the device's memory.
+
+The same model fits `dots` on one GPU and needs `full` on a smaller one (gpt_1b at 2048 x
+32, compiled for them: 82 GiB with `dots`, 33 GiB with `full`; an H200 has 141, an H100
+79), so no config can name the fastest policy for every device. `auto` asks XLA: it
+compiles the step (and the evaluation beside it) for each policy in `ORDER`, from least
+recompute to most, and keeps the first whose peak memory is within `HEADROOM` of the
+budget. Where there is no budget to compare with (the CPU: its memory is the host's),
+`auto` is `full`, the default, and nothing is compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from ml_collections import ConfigDict
+
+# From least recomputation to most (`remat.POLICIES[...].matmul_passes`: 3, 3, 4, 4, 5).
+ORDER = ("none", "dots", "layer", "full", "full_layer")
+FALLBACK = "full"
+# XLA's figure leaves out what the runtime allocates beside the program (cuBLAS and cuDNN
+# workspaces, collective buffers) and what fragmentation costs.
+HEADROOM = 0.9
+# What JAX's GPU allocator takes of a GPU's memory unless told otherwise.
+GPU_MEM_FRACTION = 0.75
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    policy: str
+    budget: int | None  # bytes a device may use, None where unknown
+    peaks: dict[str, int]  # the policies compiled, in order, and their peak bytes
+
+    def line(self) -> str:
+        """One line for the log: what was picked, and why."""
+        if self.budget is None:
+            return f"auto -> {self.policy} (no device memory to fit: the default)"
+        gib = lambda b: f"{b / 2**30:.1f}"  # noqa: E731
+        tried = ", ".join(f"{p} {gib(b)}" for p, b in self.peaks.items())
+        limit = f"{gib(HEADROOM * self.budget)} GiB ({HEADROOM:.0%} of {gib(self.budget)})"
+        verdict = "fits" if self.peaks.get(self.policy, 0) <= HEADROOM * self.budget else "least"
+        return f"auto -> {self.policy} ({verdict}; peak GiB: {tried}; limit {limit})"
+
+
+def gpu_budget(memory_bytes: int) -> int:
+    """What JAX's allocator will have of a GPU with `memory_bytes`."""
+    fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEM_FRACTION))
+    return int(fraction * memory_bytes)
+
+
+def device_budget(device) -> int | None:
+    """The memory JAX may allocate on `device` (its allocator's limit); None on the CPU and
+    for a compile-only device (a `--topology` target says its own, `budget()`)."""
+    if device.platform == "cpu":
+        return None
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:  # compile-only devices have no allocator
+        return None
+    return stats.get("bytes_limit")
+
+
+def choose(peak_of, budget: int | None) -> Choice:
+    """The first policy of `ORDER` whose `peak_of(policy)` (bytes a device needs) is within
+    HEADROOM of `budget`; if none is, the one that needs least."""
+    if budget is None:
+        return Choice(FALLBACK, None, {})
+    peaks = {}
+    for policy in ORDER:
+        peaks[policy] = peak_of(policy)
+        if peaks[policy] <= HEADROOM * budget:
+            return Choice(policy, budget, peaks)
+    return Choice(min(peaks, key=peaks.get), budget, peaks)
+
+
+def with_policy(config: ConfigDict, policy: str) -> ConfigDict:
+    c = config.copy_and_resolve_references()
+    with c.unlocked():
+        c.pipeline.remat = policy
+    return c
+
+
+def resolve(config: ConfigDict, devices: list, budget: int | None) -> tuple[ConfigDict, Choice]:
+    """`config` with `pipeline.remat=auto` replaced by the policy chosen for `devices`."""
+    from seqpipe import train
+
+    def peak_of(policy):
+        result = train.compile_only(with_policy(config, policy), devices)
+        return result["peak_memory_per_device_bytes"]
+
+    choice = choose(peak_of, budget)
+    return with_policy(config, choice.policy), choice
