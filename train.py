@@ -39,10 +39,10 @@ def summary(result: dict, target=None) -> str:
             f"({100 * result['hbm_fraction']:.0f}%, {verdict})"
         )
     counts = ", ".join(f"{k} {v}" for k, v in result["collectives"].items())
+    remat = f"{result['remat']}{' (auto)' if 'remat_auto' in result else ''}"
     return (
-        f"{line}; {result['attention']} attention; remat {result['remat']}"
-        f"{' (auto)' if 'remat_auto' in result else ''}; {result['flops_per_step']:.3e} model FLOPs "
-        f"per step; collectives: {counts}"
+        f"{line}; {result['attention']} attention; remat {remat}; "
+        f"{result['flops_per_step']:.3e} model FLOPs per step; collectives: {counts}"
     )
 
 

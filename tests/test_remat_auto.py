@@ -29,7 +29,7 @@ def test_choose_takes_the_first_policy_that_fits_in_order_of_recompute():
 
 
 def test_nothing_fits_picks_the_policy_that_needs_least_and_no_budget_compiles_nothing():
-    peaks = dict(zip(remat_auto.ORDER, (200, 180, 150, 140, 120)))
+    peaks = dict(zip(remat_auto.ORDER, (200, 180, 150, 140, 120), strict=True))
     choice = remat_auto.choose(lambda p: peaks[p] * GiB, budget=100 * GiB)
     assert choice.policy == "full_layer" and list(choice.peaks) == list(remat_auto.ORDER)
     assert choice.line().startswith("auto -> full_layer (least;")
@@ -81,7 +81,7 @@ def test_a_run_with_auto_on_the_cpu_trains_with_the_default_and_says_so(tmp_path
 def test_auto_outside_train_py_is_a_config_error_that_says_what_to_do():
     config = tiny_config(**PIPELINED, **{"pipeline.remat": "auto"})
     with pytest.raises(config_lib.ConfigError, match="pipeline.remat=auto is chosen by train.py"):
-        spec.make_spec(config).policy
+        _ = spec.make_spec(config).policy
 
 
 def test_a_tool_given_auto_refuses_it_in_one_line(capsys):
