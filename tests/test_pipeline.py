@@ -235,8 +235,9 @@ def test_every_remat_policy_matches_reference(remat, case):
 
 
 def test_remat_policies_agree_everywhere():
-    """The config offers exactly the table's policies, and each names real checkpoints."""
-    assert config_lib.REMAT_POLICIES == tuple(remat.POLICIES)
+    """The config offers exactly the table's policies (and `auto`, which picks one of them),
+    and each names real checkpoints."""
+    assert config_lib.REMAT_POLICIES == (*remat.POLICIES, "auto")
     for policy in remat.POLICIES.values():
         for checkpoint in (policy.checkpoint, policy.reference):
             assert checkpoint is None or checkpoint in model.CHECKPOINT_POLICIES

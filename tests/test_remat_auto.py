@@ -92,3 +92,11 @@ def test_a_tool_given_auto_refuses_it_in_one_line(capsys):
     assert e.value.code == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("error: pipeline.remat=auto is chosen by train.py")
+
+
+def test_auto_tries_every_policy_from_least_recompute_to_most():
+    from seqpipe import remat
+
+    assert sorted(remat_auto.ORDER) == sorted(remat.POLICIES)
+    passes = [remat.POLICIES[p].matmul_passes for p in remat_auto.ORDER]
+    assert passes == sorted(passes)

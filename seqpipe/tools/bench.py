@@ -287,12 +287,12 @@ def reference_seconds(cfg, params, tokens, checkpoint: str | None, repeats: int)
 def policy_rows(config, runs, rows_per_mb: int) -> list[dict]:
     """Every `pipeline.remat` policy for each of `runs`: XLA temp per device, what the
     carry keeps between a forward and its backward, and executed / analytic FLOPs."""
-    from seqpipe import config as config_lib
+    from seqpipe import remat
     from seqpipe.tools import flops, memory
 
     out = []
     for run in runs:
-        for policy in config_lib.REMAT_POLICIES:
+        for policy in remat.POLICIES:
             c = variant(config, *run)
             with c.unlocked():
                 c.pipeline.remat = policy
