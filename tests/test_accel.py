@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from seqpipe.tools import accel, bench
 
 
@@ -18,11 +20,16 @@ def test_quick_end_to_end_through_bench_accelerator(tmp_path, capsys):
         assert r["mfu"] is None and r["xla_temp_bytes"] > 0  # CPU: no peak in the table
         prof = r["profile"]
         assert prof["events_from"] == "host" and prof["matched_s"] > 0
+        assert prof["ops"] > 0
+        assert prof["mean_op_s"] == pytest.approx(prof["matched_s"] / prof["ops"])
+        assert 0 < prof["busy_fraction"] == prof["matched_s"] / r["step_s"]
         assert abs(sum(prof["groups_fraction"].values()) - 1) < 1e-9
         # The trace's ops were matched to their sources, not all left in "other".
         assert prof["groups_s"]["matmuls"] > 0 and prof["groups_s"]["attention"] > 0
         assert prof["groups_s"]["optimizer"] > 0
     assert rows["1f1b"]["profile"]["groups_s"]["pipeline buffers / grad accumulation"] > 0
+    # Eight micro-batches run each layer's operations eight times.
+    assert rows["1f1b"]["profile"]["ops"] > 2 * rows["ref"]["profile"]["ops"]
     assert "| 1f1b |" in capsys.readouterr().out
 
 
@@ -42,8 +49,6 @@ def test_classify_by_innermost_telling_frame():
 
 
 def test_bad_variant_is_one_line(capsys):
-    import pytest
-
     for variants, message in (
         ("ref,gpipe", "unknown gpipe; choose from ref, 1f1b, seq1f1b:1, seq1f1b:2, seq1f1b:4, "),
         ("ref@fast", "ref@fast: unknown remat 'fast'; choose from full, full_layer, layer, dots"),

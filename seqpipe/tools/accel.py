@@ -263,12 +263,14 @@ def profile_summary(events: list[dict], hlo_text: str, top: int = 10) -> dict:
     device = [e for e in events if e["pname"].startswith("/device:") and "CUSTOM" not in e["pname"]]
     source = "device" if device else "host"
     per_op = collections.Counter()
+    launches = 0
     for e in device or events:
         name = (e.get("args") or {}).get("hlo_op") or e.get("name", "")
         ins = instrs.get(name)
         if ins is None or ins["opcode"] in CONTAINERS:
             continue
         per_op[name] += float(e.get("dur", 0.0)) * 1e-6
+        launches += 1
     groups = dict.fromkeys(GROUPS, 0.0)
     rows = []
     for name, seconds in per_op.items():
@@ -281,6 +283,10 @@ def profile_summary(events: list[dict], hlo_text: str, top: int = 10) -> dict:
     return {
         "events_from": source,
         "matched_s": total,
+        # Operations run in the step (kernels on a device): a pipeline runs every layer's
+        # kernels once per unit, so many small ones where the reference runs few large.
+        "ops": launches,
+        "mean_op_s": total / launches if launches else 0.0,
         "groups_s": groups,
         "groups_fraction": {k: (v / total if total else 0.0) for k, v in groups.items()},
         "top": [{"op": n, "opcode": o, "group": g, "s": s} for s, n, o, g in rows[:top]],
@@ -354,6 +360,9 @@ def measure(config, name: str, steps: int, profile: bool, log=print) -> dict:
     }
     if profile:
         out["profile"], state = profile_step(compiled, state, tokens)
+        # The share of the step the device spent in operations; the rest is launch
+        # latency, host round trips (a conditional's predicate) and idle waits.
+        out["profile"]["busy_fraction"] = out["profile"]["matched_s"] / step_s
     log(f"{name}: {step_s:.4f} s/step, compile {compile_s:.1f} s")
     return out
 
@@ -428,14 +437,21 @@ def table(result: dict) -> str:
         )
     profiled = [r for r in result["rows"] if "profile" in r]
     if profiled:
-        lines += ["", "Profile (one step): share of matched op time by group", ""]
-        lines.append("| variant | matched s | " + " | ".join(GROUPS) + " |")
-        lines.append("|---|---|" + "---|" * len(GROUPS))
+        lines += [
+            "",
+            "Profile (one step): operations run, their mean time, the share of the step they "
+            "fill (busy), and their time by group",
+            "",
+        ]
+        head = "| variant | matched s | ops | mean op us | busy | "
+        lines.append(head + " | ".join(GROUPS) + " |")
+        lines.append("|---|---|---|---|---|" + "---|" * len(GROUPS))
         for r in profiled:
             p = r["profile"]
             shares = " | ".join(_pct(p["groups_fraction"][g]) for g in GROUPS)
             lines.append(
-                f"| {r['variant']} | {p['matched_s']:.4f} ({p['events_from']}) | {shares} |"
+                f"| {r['variant']} | {p['matched_s']:.4f} ({p['events_from']}) | {p['ops']:,} | "
+                f"{p['mean_op_s'] * 1e6:.1f} | {_pct(p['busy_fraction'])} | {shares} |"
             )
         for r in profiled:
             top = ", ".join(
