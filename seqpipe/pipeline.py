@@ -495,9 +495,12 @@ def stage_step(
     rows, seq_len = tokens_BxL1.shape[0] // M, tokens_BxL1.shape[1] - 1
     ctx = Context(spec, rows, 1.0 / (tokens_BxL1.shape[0] * seq_len))
     init = carry_lib.zeros(carry_lib.abstract(spec, rows, layers_VxN, shared))
-    if spec.policy.keeps_residuals and not spec.forward_only:
-        # Cast once: a vjp then keeps the compute-dtype weights by reference (re-read in
-        # the backward) rather than a cast copy of them per stashed unit.
+    if spec.policy.casts_once:
+        # Once a step, not in every unit's every layer: a vjp keeps the compute-dtype
+        # weights by reference rather than a cast copy per stashed unit, and no unit
+        # re-reads float32 weights to convert them (on a GPU, 8 kernels a layer pass and
+        # twice the weight bytes, in every unit: 96 layer-stack passes a step for seq1f1b
+        # M=8 K=4).
         act = jnp.dtype(spec.cfg.dtype)
         layers_VxN, shared = jax.tree.map(lambda w: w.astype(act), (layers_VxN, shared))
     inp = StageInputs(

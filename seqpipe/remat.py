@@ -15,6 +15,11 @@ class Policy:
     reference: str | None  # the un-pipelined oracle's per-layer policy under this setting
     matmul_passes: int  # forward-equivalents a layer's matmuls run per step (`tools.flops`)
     doc: str
+    # The executor casts the weights to the compute dtype once a step (a copy of them beside
+    # the step) rather than in each unit's each layer. Required where a vjp keeps residuals
+    # (else each stashed unit keeps its own cast copy); off for `full_layer`, whose point
+    # is long context's memory (gpt_1b at 131072: +4.7 GiB on CPU, +1.9 at 32768 on H200).
+    casts_once: bool = True
 
 
 POLICIES = {
@@ -31,6 +36,7 @@ POLICIES = {
             "layer",
             5,
             "the stage input; the backward re-runs the unit, then each layer under its vjp",
+            casts_once=False,
         ),
         Policy("layer", True, "layer", "layer", 4, "each layer's input; recompute one layer"),
         Policy("dots", True, "dots", "dots", 3, "each layer's matmul outputs"),

@@ -383,3 +383,27 @@ def test_a_residual_the_probe_saw_constant_is_rebuilt_from_the_probe():
         return layout.rebuild(stored, (x,))(jnp.ones(4))[0]
 
     np.testing.assert_array_equal(forward_then_backward(jnp.zeros(4)), table)
+
+
+@pytest.mark.parametrize("policy", ["full", "full_layer", "none"])
+def test_weights_are_cast_once_a_step_where_the_policy_says_so(policy):
+    """bf16 compute: the stage's float32 weights are cast once, before the tick loop (no
+    unit converts them per layer), except under `full_layer`, which keeps no copy."""
+    config = make_config("seq1f1b", (1, 2), 2, "uniform", "equal", 1)
+    config.model.dtype = "bfloat16"
+    config.pipeline.remat = policy
+    spec = pipeline.make_spec(config)
+    mesh = sharding.make_mesh(1, 2)
+    params = jax.eval_shape(lambda: model.init_params(spec.cfg, jax.random.key(0)))
+    tokens = jax.ShapeDtypeStruct((config.train.global_batch_size, SEQ_LEN + 1), np.int32)
+    jaxpr = jax.make_jaxpr(lambda p, t: pipeline.loss_and_grads(p, t, spec, mesh))(params, tokens)
+    (body,) = [e.params["jaxpr"] for e in jaxpr.eqns if e.primitive.name == "shard_map"]
+    casts = [
+        e
+        for e in body.eqns  # the stage's program outside its tick loop
+        if e.primitive.name == "convert_element_type"
+        and e.invars[0].aval.dtype == np.float32
+        and e.outvars[0].aval.dtype == jnp.bfloat16
+    ]
+    n_weights = len(jax.tree.leaves(params))
+    assert len(casts) == (n_weights if remat.POLICIES[policy].casts_once else 0)
