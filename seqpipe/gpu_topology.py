@@ -22,7 +22,6 @@ import sys
 from seqpipe import xla_flags
 from seqpipe.topology import TopologyError
 
-GiB = 2**30
 GPUS_PER_HOST = 8
 # Where `make install` puts the plugin; SEQPIPE_CUDA_PLUGIN_DIR names another place.
 PLUGIN_DIR = os.environ.get("SEQPIPE_CUDA_PLUGIN_DIR", os.path.join(sys.prefix, "cuda-compiler"))
