@@ -40,9 +40,10 @@ bench: $(STAMP)
 bench-accelerator: $(STAMP)
 	$(PY) -m seqpipe.tools.bench --accelerator --json runs/accelerator.json $(ACCEL_ARGS)
 
-# On the device machine (../shared/device.md): gpt_1b, every variant, under 8 minutes.
+# On the device machine (../shared/device.md): gpt_1b, every variant, then the extras;
+# through the `run` tool, one call each: bash scripts/device_accel.sh bench|extras.
 bench-device:
-	bash scripts/device_accel.sh
+	bash scripts/device_accel.sh all
 
 clean:
 	rm -rf runs .pytest_cache

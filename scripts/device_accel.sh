@@ -1,27 +1,41 @@
 #!/usr/bin/env bash
 # The accelerator bench for gpt_1b on the device machine (one H200; ../shared/device.md):
 # run through the `run` tool with carry [".whl"], the wheels downloaded as device.md says.
-#   bash scripts/device_accel.sh            # every variant, then a no-flags reference
+# Two parts, each under the tool's 10 minutes a command:
+#   bash scripts/device_accel.sh bench     # every variant (about 6.5 minutes at most)
+#   bash scripts/device_accel.sh extras    # flags off, xla attention, the Pallas GPU kernel
+#   bash scripts/device_accel.sh           # both, one after the other
 # Results under $OUT: accel.json (written after each variant), accel.txt (the table),
-# accel_noflags.json (the reference without seqpipe's GPU XLA flags), attention.json and
-# attention.txt (the pallas_gpu kernel against xla, and timed against blockwise).
+# accel_noflags.json (the reference without seqpipe's GPU XLA flags), accel_xla.json (the
+# reference and seq1f1b K=4 with model.attention=xla: at 2048 tokens `blockwise` launches
+# 3x the reference's kernels, compiled for an H200), attention.json and attention.txt (the
+# pallas_gpu kernel against xla, and timed against blockwise).
 set -uo pipefail
+PART=${1:-all}
 OUT=${OUT:-runs/device}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
-# gpt_1b, seq 2048, batch 32: the reference, 1f1b M=8, seq1f1b M=8 K=4, then with the
-# remat policies that fit an H200 (ref@dots, 1f1b@none, seq1f1b:4@none), then K=1,2,8.
-timeout 400 python3 -m seqpipe.tools.bench --accelerator --config gpt_1b --steps 3 \
-  --json "$OUT/accel.json" 2>&1 | tee "$OUT/accel.txt"
-# The same reference without the flags seqpipe sets on GPUs (their effect, in one row).
-SEQPIPE_XLA_GPU_FLAGS=0 timeout 90 python3 -m seqpipe.tools.bench --accelerator \
-  --config gpt_1b --variants ref --steps 3 --no_profile --json "$OUT/accel_noflags.json" \
-  2>&1 | tail -5 | tee -a "$OUT/accel.txt"
-# The pallas_gpu Triton kernel compiled for the GPU: exact against xla (bf16, output and
-# five cotangents), reading a K/V cache bit for bit as on arrays, then forward + backward
-# against blockwise and xla at gpt_1b's 8192-token shapes; cases past 50 s are skipped,
-# so this adds about a minute at most. Exit status 1: a check failed (see the output).
-timeout 75 python3 -m seqpipe.tools.attention_check --budget_s 50 --json "$OUT/attention.json" \
-  2>&1 | tail -20 | tee "$OUT/attention.txt"
+if [ "$PART" = bench ] || [ "$PART" = all ]; then
+  # gpt_1b, seq 2048, batch 32: the reference, 1f1b M=8, seq1f1b M=8 K=4, then with the
+  # remat policies that fit an H200 (ref@dots, 1f1b@none, seq1f1b:4@none), then K=1,2,8.
+  timeout 400 python3 -m seqpipe.tools.bench --accelerator --config gpt_1b --steps 3 \
+    --json "$OUT/accel.json" 2>&1 | tee "$OUT/accel.txt"
+fi
+if [ "$PART" = extras ] || [ "$PART" = all ]; then
+  # The same reference without the flags seqpipe sets on GPUs (their effect, in one row).
+  SEQPIPE_XLA_GPU_FLAGS=0 timeout 90 python3 -m seqpipe.tools.bench --accelerator \
+    --config gpt_1b --variants ref --steps 3 --no_profile --json "$OUT/accel_noflags.json" \
+    2>&1 | tail -5 | tee -a "$OUT/accel.txt"
+  # `auto` is blockwise on GPUs; at 2048 tokens `xla` may be faster (fewer, larger kernels).
+  timeout 150 python3 -m seqpipe.tools.bench --accelerator --config gpt_1b \
+    --variants ref,seq1f1b:4 --steps 3 --no_profile --json "$OUT/accel_xla.json" \
+    --config.model.attention=xla 2>&1 | tail -6 | tee -a "$OUT/accel.txt"
+  # The pallas_gpu Triton kernel compiled for the GPU: exact against xla (bf16, output and
+  # five cotangents), reading a K/V cache bit for bit as on arrays, then forward + backward
+  # against blockwise and xla at gpt_1b's 8192-token shapes; cases past 50 s are skipped,
+  # so this adds about a minute at most. Exit status 1: a check failed (see the output).
+  timeout 75 python3 -m seqpipe.tools.attention_check --budget_s 50 \
+    --json "$OUT/attention.json" 2>&1 | tail -20 | tee "$OUT/attention.txt"
+fi
