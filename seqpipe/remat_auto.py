@@ -50,9 +50,13 @@ def gpu_budget(memory_bytes: int) -> int:
     return int(fraction * memory_bytes)
 
 
-def device_budget(device) -> int | None:
-    """The memory JAX may allocate on `device` (its allocator's limit); None on the CPU and
-    for a compile-only device (a `--topology` target says its own, `budget()`)."""
+def device_budget(devices: list) -> int | None:
+    """The memory JAX may allocate on a device of `devices` that this process drives (its
+    allocator's limit: every process reads its own, so all choose alike); None on the CPU
+    and for compile-only devices (a `--topology` target says its own, `budget()`)."""
+    import jax
+
+    device = next((d for d in devices if d.process_index == jax.process_index()), devices[0])
     if device.platform == "cpu":
         return None
     try:
@@ -82,13 +86,20 @@ def with_policy(config: ConfigDict, policy: str) -> ConfigDict:
     return c
 
 
-def resolve(config: ConfigDict, devices: list, budget: int | None) -> tuple[ConfigDict, Choice]:
-    """`config` with `pipeline.remat=auto` replaced by the policy chosen for `devices`."""
+def resolve(
+    config: ConfigDict, devices: list, budget: int | None = None
+) -> tuple[ConfigDict, Choice, dict | None]:
+    """`config` with `pipeline.remat=auto` replaced by the policy chosen for `devices`
+    (`budget` bytes a device; default `device_budget`), the choice, and the chosen
+    policy's `train.compile_only` report (None where nothing was compiled)."""
     from seqpipe import train
 
+    budget = device_budget(devices) if budget is None else budget
+    reports = {}
+
     def peak_of(policy):
-        result = train.compile_only(with_policy(config, policy), devices)
-        return result["peak_memory_per_device_bytes"]
+        reports[policy] = train.compile_only(with_policy(config, policy), devices)
+        return reports[policy]["peak_memory_per_device_bytes"]
 
     choice = choose(peak_of, budget)
-    return with_policy(config, choice.policy), choice
+    return with_policy(config, choice.policy), choice, reports.get(choice.policy)

@@ -349,9 +349,7 @@ class Trainer:
         """Steps start+1 .. end (or until a signal); returns the records logged."""
         config, t = self.config, self.config.train
         if config.pipeline.remat == "auto":
-            devices = jax.devices()
-            budget = remat_auto.device_budget(jax.local_devices()[0])
-            config, choice = remat_auto.resolve(config, devices, budget)
+            config, choice, _ = remat_auto.resolve(config, jax.devices())
             self.log.print(f"pipeline.remat: {choice.line()}")
         step_fn = make_train_step(
             make_grad_fn(config, self.mesh),
@@ -513,7 +511,7 @@ def compile_only(
 ) -> dict:
     """Compile the training step for the configured mesh over `devices` (default: this
     process's) without allocating parameters. `pipeline.remat=auto` is chosen for `budget`
-    bytes a device (default: what JAX may allocate on this process's first device).
+    bytes a device (default: what JAX may allocate on a device this process drives).
 
     Returns per-device memory from XLA's `memory_analysis()` (of the step, and of the
     evaluation beside the train state), the collectives in each compiled program, and the
@@ -521,10 +519,11 @@ def compile_only(
     whatever its trip count)."""
     devices = jax.devices() if devices is None else devices
     config = config_lib.resolve(config, len(devices))
-    choice = None
     if config.pipeline.remat == "auto":
-        budget = remat_auto.device_budget(devices[0]) if budget is None else budget
-        config, choice = remat_auto.resolve(config, devices, budget)
+        # The chosen policy's step was compiled to choose it: its report is this one.
+        config, choice, report = remat_auto.resolve(config, devices, budget)
+        report = report or compile_only(config, devices)  # none compiled: no budget
+        return {**report, "remat_auto": dataclasses.asdict(choice)}
     # Resolved for the devices compiled for (a TPU slice's from this CPU, say), not this
     # process's default backend.
     platform = devices[0].platform
@@ -569,7 +568,6 @@ def compile_only(
         "device_kind": mesh.devices.flat[0].device_kind,
         "schedule": config.pipeline.schedule,
         "remat": config.pipeline.remat,
-        **({"remat_auto": dataclasses.asdict(choice)} if choice else {}),
         "microbatches": config.pipeline.microbatches,
         "segments": config.pipeline.segments,
         "attention": config.model.attention,
