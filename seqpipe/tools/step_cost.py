@@ -257,7 +257,7 @@ class Module:
                 continue
             if i.op == "while":
                 n = int(m.group(1)) if (m := _TRIPS.search(i.line)) else 1
-                body = _callee(i, "body")
+                body = callee(i, "body")
                 outer = tick_trips is None and units and n >= units.microbatches * units.segments
                 ticks = n if outer else 0  # the first such loop is the tick loop
                 total.add(self._cost(body, units, ticks), n)
@@ -270,10 +270,10 @@ class Module:
                 ):
                     total.add(c, w)
             elif i.op == "call":
-                total.add(self._cost(_callee(i, "to_apply"), units, tick_trips))
+                total.add(self._cost(callee(i, "to_apply"), units, tick_trips))
             elif i.op == "fusion":
-                callee = _callee(i, "calls")
-                total.kernel(kind_of(i), self.fusion_bytes(i, types), self.fused_flops(callee))
+                flops = self.fused_flops(callee(i, "calls"))
+                total.kernel(kind_of(i), self.fusion_bytes(i, types), flops)
             else:
                 nbytes = sum(size_of(types.get(o, "")) for o in i.operands) + size_of(i.type)
                 total.kernel(kind_of(i), nbytes, dot_flops(i, types))
@@ -312,7 +312,8 @@ class Units:
     segments: int
 
 
-def _callee(instr: Instr, attribute: str) -> str:
+def callee(instr: Instr, attribute: str) -> str:
+    """The computation an instruction names by `attribute` (body, calls, to_apply)."""
     return re.search(attribute + r"=%?([\w.\-]+)", instr.line).group(1)
 
 
