@@ -30,6 +30,10 @@ def test_quick_end_to_end_through_bench_accelerator(tmp_path, capsys):
     assert rows["1f1b"]["profile"]["groups_s"]["pipeline buffers / grad accumulation"] > 0
     # Eight micro-batches run each layer's operations eight times.
     assert rows["1f1b"]["profile"]["ops"] > 2 * rows["ref"]["profile"]["ops"]
+    # And the compiled step says so too (`step_cost`), with an estimate for an H200.
+    assert rows["1f1b"]["hlo_kernels"] > 2 * rows["ref"]["hlo_kernels"] > 0
+    for r in rows.values():
+        assert r["hlo_bytes"] > 0 and r["h200_estimate_s"] > 0
     assert "| 1f1b |" in capsys.readouterr().out
 
 

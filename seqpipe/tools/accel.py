@@ -33,6 +33,8 @@ import sys
 import tempfile
 import time
 
+from seqpipe.tools import step_cost
+
 DEFAULT_CONFIG = "gpt_1b"
 # name: (schedule, microbatches, segments)
 VARIANTS = {
@@ -358,6 +360,14 @@ def measure(config, name: str, steps: int, profile: bool, log=print) -> dict:
         # The process's running peak (memory_stats); None where the backend has none (CPU).
         "device_peak_bytes": device_memory_peak(jax.devices()[:1]),
     }
+    # What the compiled step moves (`step_cost`), and the roofline fitted to the H200:
+    # next to a measured step time, each device run checks the estimate.
+    p = c.pipeline
+    units = (1, 1) if p.schedule == "none" else (p.microbatches, p.segments)
+    moved = step_cost.step_cost(compiled.as_text(), *units)
+    out["hlo_kernels"] = round(moved.total("kernels"))
+    out["hlo_bytes"] = moved.total("bytes")
+    out["h200_estimate_s"] = moved.seconds(*step_cost.H200)
     if profile:
         out["profile"], state = profile_step(compiled, state, tokens)
         # The share of the step the device spent in operations; the rest is launch
@@ -421,19 +431,20 @@ def table(result: dict) -> str:
         + (f"{result['peak_flops'] / 1e12:.0f} TFLOP/s" if result["peak_flops"] else "no peak"),
         "",
         "| variant | step s | vs ref | tokens/s | MFU | MFU causal | XLA temp GiB | "
-        "device peak GiB | compile s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "device peak GiB | compile s | TB moved | H200 estimate s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     gib = lambda b: "-" if b is None else f"{b / 2**30:.2f}"  # noqa: E731
     for r in result["rows"]:
         if "error" in r:
-            lines.append(f"| {r['variant']} | {r['error'][:80]} |" + " |" * 7)
+            lines.append(f"| {r['variant']} | {r['error'][:80]} |" + " |" * 9)
             continue
         vs = "-" if r["vs_ref"] is None else f"{r['vs_ref']:.2f}x"
         lines.append(
             f"| {r['variant']} | {r['step_s']:.4f} | {vs} | {r['tokens_per_s']:,.0f} | "
             f"{_pct(r['mfu'])} | {_pct(r['mfu_causal'])} | {gib(r['xla_temp_bytes'])} | "
-            f"{gib(r['device_peak_bytes'])} | {r['compile_s']:.1f} |"
+            f"{gib(r['device_peak_bytes'])} | {r['compile_s']:.1f} | "
+            f"{r['hlo_bytes'] / 1e12:.3f} | {r['h200_estimate_s']:.3f} |"
         )
     profiled = [r for r in result["rows"] if "profile" in r]
     if profiled:
