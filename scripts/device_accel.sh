@@ -7,9 +7,11 @@
 #   bash scripts/device_accel.sh           # both, one after the other
 # Results under $OUT: accel.json (written after each variant), accel.txt (the table),
 # accel_noflags.json (the reference without seqpipe's GPU XLA flags), accel_xla.json (the
-# reference and seq1f1b K=4 with model.attention=xla: at 2048 tokens `blockwise` launches
-# 3x the reference's kernels, compiled for an H200), attention.json and attention.txt (the
-# pallas_gpu kernel against xla, and timed against blockwise).
+# reference and seq1f1b K=4 with model.attention=xla: at 2048 tokens `step_cost`'s H200
+# estimate has `blockwise` faster, `auto`'s pick; this measures it), attention.json and
+# attention.txt (the pallas_gpu kernel against xla, and timed against blockwise). Each
+# bench row also carries its compiled step's bytes and H200 estimate, to check the
+# estimate against the measured time.
 set -uo pipefail
 PART=${1:-all}
 OUT=${OUT:-runs/device}
