@@ -236,19 +236,18 @@ def head(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps, y: jax.Array
         return carry.replace(loss=carry.loss + _eval_loss(ctx, inp, op, y, on))
     on = op.on("fwd_mb") & op.on("fwd_head")
 
-    def run(k):
+    def run(k, acc):
         _, targets = inp.tokens(spec, mb, k)
-        return ctx.units[k].head(inp.shared, y, targets, ctx.scale)
+        loss, d_shared, dy = ctx.units[k].head(inp.shared, y, targets, ctx.scale)
+        return loss, _accumulate(acc, d_shared), dy
 
-    # The gradients come out of the conditional and are added outside it (`backward`).
     branches = [functools.partial(run, k) for k in range(spec.segments)]
-    avals = jax.eval_shape(branches[0])
-    loss, d_shared, dy = jax.lax.cond(
+    loss, grads_shared, dy = jax.lax.cond(
         on,
-        lambda: _switch(op["fwd_seg"], branches),
-        lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), avals),
+        lambda acc: _switch(op["fwd_seg"], branches, acc),
+        lambda acc: (jnp.zeros((), jnp.float32), acc, ctx.zeros("message")),
+        carry.grads["shared"],
     )
-    grads_shared = _accumulate(carry.grads["shared"], d_shared)
     head_dy = tuple(
         write_slot(buf, op["fwd_head"], dy[:, : buf.shape[2]], on & (op.raw["fwd_seg"] == k))
         for k, buf in enumerate(carry.head_dy)
@@ -339,38 +338,40 @@ def backward(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps) -> tuple
 
     shared_stash = read(0) if strategy.read_before_branching else None
 
-    def run(k, _dx, weight, *dkv):  # _dx: the idle unit's zeros, replaced
+    def run(k, _dx, grads, weight, *dkv):  # _dx: the idle unit's zeros, replaced
         saved = shared_stash if shared_stash is not None else read(ctx.units[k].group)
         caches = (carry.kv_k, carry.kv_v, *(dkv or (None, None)))
         dx, d_chunk, d_shared, into, pack = _backward_unit(ctx, inp, op, k, saved, dy, caches)
+        grads = {
+            "layers": _add_chunk(grads["layers"], chunk, d_chunk),
+            "shared": _accumulate(grads["shared"], d_shared),
+        }
         if pack:  # a split B: its W reads these from its slot
             slot = op["bwd_wgt"]
             buf = jax.tree.map(lambda b, x: write_slot(b, slot, x, True), weight[k], pack[0])
             weight = (*weight[:k], buf, *weight[k + 1 :])
-        d = (d_chunk, d_shared)
-        return dx, d, weight, *(() if into is None else (into.words_k, into.words_v))
+        return dx, grads, weight, *(() if into is None else (into.words_k, into.words_v))
 
-    # A unit's gradients come out of its conditional and are added to the carry's
-    # outside it: on a GPU a conditional's result never shares its operand's memory, so
-    # accumulators carried through it were copied whole every tick. A split B writes
-    # its W's slot in the branch, since each segment's has its own shape; and the
-    # prefix's K/V cotangents go into their cache there, as long as the context
-    # (`kv_cache.Cotangents`). One conditional a tick, for the same reason.
+    # Gradients accumulate inside the branch: returned apart, a parameter-sized
+    # cotangent tree would be one more temporary. A split B writes its W's slot there
+    # too, since each segment's has its own shape; and the prefix's K/V cotangents go
+    # into their cache there, as long as the context (`kv_cache.Cotangents`). One
+    # conditional a tick: on a GPU a branch that passes a buffer through copies it whole
+    # (a conditional's result never shares its operand's memory), so one conditional
+    # per segment copied every gradient K-1 times a tick (1.0 of 8.2 TB a step for
+    # gpt_1b seq1f1b K=4 on an H200, `seqpipe.tools.step_cost`).
     dkv = (carry.dkv_k, carry.dkv_v) if spec.kv_len else ()
     branches = [functools.partial(run, k) for k in range(spec.segments)]
-    operands = (ctx.zeros("message"), carry.weight, *dkv)
-    d_avals = jax.eval_shape(lambda *b: branches[0](*b)[1], *operands)
-
-    def idle(dx, *rest):
-        return dx, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), d_avals), *rest
-
-    dx, (d_chunk, d_shared), weight, *dkv = jax.lax.cond(
-        op.on("bwd_mb"), lambda *b: _switch(op["bwd_seg"], branches, *b), idle, *operands
+    buffers = jax.lax.cond(
+        op.on("bwd_mb"),
+        lambda *b: _switch(op["bwd_seg"], branches, *b),
+        lambda *b: b,
+        ctx.zeros("message"),
+        carry.grads,
+        carry.weight,
+        *dkv,
     )
-    grads = {
-        "layers": _add_chunk(carry.grads["layers"], chunk, d_chunk),
-        "shared": _accumulate(carry.grads["shared"], d_shared),
-    }
+    dx, grads, weight, *dkv = buffers
     carry = carry.replace(grads=grads, weight=weight)
     if dkv:
         carry = carry.replace(dkv_k=dkv[0], dkv_v=dkv[1])

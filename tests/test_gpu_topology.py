@@ -136,49 +136,6 @@ def test_the_pallas_gpu_kernels_compile_to_ptx_for_an_h100(tmp_path):
 
 
 @needs_plugin
-def test_no_gradient_is_copied_whole_at_every_tick_on_a_gpu(tmp_path):
-    """On a GPU a conditional's result never shares its operand's memory, so gradients
-    accumulated inside the units' conditionals came out as copies, parameter-sized, every
-    tick. The units return their gradients and the tick adds them where they lie: no copy
-    in the tick loop has a gradient's shape (the head's, shared, was one)."""
-    import jax
-    from test_train import TINY
-
-    from seqpipe import config as config_lib
-    from seqpipe import model
-    from seqpipe.tools import step_cost
-
-    overrides = {
-        "mesh.data": "1",
-        "mesh.stage": "1",
-        "pipeline.remat": "none",
-        "pipeline.schedule": "seq1f1b",
-        "pipeline.microbatches": "2",
-        "pipeline.segments": "2",
-    }
-    dump = tmp_path / "dump"
-    proc = _compile_only(tmp_path, overrides, "h200", {"XLA_FLAGS": f"--xla_dump_to={dump}"})
-    assert proc.returncode == 0, proc.stderr
-    (text,) = [p.read_text() for p in dump.glob("*jit_train_step*gpu_after_optimizations.txt")]
-    module = step_cost.Module(text)
-
-    def top_level(comp):  # instructions of comp and of the computations it calls
-        for i in module.comps[comp]:
-            yield from top_level(step_cost.callee(i, "to_apply")) if i.op == "call" else [i]
-
-    (tick_loop,) = [i for i in top_level(module.entry) if i.op == "while"]
-    copies = {
-        tuple(step_cost.dims_of(i.type))
-        for i in top_level(step_cost.callee(tick_loop, "body"))
-        if i.op == "copy"
-    }
-    cfg = model.GPTConfig.from_config(config_lib.load("tiny", {**TINY, **overrides}).model)
-    gradients = {tuple(x.shape) for x in jax.tree.leaves(model.param_shapes(cfg))}
-    gradients |= {(1, *shape) for shape in gradients}  # a stage's layers, by chunk
-    assert copies and not copies & gradients, copies & gradients
-
-
-@needs_plugin
 def test_a_step_larger_than_the_gpu_says_so_and_exits_1(tmp_path):
     """Float32 logits of 8 x 32768 tokens over a vocabulary of 2^18, whole: 256 GiB."""
     overrides = {
