@@ -156,3 +156,13 @@ def test_the_command_prints_the_summary_as_json(tmp_path, capsys):
         "gemm",
         "copy",
     }
+
+
+def test_a_file_that_is_not_hlo_is_one_line(tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_text("not HLO\n")
+    for arg in (str(path), str(tmp_path / "missing.txt")):
+        with pytest.raises(SystemExit) as e:
+            step_cost.main([arg])
+        assert str(e.value).startswith(f"step_cost: cannot read {arg} as optimized HLO")
+        assert "\n" not in str(e.value)

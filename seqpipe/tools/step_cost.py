@@ -109,6 +109,7 @@ def dot_flops(instr: Instr, types: dict[str, str]) -> float:
 
 
 def dims_of(type_text: str) -> list[int]:
+    """The dimensions of the first array in a type."""
     m = _ARRAY.search(type_text)
     return [int(d) for d in m.group(2).split(",") if d] if m else []
 
@@ -172,7 +173,6 @@ class Module:
     """An optimized HLO module's computations, parsed."""
 
     def __init__(self, text: str):
-        self.text = text
         self.comps = {
             name: [i for line in body.splitlines()[1:] if (i := parse(line))]
             for name, body in hlo.computations(text).items()
@@ -197,8 +197,7 @@ class Module:
     def fusion_bytes(self, instr: Instr, types: dict[str, str]) -> float:
         """Bytes a fusion moves: slices of operands only sliced, updates of buffers updated
         in place, everything else whole."""
-        comp = re.search(r"calls=%?([\w.\-]+)", instr.line).group(1)
-        body = self.comps[comp]
+        body = self.comps[callee(instr, "calls")]
         params = {
             int(re.search(r"parameter\((\d+)\)", i.line).group(1)): i
             for i in body
@@ -230,7 +229,7 @@ class Module:
         if root and root.op == "tuple":
             by_name = {i.name: i for i in body}
             outputs = [by_name[n] for n in root.operands if n in by_name]
-        for out in outputs or []:
+        for out in outputs:
             if out.op == "dynamic-update-slice":
                 update = {i.name: i.type for i in body}.get(out.operands[1], "")
                 total += 2 * size_of(update)  # read-modify-write of the updated rows
@@ -258,16 +257,16 @@ class Module:
             if i.op == "while":
                 n = int(m.group(1)) if (m := _TRIPS.search(i.line)) else 1
                 body = callee(i, "body")
+                # The tick loop: outside any other, at least a trip per unit.
                 outer = tick_trips is None and units and n >= units.microbatches * units.segments
-                ticks = n if outer else 0  # the first such loop is the tick loop
+                ticks = n if outer else 0
                 total.add(self._cost(body, units, ticks), n)
             elif i.op == "conditional":
                 total.round_trips += 1
                 names = branches(i.line)
                 each = [self._cost(b, units, 0) for b in names]
-                for w, c in zip(
-                    self.branch_weights(names, each, units, tick_trips), each, strict=True
-                ):
+                weights = self.branch_weights(names, each, units, tick_trips)
+                for w, c in zip(weights, each, strict=True):
                     total.add(c, w)
             elif i.op == "call":
                 total.add(self._cost(callee(i, "to_apply"), units, tick_trips))
@@ -287,9 +286,7 @@ class Module:
             if i.op == "conditional" and len(branches(i.line)) == width:
                 if "jvp(" not in (re.search(r'op_name="([^"]*)"', i.line) or [""])[0]:
                     return True
-            if i.op == "call" and self.has_switch(
-                re.search(r"to_apply=%?([\w.\-]+)", i.line).group(1), width
-            ):
+            if i.op == "call" and self.has_switch(callee(i, "to_apply"), width):
                 return True
         return False
 
@@ -318,6 +315,7 @@ def callee(instr: Instr, attribute: str) -> str:
 
 
 def branches(line: str) -> list[str]:
+    """The branch computations of a conditional: true/false, or an indexed list."""
     names = re.findall(r"(?:true_computation|false_computation)=%?([\w.\-]+)", line)
     listed = re.search(r"branch_computations=\{([^}]*)\}", line)
     return names + ([n.strip().lstrip("%") for n in listed.group(1).split(",")] if listed else [])
@@ -354,7 +352,11 @@ def main(argv=None) -> None:
     parser.add_argument("--microbatches", type=int, default=1)
     parser.add_argument("--segments", type=int, default=1)
     args = parser.parse_args(argv)
-    cost = step_cost(open(args.hlo).read(), args.microbatches, args.segments)
+    try:
+        cost = step_cost(open(args.hlo).read(), args.microbatches, args.segments)
+    except (OSError, AttributeError, KeyError) as e:  # no file, or not HLO module text
+        name = type(e).__name__
+        sys.exit(f"step_cost: cannot read {args.hlo} as optimized HLO module text ({name})")
     json.dump(summary(cost), sys.stdout, indent=1)
     print()
 
