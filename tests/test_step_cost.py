@@ -45,7 +45,13 @@ def matmul_flops(cfg, segments: int) -> float:
 
 @pytest.mark.parametrize(
     "schedule,segments,microbatches",
-    [("none", 1, 1), ("1f1b", 1, 2), ("1f1b", 1, 4), ("seq1f1b", 2, 2), ("seq1f1b", 4, 2)],
+    [
+        ("none", 1, 1),
+        pytest.param("1f1b", 1, 2, marks=pytest.mark.slow),
+        ("1f1b", 1, 4),
+        ("seq1f1b", 2, 2),
+        pytest.param("seq1f1b", 4, 2, marks=pytest.mark.slow),
+    ],
 )
 def test_a_steps_matmul_flops_are_the_models(schedule, segments, microbatches):
     """Loops count their trips and the tick loop's conditionals their units: the reference
