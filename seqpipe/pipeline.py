@@ -362,7 +362,7 @@ def backward(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps) -> tuple
     # gpt_1b seq1f1b K=4 on an H200, `seqpipe.tools.step_cost`).
     dkv = (carry.dkv_k, carry.dkv_v) if spec.kv_len else ()
     branches = [functools.partial(run, k) for k in range(spec.segments)]
-    buffers = jax.lax.cond(
+    dx, grads, weight, *dkv = jax.lax.cond(
         op.on("bwd_mb"),
         lambda *b: _switch(op["bwd_seg"], branches, *b),
         lambda *b: b,
@@ -371,7 +371,6 @@ def backward(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps) -> tuple
         carry.weight,
         *dkv,
     )
-    dx, grads, weight, *dkv = buffers
     carry = carry.replace(grads=grads, weight=weight)
     if dkv:
         carry = carry.replace(dkv_k=dkv[0], dkv_v=dkv[1])

@@ -303,14 +303,9 @@ def tick_conditionals(segments: int) -> int:
     mesh = sharding.make_mesh(1, 1)
     step = jax.jit(lambda p, t: pipeline.loss_and_grads(p, t, spec, mesh))
     module = step_cost.Module(step.lower(params, tokens).compile().as_text())
-
-    def top_level(comp):  # instructions of comp and of the computations it calls
-        for i in module.comps[comp]:
-            yield from top_level(step_cost.callee(i, "to_apply")) if i.op == "call" else [i]
-
-    (tick_loop,) = [i for i in top_level(module.entry) if i.op == "while"]
+    (tick_loop,) = [i for i in module.top_level(module.entry) if i.op == "while"]
     tick_body = step_cost.callee(tick_loop, "body")
-    return sum(i.op == "conditional" for i in top_level(tick_body))
+    return sum(i.op == "conditional" for i in module.top_level(tick_body))
 
 
 def test_a_tick_runs_as_many_conditionals_whatever_the_segments():

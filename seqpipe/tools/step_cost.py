@@ -224,15 +224,15 @@ class Module:
                 continue  # updated in place: the update counts, on the result's side
             else:
                 total += size_of(types.get(operand, ""))
+        by_name = {i.name: i for i in body}
         root = next((i for i in body if i.line.lstrip().startswith("ROOT")), None)
         outputs = [root] if root and root.op != "tuple" else []
         if root and root.op == "tuple":
-            by_name = {i.name: i for i in body}
             outputs = [by_name[n] for n in root.operands if n in by_name]
         for out in outputs:
             if out.op == "dynamic-update-slice":
-                update = {i.name: i.type for i in body}.get(out.operands[1], "")
-                total += 2 * size_of(update)  # read-modify-write of the updated rows
+                update = by_name.get(out.operands[1])
+                total += 2 * size_of(update.type if update else "")  # read-modify-write
             else:
                 total += size_of(out.type)
         return total if outputs else total + size_of(instr.type)
@@ -278,17 +278,22 @@ class Module:
                 total.kernel(kind_of(i), nbytes, dot_flops(i, types))
         return total
 
+    def top_level(self, comp: str):
+        """The instructions of `comp` and of the computations it calls, not those inside
+        its loops or conditionals."""
+        for i in self.comps[comp]:
+            yield from self.top_level(callee(i, "to_apply")) if i.op == "call" else [i]
+
     def has_switch(self, comp: str, width: int) -> bool:
         """Whether `comp` (or a call from it) holds the executor's `width`-way switch over
         segments: a conditional of that width traced outside any unit (a unit's own are
         traced under `jvp`, by JAX's names)."""
-        for i in self.comps[comp]:
-            if i.op == "conditional" and len(branches(i.line)) == width:
-                if "jvp(" not in (re.search(r'op_name="([^"]*)"', i.line) or [""])[0]:
-                    return True
-            if i.op == "call" and self.has_switch(callee(i, "to_apply"), width):
-                return True
-        return False
+        return any(
+            i.op == "conditional"
+            and len(branches(i.line)) == width
+            and "jvp(" not in (re.search(r'op_name="([^"]*)"', i.line) or [""])[0]
+            for i in self.top_level(comp)
+        )
 
     def branch_weights(self, names, each, units, trips) -> list[float]:
         """How often each branch runs per execution of the conditional."""
