@@ -144,3 +144,8 @@ def masked_write(buf: jax.Array, start: tuple, new: jax.Array, active) -> jax.Ar
 def write_slot(buf: jax.Array, slot, value: jax.Array, active) -> jax.Array:
     """buf[slot] = value where active."""
     return masked_write(buf, (slot,) + (0,) * value.ndim, value[None], active)
+
+
+def put_slot(buf: jax.Array, slot, value: jax.Array) -> jax.Array:
+    """buf[slot] = value, in place."""
+    return jax.lax.dynamic_update_slice(buf, value[None], (slot,) + (0,) * value.ndim)

@@ -11,10 +11,10 @@ One SPMD program: a `lax.scan` over ticks. In each tick every stage runs
   weight     a split table's W: the weight matmuls' gradients from what its B left;
   transfer   two `ppermute`s: activations to the next stage, cotangents to the previous.
 
-Each phase is a function of (context, stage inputs, carry, this tick's ops). Idle phases
-are skipped with `lax.cond`, so bubbles compute nothing; the conditionals return only
-their unit's results and the big buffers are written once per tick outside them (written
-inside the branches, XLA copied whole buffers in every branch, every tick). Gradients
+Each phase is a function of (context, stage inputs, carry, this tick's ops). A unit runs
+in a loop of at most one trip per segment (`run_if`), so bubbles compute nothing and
+what a unit updates (stash slot, K/V cache, gradients, K/V cotangents) is updated where
+it lies: `lax.cond` would copy every buffer it carries, each tick, on a GPU. Gradients
 are averaged over `data` once, after the loop (`reduce`).
 """
 
@@ -25,11 +25,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.experimental.layout import Layout, with_layout_constraint
 from jax.sharding import PartitionSpec as P
 
 from seqpipe import carry as carry_lib
 from seqpipe import kv_cache, sharding, units
-from seqpipe.carry import Carry, write_slot
+from seqpipe.carry import Carry, put_slot, write_slot
 from seqpipe.model import Params
 from seqpipe.sharding import DATA, STAGE, TENSOR
 from seqpipe.spec import PipelineSpec, make_spec  # noqa: F401 (make_spec: the entry point)
@@ -142,28 +143,9 @@ def _prefix_args(ctx: Context, words_k, words_v, slot, seg: int):
     return k[:, :, :off], v[:, :, :off], None
 
 
-def _pad_kv(x, length: int):
-    return jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[2]), (0, 0), (0, 0)))
-
-
 def _accumulate(acc, d):
     """acc + d, leaf by leaf, in the accumulator's dtype."""
     return jax.tree.map(lambda a, x: a + x.astype(a.dtype), acc, d)
-
-
-def _group_forward(ctx: Context, group: int, run, on, seg):
-    """`run(k)` for the tick's segment k among the group's members where `on`, else zeros."""
-    members, idle = ctx.groups[group], ctx.saved_avals(group)
-    return jax.lax.cond(
-        on,
-        lambda: _switch(seg - members[0], [functools.partial(run, k) for k in members]),
-        lambda: (
-            ctx.zeros("message"),
-            ctx.zeros("kv_segment"),
-            ctx.zeros("kv_segment"),
-            tuple(jnp.zeros(a.shape, a.dtype) for a in idle),
-        ),
-    )
 
 
 def _switch(index, branches, *operands):
@@ -171,6 +153,32 @@ def _switch(index, branches, *operands):
     if len(branches) == 1:
         return branches[0](*operands)
     return jax.lax.switch(index, branches, *operands)
+
+
+def run_if(on, fn, *state) -> tuple:
+    """`fn(*state)` where `on`, else `state`, in place: a loop that runs once or not at all.
+
+    Not `lax.cond`: a conditional's results never share its operands' buffers on a GPU,
+    so each buffer it passes through (gradients, K/V cotangents) is copied whole every
+    tick, run or idle. A loop updates what it carries where it lies. Its buffers are
+    held row-major: each loop would otherwise choose the layout its own unit prefers,
+    and XLA would transpose whole buffers between loops; so what `fn` reads (stash, K/V
+    cache) goes through the loop too, returned unchanged. (gpt_1b seq1f1b M=8 K=4 on an
+    H200: 7.22 TB moved a step with one conditional a tick, 6.22 this way,
+    `seqpipe.tools.step_cost`.)"""
+
+    def row_major(tree):
+        return jax.tree.map(
+            lambda x: with_layout_constraint(x, Layout(tuple(range(x.ndim)))) if x.ndim > 1 else x,
+            tree,
+        )
+
+    _, state = jax.lax.while_loop(
+        lambda c: c[0] < on.astype(jnp.int32),
+        lambda c: (c[0] + 1, row_major(tuple(fn(*row_major(c[1]))))),
+        (jnp.int32(0), tuple(state)),
+    )
+    return state
 
 
 # --------------------------------------------------------------------------- the tick
@@ -181,14 +189,14 @@ def forward(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps) -> tuple[
     stored in its stash slot, its K/V cached for later segments of the micro-batch."""
     spec = ctx.spec
     x_in = carry.recv_fwd[op["fwd_in"]]
-    mb, chunk, seg = op["fwd_mb"], op["fwd_chunk"], op.raw["fwd_seg"]
+    mb, chunk, kv_slot = op["fwd_mb"], op["fwd_chunk"], op["fwd_kv"]
     params = (inp.chunk(chunk), inp.shared)
     first, depth = inp.first(chunk, spec.stages), inp.depth(spec, chunk)
     slot = op[units.strategy(spec).slot_fields[0]]
 
-    def run(k):
+    def run(k, _y, stash, kv_k, kv_v):  # _y: the idle unit's zeros, replaced
         tokens, _ = inp.tokens(spec, mb, k)
-        k_prefix, v_prefix, cache = _prefix_args(ctx, carry.kv_k, carry.kv_v, op["fwd_kv"], k)
+        k_prefix, v_prefix, cache = _prefix_args(ctx, kv_k, kv_v, kv_slot, k)
         args = (x_in, k_prefix, v_prefix)
         unit = ctx.units[k]
         if spec.forward_only:  # nothing to keep for a backward
@@ -197,33 +205,26 @@ def forward(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps) -> tuple[
             (y, k_seg, v_seg), saved = unit.forward(
                 params, *args, tokens, first, depth, cache=cache
             )
-        return y, _pad_kv(k_seg, spec.seg_max), _pad_kv(v_seg, spec.seg_max), saved
-
-    outs, stashes = [], []
-    for g, members in enumerate(ctx.groups):  # a conditional per saved shape; one runs
-        on = op.on("fwd_mb") & (seg >= members[0]) & (seg <= members[-1])
-        y, k_seg, v_seg, saved = _group_forward(ctx, g, run, on, seg)
-        outs.append((y, k_seg, v_seg))
-        if saved:  # an evaluation keeps nothing
-            stash = carry.saved[g]
-            stashes.append(
-                tuple(
-                    write_slot(b, slot, kv_cache.to_words(x), on)
-                    for b, x in zip(stash, saved, strict=True)
-                )
-            )
-    y, k_seg, v_seg = jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *outs)
-    carry = carry.replace(saved=tuple(stashes))
-    if spec.segments > 1:  # only segments before the last are ever read back as a prefix
-        offsets = jnp.asarray(spec.offsets, jnp.int32)
-        at = (op["fwd_kv"], 0, 0, offsets[op["fwd_seg"]], 0, 0)
-        keep = op.on("fwd_mb") & (seg < spec.segments - 1)
-        words = kv_cache.to_words
-        carry = carry.replace(
-            kv_k=carry_lib.masked_write(carry.kv_k, at, words(k_seg)[None], keep),
-            kv_v=carry_lib.masked_write(carry.kv_v, at, words(v_seg)[None], keep),
+        stash = tuple(
+            put_slot(b, slot, kv_cache.to_words(x)) for b, x in zip(stash, saved, strict=True)
         )
-    return carry, y
+        if k < spec.segments - 1:  # only segments before the last are read back as a prefix
+            at = (kv_slot, 0, 0, spec.offsets[k], 0, 0)
+            kv_k, kv_v = (
+                jax.lax.dynamic_update_slice(w, kv_cache.to_words(x)[None], at)
+                for w, x in ((kv_k, k_seg), (kv_v, v_seg))
+            )
+        return y, stash, kv_k, kv_v
+
+    y, stashes, kv_k, kv_v = ctx.zeros("message"), list(carry.saved), carry.kv_k, carry.kv_v
+    for k, unit in enumerate(ctx.units):
+        g = unit.group if stashes else None  # an evaluation keeps nothing
+        on = op.on("fwd_mb") & (op.raw["fwd_seg"] == k)
+        stash = stashes[g] if stashes else ()
+        y, stash, kv_k, kv_v = run_if(on, functools.partial(run, k), y, stash, kv_k, kv_v)
+        if stashes:
+            stashes[g] = stash
+    return carry.replace(saved=tuple(stashes), kv_k=kv_k, kv_v=kv_v), y
 
 
 def head(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps, y: jax.Array) -> Carry:
@@ -236,24 +237,23 @@ def head(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps, y: jax.Array
         return carry.replace(loss=carry.loss + _eval_loss(ctx, inp, op, y, on))
     on = op.on("fwd_mb") & op.on("fwd_head")
 
-    def run(k, acc):
+    def run(k, loss, acc, dy_buf):
         _, targets = inp.tokens(spec, mb, k)
-        loss, d_shared, dy = ctx.units[k].head(inp.shared, y, targets, ctx.scale)
-        return loss, _accumulate(acc, d_shared), dy
+        loss_k, d_shared, dy = ctx.units[k].head(inp.shared, y, targets, ctx.scale)
+        dy_buf = put_slot(dy_buf, op["fwd_head"], dy[:, : dy_buf.shape[2]])
+        return loss + loss_k, _accumulate(acc, d_shared), dy_buf
 
-    branches = [functools.partial(run, k) for k in range(spec.segments)]
-    loss, grads_shared, dy = jax.lax.cond(
-        on,
-        lambda acc: _switch(op["fwd_seg"], branches, acc),
-        lambda acc: (jnp.zeros((), jnp.float32), acc, ctx.zeros("message")),
-        carry.grads["shared"],
-    )
-    head_dy = tuple(
-        write_slot(buf, op["fwd_head"], dy[:, : buf.shape[2]], on & (op.raw["fwd_seg"] == k))
-        for k, buf in enumerate(carry.head_dy)
-    )
+    loss, grads_shared, head_dy = carry.loss, carry.grads["shared"], list(carry.head_dy)
+    for k in range(spec.segments):
+        loss, grads_shared, head_dy[k] = run_if(
+            on & (op.raw["fwd_seg"] == k),
+            functools.partial(run, k),
+            loss,
+            grads_shared,
+            head_dy[k],
+        )
     return carry.replace(
-        loss=carry.loss + loss, grads={**carry.grads, "shared": grads_shared}, head_dy=head_dy
+        loss=loss, grads={**carry.grads, "shared": grads_shared}, head_dy=tuple(head_dy)
     )
 
 
@@ -330,17 +330,18 @@ def backward(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps) -> tuple
     strategy = units.strategy(spec)
     slot = op[strategy.slot_fields[1]]
 
-    def read(group):
+    def read(stash, group):
         return [
             kv_cache.from_words(jax.lax.dynamic_index_in_dim(b, slot, keepdims=False), a.dtype)
-            for b, a in zip(carry.saved[group], ctx.saved_avals(group), strict=True)
+            for b, a in zip(stash[group], ctx.saved_avals(group), strict=True)
         ]
 
-    shared_stash = read(0) if strategy.read_before_branching else None
+    shared_stash = read(carry.saved, 0) if strategy.read_before_branching else None
 
-    def run(k, _dx, grads, weight, *dkv):  # _dx: the idle unit's zeros, replaced
-        saved = shared_stash if shared_stash is not None else read(ctx.units[k].group)
-        caches = (carry.kv_k, carry.kv_v, *(dkv or (None, None)))
+    def run(k, _dx, grads, weight, reads, *dkv):  # _dx: the idle unit's zeros, replaced
+        stash, kv_k, kv_v = reads
+        saved = shared_stash if shared_stash is not None else read(stash, ctx.units[k].group)
+        caches = (kv_k, kv_v, *(dkv or (None, None)))
         dx, d_chunk, d_shared, into, pack = _backward_unit(ctx, inp, op, k, saved, dy, caches)
         grads = {
             "layers": _add_chunk(grads["layers"], chunk, d_chunk),
@@ -348,29 +349,21 @@ def backward(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps) -> tuple
         }
         if pack:  # a split B: its W reads these from its slot
             slot = op["bwd_wgt"]
-            buf = jax.tree.map(lambda b, x: write_slot(b, slot, x, True), weight[k], pack[0])
+            buf = jax.tree.map(lambda b, x: put_slot(b, slot, x), weight[k], pack[0])
             weight = (*weight[:k], buf, *weight[k + 1 :])
-        return dx, grads, weight, *(() if into is None else (into.words_k, into.words_v))
+        return dx, grads, weight, reads, *(() if into is None else (into.words_k, into.words_v))
 
-    # Gradients accumulate inside the branch: returned apart, a parameter-sized
-    # cotangent tree would be one more temporary. A split B writes its W's slot there
-    # too, since each segment's has its own shape; and the prefix's K/V cotangents go
-    # into their cache there, as long as the context (`kv_cache.Cotangents`). One
-    # conditional a tick: on a GPU a branch that passes a buffer through copies it whole
-    # (a conditional's result never shares its operand's memory), so one conditional
-    # per segment copied every gradient K-1 times a tick (1.0 of 8.2 TB a step for
-    # gpt_1b seq1f1b K=4 on an H200, `seqpipe.tools.step_cost`).
+    # Everything a unit updates (gradients, K/V cotangents, a split B's W slot) is
+    # updated inside its loop, in place, and one loop a segment: a switch between them
+    # would pass each buffer through the segments that did not run, copying it.
     dkv = (carry.dkv_k, carry.dkv_v) if spec.kv_len else ()
-    branches = [functools.partial(run, k) for k in range(spec.segments)]
-    dx, grads, weight, *dkv = jax.lax.cond(
-        op.on("bwd_mb"),
-        lambda *b: _switch(op["bwd_seg"], branches, *b),
-        lambda *b: b,
-        ctx.zeros("message"),
-        carry.grads,
-        carry.weight,
-        *dkv,
-    )
+    # What it reads goes through the loop too (`run_if`).
+    reads = (() if shared_stash is not None else carry.saved, carry.kv_k, carry.kv_v)
+    state = (ctx.zeros("message"), carry.grads, carry.weight, reads, *dkv)
+    for k in range(spec.segments):
+        on = op.on("bwd_mb") & (op.raw["bwd_seg"] == k)
+        state = run_if(on, functools.partial(run, k), *state)
+    dx, grads, weight, _, *dkv = state
     carry = carry.replace(grads=grads, weight=weight)
     if dkv:
         carry = carry.replace(dkv_k=dkv[0], dkv_v=dkv[1])
@@ -391,19 +384,14 @@ def weight(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps) -> Carry:
     in its slot, added to `Carry.grads`."""
     chunk, slot = op["wgt_chunk"], op["wgt_in"]
 
-    def run(k, layers):
-        pack = jax.tree.map(
-            lambda b: jax.lax.dynamic_index_in_dim(b, slot, keepdims=False), carry.weight[k]
-        )
-        return _add_chunk(layers, chunk, ctx.units[k].weight(pack))
+    def run(k, layers, buf):  # buf: its B's slots, read, through the loop (`run_if`)
+        pack = jax.tree.map(lambda b: jax.lax.dynamic_index_in_dim(b, slot, keepdims=False), buf)
+        return _add_chunk(layers, chunk, ctx.units[k].weight(pack)), buf
 
-    branches = [functools.partial(run, k) for k in range(ctx.spec.segments)]
-    layers = jax.lax.cond(
-        op.on("wgt_mb"),
-        lambda layers: _switch(op["wgt_seg"], branches, layers),
-        lambda layers: layers,
-        carry.grads["layers"],
-    )
+    layers = carry.grads["layers"]
+    for k in range(ctx.spec.segments):
+        on = op.on("wgt_mb") & (op.raw["wgt_seg"] == k)
+        layers, _ = run_if(on, functools.partial(run, k), layers, carry.weight[k])
     return carry.replace(grads={**carry.grads, "layers": layers})
 
 

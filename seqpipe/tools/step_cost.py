@@ -11,9 +11,11 @@ free (parameter, tuple, get-tuple-element, bitcast, constant) is one kernel: on 
 fusion, library call or copy is one. A while loop counts its body times its known trip
 count. Which branch of a conditional runs depends on the tick, so the pipeline's are
 counted from what the schedule runs on one stage: every segment's forward and backward
-unit M times a step. A two-way conditional in the tick loop is a unit's "runs or idles":
-it runs M x (its segment switch's width, else 1) times of the loop's T trips; any other
-conditional counts the mean of its branches. (Checked on matmul FLOPs, which must equal
+unit M times a step. A loop of unknown trip count in the tick loop is one segment's unit
+(`pipeline.run_if`): it runs M times of the loop's T trips. A two-way conditional there
+(the executor before run_if) is a unit's "runs or idles": it runs M x (its segment
+switch's width, else 1) times of the T trips; any other conditional counts the mean of
+its branches. (Checked on matmul FLOPs, which must equal
 the model's: tests/test_step_cost.py.)
 
 Bytes: a fusion's operands and results, except that an operand only sliced inside the
@@ -255,7 +257,13 @@ class Module:
             if i.op in FREE:
                 continue
             if i.op == "while":
-                n = int(m.group(1)) if (m := _TRIPS.search(i.line)) else 1
+                if m := _TRIPS.search(i.line):
+                    n = int(m.group(1))
+                elif units and tick_trips:  # a unit's loop (`pipeline.run_if`)
+                    n = units.microbatches / tick_trips
+                    total.round_trips += 1 + n  # its predicate, read before each trip
+                else:
+                    n = 1
                 body = callee(i, "body")
                 # The tick loop: outside any other, at least a trip per unit.
                 outer = tick_trips is None and units and n >= units.microbatches * units.segments
