@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 from jax.experimental.layout import Layout, with_layout_constraint
+from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 from jax.sharding import PartitionSpec as P
 
 from seqpipe import carry as carry_lib
@@ -160,25 +161,34 @@ def run_if(on, fn, *state) -> tuple:
 
     Not `lax.cond`: a conditional's results never share its operands' buffers on a GPU,
     so each buffer it passes through (gradients, K/V cotangents) is copied whole every
-    tick, run or idle. A loop updates what it carries where it lies. Its buffers are
-    held row-major: each loop would otherwise choose the layout its own unit prefers,
-    and XLA would transpose whole buffers between loops; so what `fn` reads (stash, K/V
-    cache) goes through the loop too, returned unchanged. (gpt_1b seq1f1b M=8 K=4 on an
-    H200: 7.22 TB moved a step with one conditional a tick, 6.22 this way,
-    `seqpipe.tools.step_cost`.)"""
+    tick, run or idle; a loop updates what it carries where it lies. What `fn` reads
+    goes through the loop with its state and the trip counter, behind a barrier: else
+    XLA hoists a unit that reads no state (a first segment's forward) out of its loop,
+    to run every tick. And the loop's buffers are held row-major: each loop would
+    otherwise choose the layouts its own unit prefers, and XLA transpose whole buffers
+    between loops. (gpt_1b seq1f1b M=8 K=4 on an H200: 7.22 TB moved a step with one
+    conditional a tick, 6.22 this way, `seqpipe.tools.step_cost`.)"""
+    leaves, tree = jax.tree.flatten(state)
+    traced = jax.make_jaxpr(lambda *xs: jax.tree.leaves(fn(*jax.tree.unflatten(tree, xs))))
+    closed = traced(*leaves)  # its consts: everything fn reads besides its state
 
-    def row_major(tree):
-        return jax.tree.map(
-            lambda x: with_layout_constraint(x, Layout(tuple(range(x.ndim)))) if x.ndim > 1 else x,
-            tree,
-        )
+    def body(c):
+        trip, leaves, reads = jax.lax.optimization_barrier(c)
+        run = jaxpr_as_fun(ClosedJaxpr(closed.jaxpr, _row_major(reads)))
+        return trip + 1, _row_major(run(*_row_major(leaves))), reads
 
-    _, state = jax.lax.while_loop(
-        lambda c: c[0] < on.astype(jnp.int32),
-        lambda c: (c[0] + 1, row_major(tuple(fn(*row_major(c[1]))))),
-        (jnp.int32(0), tuple(state)),
+    _, leaves, _ = jax.lax.while_loop(
+        lambda c: c[0] < on.astype(jnp.int32), body, (jnp.int32(0), leaves, closed.consts)
     )
-    return state
+    return jax.tree.unflatten(tree, leaves)
+
+
+def _row_major(tree):
+    """Each array of two or more dimensions laid out row-major (XLA's default)."""
+    return jax.tree.map(
+        lambda x: with_layout_constraint(x, Layout(tuple(range(x.ndim)))) if x.ndim > 1 else x,
+        tree,
+    )
 
 
 # --------------------------------------------------------------------------- the tick
@@ -194,8 +204,9 @@ def forward(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps) -> tuple[
     first, depth = inp.first(chunk, spec.stages), inp.depth(spec, chunk)
     slot = op[units.strategy(spec).slot_fields[0]]
 
-    def run(k, _y, stash, kv_k, kv_v):  # _y: the idle unit's zeros, replaced
+    def run(k, _y, stash, *kv):  # _y: the idle unit's zeros, replaced
         tokens, _ = inp.tokens(spec, mb, k)
+        kv_k, kv_v = kv or (carry.kv_k, carry.kv_v)
         k_prefix, v_prefix, cache = _prefix_args(ctx, kv_k, kv_v, kv_slot, k)
         args = (x_in, k_prefix, v_prefix)
         unit = ctx.units[k]
@@ -210,21 +221,23 @@ def forward(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps) -> tuple[
         )
         if k < spec.segments - 1:  # only segments before the last are read back as a prefix
             at = (kv_slot, 0, 0, spec.offsets[k], 0, 0)
-            kv_k, kv_v = (
+            kv = tuple(
                 jax.lax.dynamic_update_slice(w, kv_cache.to_words(x)[None], at)
-                for w, x in ((kv_k, k_seg), (kv_v, v_seg))
+                for w, x in zip(kv, (k_seg, v_seg), strict=True)
             )
-        return y, stash, kv_k, kv_v
+        return y, stash, *kv
 
-    y, stashes, kv_k, kv_v = ctx.zeros("message"), list(carry.saved), carry.kv_k, carry.kv_v
+    # With one segment the K/V cache holds no positions: nothing to write.
+    y, stashes = ctx.zeros("message"), list(carry.saved)
+    kv = (carry.kv_k, carry.kv_v) if spec.kv_len else ()
     for k, unit in enumerate(ctx.units):
         g = unit.group if stashes else None  # an evaluation keeps nothing
         on = op.on("fwd_mb") & (op.raw["fwd_seg"] == k)
-        stash = stashes[g] if stashes else ()
-        y, stash, kv_k, kv_v = run_if(on, functools.partial(run, k), y, stash, kv_k, kv_v)
+        y, stash, *kv = run_if(on, functools.partial(run, k), y, stashes[g] if stashes else (), *kv)
         if stashes:
             stashes[g] = stash
-    return carry.replace(saved=tuple(stashes), kv_k=kv_k, kv_v=kv_v), y
+    carry = carry.replace(saved=tuple(stashes))
+    return (carry.replace(kv_k=kv[0], kv_v=kv[1]) if kv else carry), y
 
 
 def head(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps, y: jax.Array) -> Carry:
@@ -330,18 +343,17 @@ def backward(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps) -> tuple
     strategy = units.strategy(spec)
     slot = op[strategy.slot_fields[1]]
 
-    def read(stash, group):
+    def read(group):
         return [
             kv_cache.from_words(jax.lax.dynamic_index_in_dim(b, slot, keepdims=False), a.dtype)
-            for b, a in zip(stash[group], ctx.saved_avals(group), strict=True)
+            for b, a in zip(carry.saved[group], ctx.saved_avals(group), strict=True)
         ]
 
-    shared_stash = read(carry.saved, 0) if strategy.read_before_branching else None
+    shared_stash = read(0) if strategy.read_before_branching else None
 
-    def run(k, _dx, grads, weight, reads, *dkv):  # _dx: the idle unit's zeros, replaced
-        stash, kv_k, kv_v = reads
-        saved = shared_stash if shared_stash is not None else read(stash, ctx.units[k].group)
-        caches = (kv_k, kv_v, *(dkv or (None, None)))
+    def run(k, _dx, grads, weight, *dkv):  # _dx: the idle unit's zeros, replaced
+        saved = shared_stash if shared_stash is not None else read(ctx.units[k].group)
+        caches = (carry.kv_k, carry.kv_v, *(dkv or (None, None)))
         dx, d_chunk, d_shared, into, pack = _backward_unit(ctx, inp, op, k, saved, dy, caches)
         grads = {
             "layers": _add_chunk(grads["layers"], chunk, d_chunk),
@@ -351,19 +363,17 @@ def backward(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps) -> tuple
             slot = op["bwd_wgt"]
             buf = jax.tree.map(lambda b, x: put_slot(b, slot, x), weight[k], pack[0])
             weight = (*weight[:k], buf, *weight[k + 1 :])
-        return dx, grads, weight, reads, *(() if into is None else (into.words_k, into.words_v))
+        return dx, grads, weight, *(() if into is None else (into.words_k, into.words_v))
 
     # Everything a unit updates (gradients, K/V cotangents, a split B's W slot) is
     # updated inside its loop, in place, and one loop a segment: a switch between them
     # would pass each buffer through the segments that did not run, copying it.
     dkv = (carry.dkv_k, carry.dkv_v) if spec.kv_len else ()
-    # What it reads goes through the loop too (`run_if`).
-    reads = (() if shared_stash is not None else carry.saved, carry.kv_k, carry.kv_v)
-    state = (ctx.zeros("message"), carry.grads, carry.weight, reads, *dkv)
+    state = (ctx.zeros("message"), carry.grads, carry.weight, *dkv)
     for k in range(spec.segments):
         on = op.on("bwd_mb") & (op.raw["bwd_seg"] == k)
         state = run_if(on, functools.partial(run, k), *state)
-    dx, grads, weight, _, *dkv = state
+    dx, grads, weight, *dkv = state
     carry = carry.replace(grads=grads, weight=weight)
     if dkv:
         carry = carry.replace(dkv_k=dkv[0], dkv_v=dkv[1])
@@ -384,14 +394,16 @@ def weight(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps) -> Carry:
     in its slot, added to `Carry.grads`."""
     chunk, slot = op["wgt_chunk"], op["wgt_in"]
 
-    def run(k, layers, buf):  # buf: its B's slots, read, through the loop (`run_if`)
-        pack = jax.tree.map(lambda b: jax.lax.dynamic_index_in_dim(b, slot, keepdims=False), buf)
-        return _add_chunk(layers, chunk, ctx.units[k].weight(pack)), buf
+    def run(k, layers):
+        pack = jax.tree.map(
+            lambda b: jax.lax.dynamic_index_in_dim(b, slot, keepdims=False), carry.weight[k]
+        )
+        return (_add_chunk(layers, chunk, ctx.units[k].weight(pack)),)
 
     layers = carry.grads["layers"]
     for k in range(ctx.spec.segments):
         on = op.on("wgt_mb") & (op.raw["wgt_seg"] == k)
-        layers, _ = run_if(on, functools.partial(run, k), layers, carry.weight[k])
+        (layers,) = run_if(on, functools.partial(run, k), layers)
     return carry.replace(grads={**carry.grads, "layers": layers})
 
 

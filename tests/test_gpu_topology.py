@@ -3,8 +3,10 @@ compile-only devices, and train.py --compile_only --topology h200-N end to end (
 Pallas GPU attention kernels lowered through Triton to PTX included)."""
 
 import json
+import math
 import os
 import platform
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from seqpipe import gpu_topology, topology
+from seqpipe.tools import step_cost
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -133,6 +136,42 @@ def test_the_pallas_gpu_kernels_compile_to_ptx_for_an_h100(tmp_path):
     }
     kernels = {e.split("__")[0] for e in entries}
     assert kernels == {"segment_attention_forward", "segment_attention_dkv", "segment_attention_dq"}
+
+
+@needs_plugin
+@pytest.mark.parametrize("schedule", ["seq1f1b", "seq_zb_h1"])
+def test_a_gpu_tick_copies_and_transposes_no_buffer_it_carries(tmp_path, schedule):
+    """On a GPU a conditional's results never share its operands' memory, and loops that
+    choose their own layouts for one buffer need transposes between them: either way
+    whole carried buffers (gradients, stash, K/V caches) would be moved every tick. The
+    tick's top level, compiled for an H200, copies or transposes none of them."""
+    overrides = {
+        "mesh.data": "1",
+        "mesh.stage": "1",
+        "pipeline.remat": "none",  # the stash holds every residual, in several layouts
+        "pipeline.schedule": schedule,
+        "pipeline.microbatches": "2",
+        "pipeline.segments": "4",
+    }
+    dump = tmp_path / "dump"
+    proc = _compile_only(tmp_path, overrides, "h200", {"XLA_FLAGS": f"--xla_dump_to={dump}"})
+    assert proc.returncode == 0, proc.stderr
+    (path,) = dump.glob("*jit_train_step*gpu_after_optimizations.txt")
+    module = step_cost.Module(path.read_text())
+    (tick_loop,) = [i for i in module.top_level(module.entry) if i.op == "while"]
+    carried = {
+        math.prod(step_cost.dims_of(t))
+        for t in re.findall(r"\w+\[[\d,]+\]", tick_loop.type)
+        if len(step_cost.dims_of(t)) >= 3  # buffers, not messages' rows or counters
+    }
+    assert carried
+    moved = [
+        i.name
+        for i in module.top_level(step_cost.callee(tick_loop, "body"))
+        if (i.op == "copy" or "transpose" in i.name)
+        and math.prod(step_cost.dims_of(i.type)) in carried
+    ]
+    assert moved == []
 
 
 @needs_plugin

@@ -17,7 +17,6 @@ from seqpipe import carry, hlo, layout, model, pipeline, reference, remat, shard
 from seqpipe import config as config_lib
 from seqpipe import schedule as schedule_lib
 from seqpipe import spec as spec_lib
-from seqpipe.tools import step_cost
 from seqpipe.tools.verify import (
     GRAD_RTOL,
     LOSS_RTOL,
@@ -292,27 +291,6 @@ def test_step_hlo_has_transfers_in_loop_and_no_data_all_reduce():
     assert "collective-permute" in loop_text
     assert "all-reduce" not in loop_text
     assert "all-reduce" in outside  # the one pmean over data, after the loop
-
-
-def tick_conditionals(segments: int) -> int:
-    """Conditionals a tick runs at its top level (not inside a unit) in a compiled step."""
-    config = make_config("seq1f1b", (1, 1), segments, "uniform", "equal", 1)
-    spec = pipeline.make_spec(config)
-    params = jax.eval_shape(lambda: model.init_params(spec.cfg, jax.random.key(0)))
-    tokens = jax.ShapeDtypeStruct((config.train.global_batch_size, SEQ_LEN + 1), np.int32)
-    mesh = sharding.make_mesh(1, 1)
-    step = jax.jit(lambda p, t: pipeline.loss_and_grads(p, t, spec, mesh))
-    module = step_cost.Module(step.lower(params, tokens).compile().as_text())
-    (tick_loop,) = [i for i in module.top_level(module.entry) if i.op == "while"]
-    tick_body = step_cost.callee(tick_loop, "body")
-    return sum(i.op == "conditional" for i in module.top_level(tick_body))
-
-
-def test_a_tick_runs_as_many_conditionals_whatever_the_segments():
-    """The backward unit is one conditional a tick over a switch of segments: on a GPU each
-    conditional that idles copies every buffer it carries (the gradients among them), so
-    one per segment would copy them K-1 times a tick."""
-    assert tick_conditionals(4) == tick_conditionals(2)
 
 
 # One case per schedule, several meshes and segment counts, unequal segments among them.
