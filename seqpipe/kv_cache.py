@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.experimental.layout import Layout, with_layout_constraint
 
 
 def storage_dtype(dtype) -> np.dtype:
@@ -31,6 +32,17 @@ def to_words(x: jax.Array) -> jax.Array:
 
 def from_words(w: jax.Array, dtype) -> jax.Array:
     return w if w.dtype == np.dtype(dtype) else jax.lax.bitcast_convert_type(w, dtype)
+
+
+def row_major(tree):
+    """Each array of two or more dimensions laid out row-major (XLA's default). The
+    executor's buffers are held so wherever a loop carries or reads them: a loop left to
+    itself lays a buffer out as its own use prefers, and XLA transposes the whole buffer
+    between loops that differ (a unit's loop and its layer scan, two units' loops)."""
+    return jax.tree.map(
+        lambda x: with_layout_constraint(x, Layout(tuple(range(x.ndim)))) if x.ndim > 1 else x,
+        tree,
+    )
 
 
 @struct.dataclass
@@ -49,7 +61,7 @@ class Prefix:
 
     def block(self, which: int, start, size: int, dtype) -> jax.Array:
         """Positions [start, start + size) of K (which 0) or V (1): [b, size, H, E]."""
-        words = (self.words_k, self.words_v)[which]
+        words = row_major((self.words_k, self.words_v)[which])
         _, _, b, _, h, e = words.shape
         at = (self.slot, self.layer, 0, start, 0, 0)
         window = jax.lax.dynamic_slice(words, at, (1, 1, b, size, h, e))
@@ -90,6 +102,7 @@ class Cotangents:
 
     def _add(self, lead: tuple, dk, dv) -> "Cotangents":
         def update(words, d):
+            words = row_major(words)
             shape = words.shape[len(words.shape) - d.ndim :]
             at = lead + (0,) * d.ndim
             d = jnp.pad(d[..., : self.prefix_len, :, :], _pad_positions(shape, self.prefix_len))

@@ -25,7 +25,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
-from jax.experimental.layout import Layout, with_layout_constraint
 from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 from jax.sharding import PartitionSpec as P
 
@@ -174,21 +173,13 @@ def run_if(on, fn, *state) -> tuple:
 
     def body(c):
         trip, leaves, reads = jax.lax.optimization_barrier(c)
-        run = jaxpr_as_fun(ClosedJaxpr(closed.jaxpr, _row_major(reads)))
-        return trip + 1, _row_major(run(*_row_major(leaves))), reads
+        run = jaxpr_as_fun(ClosedJaxpr(closed.jaxpr, kv_cache.row_major(reads)))
+        return trip + 1, kv_cache.row_major(run(*kv_cache.row_major(leaves))), reads
 
     _, leaves, _ = jax.lax.while_loop(
         lambda c: c[0] < on.astype(jnp.int32), body, (jnp.int32(0), leaves, closed.consts)
     )
     return jax.tree.unflatten(tree, leaves)
-
-
-def _row_major(tree):
-    """Each array of two or more dimensions laid out row-major (XLA's default)."""
-    return jax.tree.map(
-        lambda x: with_layout_constraint(x, Layout(tuple(range(x.ndim)))) if x.ndim > 1 else x,
-        tree,
-    )
 
 
 # --------------------------------------------------------------------------- the tick

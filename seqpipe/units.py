@@ -151,7 +151,7 @@ class KeepResiduals:
     residual, unequal segments): then one stash per segment; where every segment keeps
     the same shapes (equal segments, attention that keeps nothing prefix-shaped), one
     stash `shared` by all, as the input stash is: the schedule's stash slots, fewer in all
-    than a pool per segment, and one conditional per tick instead of one per segment."""
+    than a pool per segment."""
 
     def __init__(self, shared: bool = False):
         self.shared = shared

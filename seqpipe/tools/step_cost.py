@@ -1,5 +1,6 @@
 """What a compiled step runs, read from XLA's optimized HLO text: kernels, the bytes they
-move, matmul FLOPs and host round trips (conditionals) per step, by kind of kernel.
+move, matmul FLOPs and host round trips (conditionals, and unit loops' predicates) per
+step, by kind of kernel.
 
     XLA_FLAGS=--xla_dump_to=/tmp/d python train.py --config configs/gpt_1b.py \\
         --compile_only --topology h200 --config.mesh.stage=1 [--config.pipeline...]
