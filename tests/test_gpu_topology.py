@@ -162,7 +162,7 @@ def test_a_gpu_tick_copies_and_transposes_no_buffer_it_carries(tmp_path, schedul
     carried = {
         math.prod(step_cost.dims_of(t))
         for t in re.findall(r"\w+\[[\d,]+\]", tick_loop.type)
-        if len(step_cost.dims_of(t)) >= 3  # buffers, not messages' rows or counters
+        if len(step_cost.dims_of(t)) >= 3  # buffers, not counters or token ids
     }
     assert carried
     moved = [

@@ -16,8 +16,8 @@ unit M times a step. A loop of unknown trip count in the tick loop is one segmen
 (`pipeline.run_if`): it runs M times of the loop's T trips. A two-way conditional there
 (the executor before run_if) is a unit's "runs or idles": it runs M x (its segment
 switch's width, else 1) times of the T trips; any other conditional counts the mean of
-its branches. (Checked on matmul FLOPs, which must equal
-the model's: tests/test_step_cost.py.)
+its branches. (Checked on matmul FLOPs, which must equal the model's:
+tests/test_step_cost.py.)
 
 Bytes: a fusion's operands and results, except that an operand only sliced inside the
 fusion counts the slices, and an in-place dynamic-update-slice counts the update (read
