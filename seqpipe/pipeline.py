@@ -68,12 +68,12 @@ class Context:
         return self.units[self.groups[group][0]].saved_avals(self.rows, depth=self.spec.uneven)
 
     def zeros(self, kind: str):
-        """Zero stand-ins for an idle phase's outputs: a message or a K/V window."""
+        """Zeros: a message ("message": an idle unit's output), or K/V as long as the
+        cache ("kv_all": a unit's prefix sinks)."""
         cfg, spec, act = self.spec.cfg, self.spec, jnp.dtype(self.spec.cfg.dtype)
         if kind == "message":
             return jnp.zeros((self.rows, spec.msg_len, cfg.d_model), act)
-        length = spec.seg_max if kind == "kv_segment" else spec.kv_len
-        shape = (spec.chunk_layers, self.rows, length, cfg.local_heads, cfg.head_dim)
+        shape = (spec.chunk_layers, self.rows, spec.kv_len, cfg.local_heads, cfg.head_dim)
         return jnp.zeros(shape, act)
 
     @property

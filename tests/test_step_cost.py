@@ -54,12 +54,12 @@ def matmul_flops(cfg, segments: int) -> float:
     ],
 )
 def test_a_steps_matmul_flops_are_the_models(schedule, segments, microbatches):
-    """Loops count their trips and the tick loop's conditionals their units: the reference
+    """Loops count their trips and the tick loop's unit loops their units: the reference
     and every pipelined step, whatever its micro-batches and segments, run the model's
     matmuls once each (no recompute), segments skipping the keys after them."""
     text, cfg = compiled_text(schedule, segments, microbatches)
     cost = step_cost.step_cost(text, microbatches, segments)
-    # Branch weights are fractions of the tick count: exact up to float rounding.
+    # Unit loops' weights are fractions of the tick count: exact up to float rounding.
     assert cost.total("flops") == pytest.approx(matmul_flops(cfg, segments), rel=1e-12)
 
 
