@@ -8,7 +8,8 @@
 # Results under $OUT: accel.json (written after each variant), accel.txt (the table),
 # accel_noflags.json (the reference without seqpipe's GPU XLA flags), accel_xla.json (the
 # reference and seq1f1b K=4 with model.attention=xla: at 2048 tokens `step_cost`'s H200
-# estimate has `blockwise` faster, `auto`'s pick; this measures it), attention.json and
+# estimate has `blockwise` faster, `auto`'s pick; this measures it), accel_pallas.json
+# (the reference, 1f1b and seq1f1b K=4 with the pallas_gpu kernel), attention.json and
 # attention.txt (the pallas_gpu kernel against xla, and timed against blockwise). Each
 # bench row also carries its compiled step's bytes and H200 estimate, to check the
 # estimate against the measured time.
@@ -34,6 +35,13 @@ if [ "$PART" = extras ] || [ "$PART" = all ]; then
   timeout 150 python3 -m seqpipe.tools.bench --accelerator --config gpt_1b \
     --variants ref,seq1f1b:4 --steps 3 --no_profile --json "$OUT/accel_xla.json" \
     --config.model.attention=xla 2>&1 | tail -6 | tee -a "$OUT/accel.txt"
+  # The Triton kernel in every step, the reference's included (each data shard in a
+  # shard_map): with the remat each fits on an H200 with. step_cost's H200 estimate:
+  # ref@dots 1.33 s against blockwise's 1.68 s, before the kernels' own compute.
+  timeout 150 python3 -m seqpipe.tools.bench --accelerator --config gpt_1b \
+    --variants ref@dots,1f1b@none,seq1f1b:4@none --steps 3 --no_profile \
+    --json "$OUT/accel_pallas.json" --config.model.attention=pallas_gpu 2>&1 | tail -6 \
+    | tee -a "$OUT/accel.txt"
   # The pallas_gpu Triton kernel compiled for the GPU: exact against xla (bf16, output and
   # five cotangents), reading a K/V cache bit for bit as on arrays, then forward + backward
   # against blockwise and xla at gpt_1b's 8192-token shapes; cases past 50 s are skipped,

@@ -45,16 +45,11 @@ AUTO = {"tpu": "splash", "gpu": "blockwise", "cuda": "blockwise", "rocm": "block
 AUTO_DEFAULT = "blockwise"
 
 
-def resolve(name: str, platform: str | None = None, pipelined: bool = True) -> str:
-    """The implementation `name` runs as on `platform` (default: JAX's default backend).
-    Without a pipeline (`pipelined=False`) the step is not in a shard_map, where XLA
-    cannot partition a Pallas kernel: `auto` is blockwise there."""
+def resolve(name: str, platform: str | None = None) -> str:
+    """The implementation `name` runs as on `platform` (default: JAX's default backend)."""
     if name not in IMPLEMENTATIONS:
         raise ValueError(f"attention {name!r} is not one of {list(IMPLEMENTATIONS)}")
-    if name != "auto":
-        return name
-    picked = AUTO.get(platform or jax.default_backend(), AUTO_DEFAULT)
-    return picked if pipelined or picked != "splash" else AUTO_DEFAULT
+    return AUTO.get(platform or jax.default_backend(), AUTO_DEFAULT) if name == "auto" else name
 
 
 def attend(

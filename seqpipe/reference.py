@@ -3,9 +3,11 @@
 import dataclasses
 
 import jax
+from jax.sharding import PartitionSpec as P
 
 from seqpipe import model
 from seqpipe.model import GPTConfig, Params
+from seqpipe.sharding import DATA
 
 
 def loss_and_grads(
@@ -19,3 +21,17 @@ def loss_and_grads(
     `cfg.tensor` does not apply here."""
     cfg = dataclasses.replace(cfg, tensor=1)
     return jax.value_and_grad(model.loss)(params, tokens_BxL1, cfg, None, checkpoint)
+
+
+def per_shard(fn, mesh: jax.sharding.Mesh):
+    """`fn(params, tokens_BxL1)` (a mean over the rows, and what else is averaged with it)
+    run in a shard_map: each `data` shard's rows on its devices, the parameters whole on
+    every device, the results averaged over `data` (equal shards: the mean of the whole
+    batch). For an attention kernel that XLA cannot partition (a Pallas call): inside the
+    shard_map it runs on local arrays, as in the pipeline's stages."""
+
+    def local(params, tokens_BxL1):
+        return jax.lax.pmean(fn(params, tokens_BxL1), DATA)
+
+    # The gradients are taken inside, per device: no implicit cast may add a psum to them.
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(DATA)), out_specs=P(), check_vma=False)

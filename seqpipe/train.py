@@ -55,20 +55,27 @@ class TrainingError(RuntimeError):
 
 
 def unpipelined_cfg(config: ConfigDict, mesh: jax.sharding.Mesh) -> GPTConfig:
-    """The model of a step without a pipeline: not in a shard_map, so `auto` attention is
-    not a Pallas kernel, which XLA cannot partition (`attention.resolve`)."""
+    """The model of a step without a pipeline, its attention resolved for the mesh's
+    platform."""
     cfg = GPTConfig.from_config(config.model)
     platform = mesh.devices.flat[0].platform
-    return dataclasses.replace(cfg, attention=attention.resolve(cfg.attention, platform, False))
+    return dataclasses.replace(cfg, attention=attention.resolve(cfg.attention, platform))
+
+
+def _unpipelined(fn, cfg: GPTConfig, mesh: jax.sharding.Mesh):
+    """`fn(params, tokens)` of the model without a pipeline: XLA partitions it over the
+    mesh, unless its attention is a Pallas kernel, which XLA cannot partition; then each
+    data shard runs whole on its devices (`reference.per_shard`)."""
+    return reference.per_shard(fn, mesh) if cfg.attention in KERNEL_PLATFORMS else fn
 
 
 def make_grad_fn(config: ConfigDict, mesh: jax.sharding.Mesh) -> GradFn:
     """Loss and gradients of a [B, L+1] batch under the configured schedule."""
     if config.pipeline.schedule == "none":
         cfg = unpipelined_cfg(config, mesh)
-        return lambda params, tokens: reference.loss_and_grads(
-            params, tokens, cfg, remat.POLICIES[config.pipeline.remat].reference
-        )
+        checkpoint = remat.POLICIES[config.pipeline.remat].reference
+        grad_fn = lambda params, tokens: reference.loss_and_grads(params, tokens, cfg, checkpoint)
+        return _unpipelined(grad_fn, cfg, mesh)
     spec = pipeline.make_spec(config)
     scatter = config_lib.shards_optimizer(config)
     return lambda params, tokens: pipeline.loss_and_grads(params, tokens, spec, mesh, scatter)
@@ -164,7 +171,9 @@ def make_eval_fn(config: ConfigDict, mesh: jax.sharding.Mesh) -> Callable:
     (the training step's stages, segments and micro-batches) when there is a pipeline."""
     if config.pipeline.schedule == "none":
         cfg = unpipelined_cfg(config, mesh)
-        return jax.jit(lambda params, tokens: model.loss(params, tokens, cfg))
+        return jax.jit(
+            _unpipelined(lambda params, tokens: model.loss(params, tokens, cfg), cfg, mesh)
+        )
     spec = spec_lib.forward_only(pipeline.make_spec(config))
     return jax.jit(lambda params, tokens: pipeline.eval_loss(params, tokens, spec, mesh))
 
@@ -528,10 +537,9 @@ def compile_only(
     # process's default backend.
     platform = devices[0].platform
     check_attention(config, platform)
-    pipelined = config.pipeline.schedule != "none"
     config = config.copy_and_resolve_references()
     with config.unlocked():
-        config.model.attention = attention.resolve(config.model.attention, platform, pipelined)
+        config.model.attention = attention.resolve(config.model.attention, platform)
     t = config.train
     mesh = sharding.mesh_of(config, devices)
     tx = optim.make_optimizer(t)
@@ -594,27 +602,19 @@ KERNEL_PLATFORMS = {"splash": ("tpu",), "pallas_gpu": ("gpu", "cuda")}
 
 def check_attention(config: ConfigDict, platform: str) -> None:
     """ConfigError for an attention the step cannot run: a Pallas kernel on another
-    platform than its own, or outside a pipeline's shard_map."""
-    pipelined = config.pipeline.schedule != "none"
-    name = attention.resolve(config.model.attention, platform, pipelined)
-    if name not in KERNEL_PLATFORMS:
-        return
-    if platform not in KERNEL_PLATFORMS[name]:
+    platform than its own."""
+    name = attention.resolve(config.model.attention, platform)
+    if name in KERNEL_PLATFORMS and platform not in KERNEL_PLATFORMS[name]:
         kind = "a TPU" if name == "splash" else "an NVIDIA GPU"
         raise config_lib.ConfigError(
             f"model.attention={name} is {kind} kernel and this is {platform}; use auto or blockwise"
-        )
-    if not pipelined:
-        raise config_lib.ConfigError(
-            f"model.attention={name} runs inside the pipeline's shard_map; with "
-            "pipeline.schedule=none use auto or blockwise"
         )
 
 
 def attention_line(config: ConfigDict) -> str:
     """Which segment attention runs, for the log: `auto` says what it picked."""
-    name, pipelined = config.model.attention, config.pipeline.schedule != "none"
-    picked = attention.resolve(name, pipelined=pipelined)
+    name = config.model.attention
+    picked = attention.resolve(name)
     return picked if name != "auto" else f"{picked} (auto on {jax.default_backend()})"
 
 

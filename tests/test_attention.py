@@ -287,10 +287,10 @@ def test_config_names_every_implementation_and_rejects_others():
         config_lib.validate(c)
 
 
-def test_the_kernels_are_refused_off_their_platform_and_outside_a_pipeline_in_one_line():
-    """Splash (TPU) and pallas_gpu (NVIDIA GPU) run inside the pipeline's shard_map;
-    without a pipeline XLA cannot partition them, so `auto` is blockwise there and an
-    explicit kernel is refused."""
+def test_the_kernels_are_refused_off_their_platform_in_one_line():
+    """Splash (TPU) and pallas_gpu (NVIDIA GPU) compile for their own platform only; with
+    or without a pipeline (without one, each data shard runs in a shard_map:
+    `reference.per_shard`)."""
     from seqpipe import attention, train
 
     def config(name, schedule):
@@ -299,17 +299,33 @@ def test_the_kernels_are_refused_off_their_platform_and_outside_a_pipeline_in_on
         c.pipeline.schedule = schedule
         return c
 
-    with pytest.raises(config_lib.ConfigError, match="splash is a TPU kernel and this is cpu"):
-        train.check_attention(config("splash", "seq1f1b"), "cpu")
-    with pytest.raises(config_lib.ConfigError, match="with pipeline.schedule=none use auto"):
-        train.check_attention(config("splash", "none"), "tpu")
-    for name, schedule, platform in [("auto", "seq1f1b", "cpu"), ("auto", "none", "tpu")]:
-        train.check_attention(config(name, schedule), platform)
-    train.check_attention(config("splash", "seq1f1b"), "tpu")
-    with pytest.raises(config_lib.ConfigError, match="pallas_gpu is an NVIDIA GPU kernel and"):
-        train.check_attention(config("pallas_gpu", "seq1f1b"), "cpu")
-    with pytest.raises(config_lib.ConfigError, match="pallas_gpu runs inside the pipeline"):
-        train.check_attention(config("pallas_gpu", "none"), "gpu")
-    train.check_attention(config("pallas_gpu", "seq1f1b"), "gpu")
+    for schedule in ("seq1f1b", "none"):
+        with pytest.raises(config_lib.ConfigError, match="splash is a TPU kernel and this is cpu"):
+            train.check_attention(config("splash", schedule), "cpu")
+        with pytest.raises(config_lib.ConfigError, match="pallas_gpu is an NVIDIA GPU kernel and"):
+            train.check_attention(config("pallas_gpu", schedule), "cpu")
+        train.check_attention(config("splash", schedule), "tpu")
+        train.check_attention(config("pallas_gpu", schedule), "gpu")
+        train.check_attention(config("auto", schedule), "cpu")
     assert attention.resolve("auto", "tpu") == "splash"
-    assert attention.resolve("auto", "tpu", pipelined=False) == "blockwise"
+
+
+def test_without_a_pipeline_each_data_shard_runs_whole_and_the_mean_is_the_batchs():
+    """`reference.per_shard` (how a step without a pipeline runs a Pallas kernel, which
+    XLA cannot partition): the loss and every gradient equal the model run whole on the
+    batch, on a mesh whose `stage` axis holds copies."""
+    from seqpipe import model, reference, sharding
+
+    cfg = model.GPTConfig(
+        vocab_size=64, num_layers=2, d_model=32, num_heads=4, d_ff=64, attention="blockwise"
+    )
+    params = model.init_params(cfg, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (8, 17), 0, cfg.vocab_size)
+    mesh = sharding.make_mesh(4, 2)
+    grad_fn = functools.partial(reference.loss_and_grads, cfg=cfg)
+    loss, grads = jax.jit(grad_fn)(params, tokens)
+    batch = jax.device_put(tokens, sharding.batch_sharding(mesh))
+    shard_loss, shard_grads = jax.jit(reference.per_shard(grad_fn, mesh))(params, batch)
+    np.testing.assert_allclose(shard_loss, loss, rtol=1e-6)
+    for got, want in zip(jax.tree.leaves(shard_grads), jax.tree.leaves(grads), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)

@@ -139,6 +139,25 @@ def test_the_pallas_gpu_kernels_compile_to_ptx_for_an_h100(tmp_path):
 
 
 @needs_plugin
+def test_without_a_pipeline_the_pallas_gpu_kernel_runs_on_each_data_shards_rows(tmp_path):
+    """The reference step with the Triton kernel: XLA cannot partition a Pallas call (it
+    would gather the batch around it), so each data shard runs in a shard_map and every
+    kernel sees its own rows: 8 rows over data 2 are 4 a call."""
+    overrides = {"mesh.data": "2", "model.attention": "pallas_gpu", "model.dtype": "bfloat16"}
+    dump = tmp_path / "dump"
+    proc = _compile_only(tmp_path, overrides, "h100-2", {"XLA_FLAGS": f"--xla_dump_to={dump}"})
+    assert proc.returncode == 0, proc.stderr
+    assert "pallas_gpu attention" in proc.stdout
+    (step,) = [p for p in dump.glob("*jit_train_step*after_optimizations.txt") if "-" not in p.name]
+    triton = 'custom_call_target="__gpu$xla.gpu.triton"'
+    calls = [line for line in step.read_text().splitlines() if triton in line]
+    rows = {step_cost.dims_of(step_cost.parse(line).type)[0] for line in calls}
+    kernels = {re.search(r'name = "(segment_attention_\w+)"', line).group(1) for line in calls}
+    assert kernels == {"segment_attention_forward", "segment_attention_dkv", "segment_attention_dq"}
+    assert rows == {4}
+
+
+@needs_plugin
 @pytest.mark.parametrize("schedule", ["seq1f1b", "seq_zb_h1"])
 def test_a_gpu_tick_copies_and_transposes_no_buffer_it_carries(tmp_path, schedule):
     """On a GPU a conditional's results never share its operands' memory, and loops that
