@@ -56,6 +56,13 @@ class Prefix:
     slot: jax.Array
     layer: jax.Array
 
+    @classmethod
+    def holding(cls, k_prefix: jax.Array, v_prefix: jax.Array) -> "Prefix":
+        """A cache of one slot holding the prefix arrays ([n, b, P, H, E]), at layer 0 (a
+        unit run alone, outside the executor)."""
+        words_k, words_v = (to_words(x)[None] for x in (k_prefix, v_prefix))
+        return cls(words_k, words_v, jnp.int32(0), jnp.int32(0))
+
     def at_layer(self, layer) -> "Prefix":
         return self.replace(layer=layer)
 

@@ -201,14 +201,13 @@ def forward(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps) -> tuple[
         args = (x_in, k_prefix, v_prefix)
         unit = ctx.units[k]
         if spec.forward_only:  # nothing to keep for a backward
-            (y, k_seg, v_seg), saved = unit.body(tokens, first, depth, cache)(*params, *args), ()
+            y, k_seg, v_seg = unit.body(tokens, first, depth, cache)(*params, *args)
         else:
-            (y, k_seg, v_seg), saved = unit.forward(
-                params, *args, tokens, first, depth, cache=cache
+            kept = units.Stash(stash, slot)
+            (y, k_seg, v_seg), kept = unit.forward(
+                params, *args, tokens, first, depth, cache=cache, stash=kept
             )
-        stash = tuple(
-            put_slot(b, slot, kv_cache.to_words(x)) for b, x in zip(stash, saved, strict=True)
-        )
+            stash = kept.buffers
         if k < spec.segments - 1:  # only segments before the last are read back as a prefix
             at = (kv_slot, 0, 0, spec.offsets[k], 0, 0)
             kv = tuple(
@@ -282,11 +281,12 @@ def _output_cotangent(ctx: Context, carry: Carry, op: TickOps) -> jax.Array:
     return dy
 
 
-def _backward_unit(ctx: Context, inp: StageInputs, op: TickOps, k: int, saved, dy, caches):
-    """Segment k's backward on the tick's unit: (dx, parameter cotangents of the chunk and
-    the shared weights, the K/V cotangent caches with its prefix dK and dV added). `caches`:
-    the carry's K/V and K/V cotangent buffers (storage words, every slot), read and updated
-    where they lie."""
+def _backward_unit(ctx: Context, inp: StageInputs, op: TickOps, k: int, saved, dy, caches, layers):
+    """Segment k's backward on the tick's unit: (dx, `layers` (a `units.LayerGrads`) with
+    the chunk's parameter cotangents added, those of the shared weights, the K/V
+    cotangent caches with its prefix dK and dV added). `saved`: what its forward kept, or
+    the `units.Stash` slot holding it; `caches`: the carry's K/V and K/V cotangent buffers
+    (storage words, every slot). Each is read and updated where it lies."""
     spec, unit, chunk = ctx.spec, ctx.units[k], op["bwd_chunk"]
     words_k, words_v, words_dk, words_dv = caches
     act = jnp.dtype(spec.cfg.dtype)
@@ -308,8 +308,9 @@ def _backward_unit(ctx: Context, inp: StageInputs, op: TickOps, k: int, saved, d
         if words_dk is None
         else kv_cache.Cotangents(words_dk, words_dv, op["bwd_dkv"], off, act)
     )
-    d_chunk, d_shared, dx, *rest = unit.backward(
-        tuple(saved),
+    stash = saved if isinstance(saved, units.Stash) else None
+    layers, d_shared, dx, *rest = unit.backward(
+        None if stash else tuple(saved),
         (inp.chunk(chunk), inp.shared),
         k_prefix,
         v_prefix,
@@ -319,10 +320,12 @@ def _backward_unit(ctx: Context, inp: StageInputs, op: TickOps, k: int, saved, d
         depth=inp.depth(spec, chunk),
         cache=cache,
         into=into,
+        stash=stash,
+        grads=layers,
     )
     into, *pack = rest if into is not None else (None, *rest[2:])
     # pack: a split B's (matmul inputs, output cotangents) for its W; else empty.
-    return dx.astype(act), d_chunk, d_shared, into, pack
+    return dx.astype(act), layers, d_shared, into, pack
 
 
 def backward(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps) -> tuple[Carry, jax.Array]:
@@ -333,22 +336,19 @@ def backward(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps) -> tuple
     strategy = units.strategy(spec)
     slot = op[strategy.slot_fields[1]]
 
-    def read(group):
-        return [
-            kv_cache.from_words(jax.lax.dynamic_index_in_dim(b, slot, keepdims=False), a.dtype)
-            for b, a in zip(carry.saved[group], ctx.saved_avals(group), strict=True)
-        ]
+    def stash(group):
+        return units.Stash(carry.saved[group], slot)
 
-    shared_stash = read(0) if strategy.read_before_branching else None
+    shared_stash = stash(0).get(ctx.saved_avals(0)) if strategy.read_before_branching else None
 
     def run(k, _dx, grads, weight, *dkv):  # _dx: the idle unit's zeros, replaced
-        saved = shared_stash if shared_stash is not None else read(ctx.units[k].group)
+        saved = shared_stash if shared_stash is not None else stash(ctx.units[k].group)
         caches = (carry.kv_k, carry.kv_v, *(dkv or (None, None)))
-        dx, d_chunk, d_shared, into, pack = _backward_unit(ctx, inp, op, k, saved, dy, caches)
-        grads = {
-            "layers": _add_chunk(grads["layers"], chunk, d_chunk),
-            "shared": _accumulate(grads["shared"], d_shared),
-        }
+        layers = units.LayerGrads(grads["layers"], chunk)
+        dx, layers, d_shared, into, pack = _backward_unit(
+            ctx, inp, op, k, saved, dy, caches, layers
+        )
+        grads = {"layers": layers.layers, "shared": _accumulate(grads["shared"], d_shared)}
         if pack:  # a split B: its W reads these from its slot
             slot = op["bwd_wgt"]
             buf = jax.tree.map(lambda b, x: put_slot(b, slot, x), weight[k], pack[0])
@@ -370,15 +370,6 @@ def backward(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps) -> tuple
     return carry, dx
 
 
-def _add_chunk(layers: Params, chunk, d_chunk: Params) -> Params:
-    """layers[name][chunk] += d_chunk[name] for each gradient given (a split B gives no
-    weight matmuls', its W no others)."""
-    return {
-        name: acc.at[chunk].add(d_chunk[name].astype(acc.dtype)) if name in d_chunk else acc
-        for name, acc in layers.items()
-    }
-
-
 def weight(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps) -> Carry:
     """A split table's W: the weight matmuls' gradients of the unit, from what its B left
     in its slot, added to `Carry.grads`."""
@@ -388,7 +379,7 @@ def weight(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps) -> Carry:
         pack = jax.tree.map(
             lambda b: jax.lax.dynamic_index_in_dim(b, slot, keepdims=False), carry.weight[k]
         )
-        return (_add_chunk(layers, chunk, ctx.units[k].weight(pack)),)
+        return (units.LayerGrads(layers, chunk).add(ctx.units[k].weight(pack)).layers,)
 
     layers = carry.grads["layers"]
     for k in range(ctx.spec.segments):

@@ -20,8 +20,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from flax import struct
 
-from seqpipe import model, tensor
+from seqpipe import kv_cache, model, tensor
 from seqpipe.model import Params
 from seqpipe.spec import PipelineSpec
 
@@ -48,6 +50,8 @@ class ResidualLayout:
                 sources.append(("input", input_at[id(leaf)]))
             elif not isinstance(leaf, jax.core.Tracer):
                 sources.append(("const", leaf))
+            elif leaf.size == 0:  # nothing to stash (a length kept as a shape)
+                sources.append(("const", np.zeros(leaf.shape, leaf.dtype)))
             else:  # a leaf may appear more than once: stash it once
                 if id(leaf) not in stored_at:
                     stored_at[id(leaf)] = len(stored)
@@ -89,6 +93,89 @@ class ResidualLayout:
         return stored
 
 
+@struct.dataclass
+class Stash:
+    """Slot `slot` of one stash's buffers ([slots, ...] storage words each): what a
+    forward keeps for its backward, written and read where it lies, whole or (buffers
+    [slots, n, ...]) a layer at a time."""
+
+    buffers: tuple
+    slot: jax.Array
+
+    @classmethod
+    def holding(cls, values) -> "Stash":
+        """A one-slot stash holding `values` (a unit run alone, outside the executor)."""
+        return cls(tuple(kv_cache.to_words(x)[None] for x in values), jnp.int32(0))
+
+    @classmethod
+    def empty(cls, avals) -> "Stash":
+        """A one-slot stash of zeros for `avals`."""
+        words = lambda a: jnp.zeros((1, *a.shape), kv_cache.storage_dtype(a.dtype))  # noqa: E731
+        return cls(tuple(words(a) for a in avals), jnp.int32(0))
+
+    def put(self, values) -> "Stash":
+        return self._write((self.slot,), values)
+
+    def get(self, avals) -> list:
+        return self._read((self.slot,), avals)
+
+    def put_layer(self, layer, values) -> "Stash":
+        return self._write((self.slot, layer), values)
+
+    def get_layer(self, layer, avals) -> list:
+        return self._read((self.slot, layer), avals)
+
+    def _write(self, lead: tuple, values) -> "Stash":
+        def write(buf, x):
+            at = lead + (0,) * x.ndim
+            return jax.lax.dynamic_update_slice(buf, kv_cache.to_words(x)[(None,) * len(lead)], at)
+
+        return self.replace(buffers=tuple(map(write, self.buffers, values)))
+
+    def _read(self, lead: tuple, avals) -> list:
+        def read(buf, a):
+            at = lead + (0,) * len(a.shape)
+            window = jax.lax.dynamic_slice(buf, at, (1,) * len(lead) + tuple(a.shape))
+            return kv_cache.from_words(window.reshape(a.shape), a.dtype)
+
+        return [read(b, a) for b, a in zip(self.buffers, avals, strict=True)]
+
+
+@struct.dataclass
+class LayerGrads:
+    """The stage's layer gradients ({name: [V, n, ...]}, in the parameter dtype) and the
+    local chunk a backward adds to: a whole chunk's, or a layer's at a time, in place."""
+
+    layers: dict
+    chunk: jax.Array
+
+    @classmethod
+    def zeros(cls, chunk_avals) -> "LayerGrads":
+        """A one-chunk accumulator of zeros (a unit run alone); `chunk_avals` [n, ...]."""
+        layers = jax.tree.map(lambda a: jnp.zeros((1, *a.shape), a.dtype), chunk_avals)
+        return cls(layers, jnp.int32(0))
+
+    def add(self, d_chunk: dict) -> "LayerGrads":
+        """Adds each gradient given (a split B gives no weight matmuls', its W no others)."""
+        return self._add((self.chunk,), d_chunk)
+
+    def add_layer(self, layer, d_layer: dict) -> "LayerGrads":
+        return self._add((self.chunk, layer), d_layer)
+
+    def of_chunk(self) -> dict:
+        return jax.tree.map(lambda acc: acc[self.chunk], self.layers)
+
+    def _add(self, lead: tuple, d: dict) -> "LayerGrads":
+        def add(acc, x):
+            at = lead + (0,) * x.ndim
+            old = jax.lax.dynamic_slice(acc, at, (1,) * len(lead) + x.shape)
+            new = old + x.astype(acc.dtype)[(None,) * len(lead)]
+            return jax.lax.dynamic_update_slice(acc, new, at)
+
+        layers = {k: add(acc, d[k]) if k in d else acc for k, acc in self.layers.items()}
+        return self.replace(layers=layers)
+
+
 class RecomputeInput:
     """Keep the unit's input (one message, [b, Lseg, D]); the backward re-runs the body.
     Every segment's input has the same padded shape, so all share one stash."""
@@ -107,6 +194,7 @@ class RecomputeInput:
     # The body runs afresh in the backward, so it can read the prefix from the KV cache
     # (`body`'s `cache`): nothing of it is stashed.
     reads_cache = True
+    layerwise_stash = False
     # Every backward reads one message from the one stash: read before branching, XLA
     # needs no copy of it per branch.
     read_before_branching = True
@@ -145,64 +233,56 @@ def _added(grads: tuple, into) -> tuple:
     return (d_chunk, d_shared, dx, into.add_chunk(dk, dv), *pack)
 
 
-class KeepResiduals:
-    """Keep the body's vjp residuals (what the per-layer checkpoint policy leaves), less
-    what the backward re-reads. Their shapes may differ by segment (a prefix-shaped
-    residual, unequal segments): then one stash per segment; where every segment keeps
-    the same shapes (equal segments, attention that keeps nothing prefix-shaped), one
-    stash `shared` by all, as the input stash is: the schedule's stash slots, fewer in all
-    than a pool per segment."""
+class KeepLayerResiduals:
+    """Keep each layer's vjp residuals (what the per-layer checkpoint policy leaves), less
+    what the backward re-reads (the layer's parameters and its K/V prefix, which lives in
+    the KV cache), written into the stash slot a layer at a time as the forward runs
+    (`SegmentUnit.stashing_forward`); the backward reads them back a layer at a time and
+    adds each layer's parameter gradients and prefix dK/dV where they lie
+    (`SegmentUnit.stashed_backward`). Under a vjp of the whole chunk, its layer scan
+    stacked every layer's residuals in a buffer of its own, which the executor copied
+    into the slot, and the backward copied the slot out whole (0.58 TB a step of gpt_1b
+    seq1f1b M=8 K=4 on an H200, by `seqpipe.tools.step_cost`).
+
+    Segments whose layers keep the same shapes (equal segments, attention that keeps
+    nothing prefix-shaped) share one stash, as the input stash is shared: the schedule's
+    stash slots, fewer in all than a pool per segment."""
+
+    # The unit's own layer loops write and read the stash (`SegmentUnit.forward`).
+    layerwise_stash = True
+    reads_cache = True
+    read_before_branching = False
 
     def __init__(self, shared: bool = False):
         self.shared = shared
-
-    def forward(self, unit, body, params, x_in, k_prefix, v_prefix, first, depth):
-        outputs, vjp = unit.vjp(body, params, x_in, k_prefix, v_prefix)
-        # The backward rebuilds the vjp from the probe's layout: stash what it reads.
-        probe = unit.layout(x_in.shape[0], _static(first), depth is not None)
-        kept = probe.take(vjp, (*params, k_prefix, v_prefix), f"segment {unit.seg}")
-        return outputs, tuple(kept)
-
-    def backward(
-        self, unit, saved, params, k_prefix, v_prefix, tokens, first, cotangents, depth, cache, into
-    ):
-        rows = k_prefix.shape[1]
-        layout = unit.layout(rows, _static(first), depth is not None)
-        vjp = layout.rebuild(saved, (*params, k_prefix, v_prefix))
-        return None, _added(unit.pull(vjp, cotangents), into)
 
     @property
     def slot_fields(self) -> tuple[str, str]:
         return ("fwd_stash", "bwd_stash") if self.shared else ("fwd_res", "bwd_res")
 
-    # The residual layout re-reads the prefix as an argument (`ResidualLayout`).
-    reads_cache = False
-    # Only the running segment's residuals are read, inside its branch: read outside,
-    # each tick would copy a slot of them.
-    read_before_branching = False
-
     def slot_counts(self, program) -> tuple[int, ...]:
         return (program.num_stash,) if self.shared else program.num_res
 
     def saved_avals(self, unit, rows: int, first=None, depth: bool = False) -> tuple:
-        return unit.layout(rows, first, depth).stored
+        """Each kept leaf of a layer, for the chunk's n layers: [n, ...]."""
+        sds = jax.ShapeDtypeStruct
+        return tuple(sds((unit.n, *a.shape), a.dtype) for a in unit.layer_layout(rows).stored)
 
     def group(self, seg: int) -> int:
         return 0 if self.shared else seg
 
 
 def strategy(spec: PipelineSpec):
-    """The remat strategy of a spec's policy (`KeepResiduals` shared where it can be)."""
+    """The remat strategy of a spec's policy (stashes shared by segments where they can
+    be)."""
     if not spec.policy.keeps_residuals:
         return LayerwiseRecompute() if spec.remat == "full_layer" else RecomputeInput()
     key = (spec.cfg, spec.remat, spec.lengths, spec.chunk_layers, spec.schedule.split)
     key += (spec.uneven, jax.sharding.get_abstract_mesh())
     if key not in _SHARED:
-        stored = {
-            SegmentUnit(spec, k).layout(1, None, spec.uneven).stored for k in range(spec.segments)
-        }
+        stored = {SegmentUnit(spec, k).layer_layout(1).stored for k in range(spec.segments)}
         _SHARED[key] = len(stored) == 1
-    return KeepResiduals(shared=_SHARED[key])
+    return KeepLayerResiduals(shared=_SHARED[key])
 
 
 _SHARED: dict = {}  # what `strategy` depends on -> whether the segments share a stash
@@ -314,11 +394,31 @@ class SegmentUnit:
         d_shared, dy = vjp(jnp.ones((), loss.dtype))
         return loss, d_shared, dy
 
-    def forward(self, params, x_in, k_prefix, v_prefix, tokens_bxL, first, depth=None, cache=None):
+    def forward(
+        self,
+        params,
+        x_in,
+        k_prefix,
+        v_prefix,
+        tokens_bxL,
+        first,
+        depth=None,
+        cache=None,
+        stash=None,
+    ):
         """((y, K, V), what the backward needs) of the body; `params` = (chunk, shared);
-        `cache`: see `body` (only a strategy that recomputes takes one)."""
+        `cache`: see `body`. With `stash` (a `Stash`: the executor's slot) what the
+        backward needs is written there and the updated `Stash` takes its place."""
+        rows = x_in.shape[0]
+        if self.strategy.layerwise_stash:
+            own = stash if stash is not None else Stash.empty(self.saved_avals(rows))
+            args = (params, x_in, k_prefix, v_prefix, tokens_bxL, first, depth, cache, own)
+            outputs, own = self.stashing_forward(*args)
+            return outputs, own if stash is not None else tuple(own.get(self.saved_avals(rows)))
         body = self.body(tokens_bxL, first, depth, cache)
-        return self.strategy.forward(self, body, params, x_in, k_prefix, v_prefix, first, depth)
+        args = (self, body, params, x_in, k_prefix, v_prefix, first, depth)
+        outputs, saved = self.strategy.forward(*args)
+        return outputs, saved if stash is None else stash.put(saved)
 
     def backward(
         self,
@@ -333,27 +433,171 @@ class SegmentUnit:
         depth=None,
         cache=None,
         into=None,
+        stash=None,
+        grads=None,
     ):
         """(d chunk, d shared, dx, dK prefix, dV prefix) from what the forward saved and the
-        cotangents (dy, dK, dV) of the body's outputs; split, B's (`pull`). With `into` (a
+        cotangents (dy, dK, dV) of the body's outputs; split, B's (`pull`). With `stash` (a
+        `Stash`) what the forward saved is read from there (`saved` unused). With `into` (a
         `kv_cache.Cotangents`) the prefix's dK, dV are added to it, which takes their
-        place in the result (`full_layer` adds them layer by layer). `keep_outputs`
-        (measurement only) also returns a recomputed forward's outputs, so XLA cannot drop
-        the work that only they need, as it cannot inside the executor's layer loop."""
-        outputs, grads = self.strategy.backward(
-            self,
-            saved,
-            params,
-            k_prefix,
-            v_prefix,
-            tokens_bxL,
-            first,
-            cotangents,
-            depth,
-            cache,
-            into,
+        place in the result; with `grads` (a `LayerGrads`) so is d chunk (layer by layer
+        where the strategy runs the layers one at a time). `keep_outputs` (measurement
+        only) also returns a recomputed forward's outputs, so XLA cannot drop the work
+        that only they need, as it cannot inside the executor's layer loop."""
+        rows = cotangents[0].shape[0]
+        if self.strategy.layerwise_stash:
+            own = stash if stash is not None else Stash.holding(saved)
+            acc = grads if grads is not None else LayerGrads.zeros(params[0])
+            args = (own, params, k_prefix, v_prefix, tokens_bxL, first, cotangents, depth)
+            acc, *rest = self.stashed_backward(*args, cache, into, acc)
+            result = (acc if grads is not None else acc.of_chunk(), *rest)
+            return (None, result) if keep_outputs else result
+        if stash is not None:
+            saved = stash.get(self.saved_avals(rows, depth=depth is not None))
+        args = (self, saved, params, k_prefix, v_prefix, tokens_bxL, first, cotangents, depth)
+        outputs, result = self.strategy.backward(*args, cache, into)
+        if grads is not None:
+            result = (grads.add(result[0]), *result[1:])
+        return (outputs, result) if keep_outputs else result
+
+    def _start(self, tokens_bxL, first):
+        """shared, x_in -> the chunk's input: the embedding on global chunk 0, else the
+        message's first L_k positions."""
+        cfg, length = self.spec.cfg, self.spec.local_length(self.seg)
+
+        def start(shared, x_in):
+            return _choose(
+                first, lambda: model.embed(shared, tokens_bxL, cfg), lambda: x_in[:, :length]
+            )
+
+        return start
+
+    def _sinks(self, rows: int):
+        """Zeros that take one layer's prefix dK, dV where the prefix is read from the cache
+        ([b, P, H, E]; their values are never read)."""
+        cfg = self.spec.cfg
+        shape = (rows, self.spec.offsets[self.seg], cfg.local_heads, cfg.head_dim)
+        sink = jnp.zeros(shape, cfg.dtype)
+        return sink, sink
+
+    def _layer_vjp(self, p, x, sink_k, sink_v, at):
+        """((y, K, V), pullback) of one layer reading its prefix from the cache at `at` (a
+        `kv_cache.Prefix` at the layer), differentiated in (p, x, sinks, at) under the
+        policy's per-layer checkpoint; split (zero bubble), the pullback is (vjp with the
+        weight matmuls held constant, their inputs), as `vjp`'s. `at` is an argument, not
+        a closure, so that its leaves are known as the backward's own inputs
+        (`ResidualLayout.split`), never stashed."""
+        spec, cfg = self.spec, self.spec.cfg
+        offset = spec.offsets[self.seg]
+
+        def run(p, x, sink_k, sink_v, at, taps=None):
+            return model.layer(p, x, sink_k, sink_v, offset, cfg, taps, at)
+
+        if spec.policy.checkpoint is not None:
+            run = jax.checkpoint(run, policy=model.CHECKPOINT_POLICIES[spec.policy.checkpoint])
+        if not self.split:
+            return jax.vjp(run, p, x, sink_k, sink_v, at)
+        taps = _zero_taps(cfg, (x.shape[0], self.length))
+        outputs, vjp, inputs = _split_vjp(run, p, x, sink_k, sink_v, at, taps)
+        return outputs, (vjp, inputs)
+
+    def _pull_layer(self, pullback, d_out):
+        """(d p, dx, dK sink, dV sink, what W reads) of a `_layer_vjp` pullback."""
+        if not self.split:
+            d_p, dx, dk, dv, _ = pullback(d_out)
+            return d_p, dx, dk, dv, ()
+        vjp, inputs = pullback
+        d_rest, dx, dk, dv, _, d_taps = vjp(d_out)
+        return d_rest, dx, dk, dv, (inputs, d_taps)
+
+    def stashing_forward(
+        self, params, x_in, k_prefix, v_prefix, tokens_bxL, first, depth, cache, stash
+    ):
+        """`forward` a layer at a time (`KeepLayerResiduals`): ((y, K, V), stash), each
+        layer's residuals written into `stash` at the layer as it runs. Without `cache` (a
+        unit run alone) the prefix arrays are put in a cache of one slot first, so that
+        the layers run as in the executor."""
+        spec, rows = self.spec, x_in.shape[0]
+        length, chunk, shared = spec.local_length(self.seg), *params
+        cache = cache if cache is not None else kv_cache.Prefix.holding(k_prefix, v_prefix)
+        layout = self.layer_layout(rows, cache.words_k.shape[0])
+        x0 = self._start(tokens_bxL, first)(shared, x_in)
+
+        def live(i, p, x, words_k, words_v, slot):
+            sinks = self._sinks(rows)
+            at = kv_cache.Prefix(words_k, words_v, slot, i)
+            (y, k, v), pullback = self._layer_vjp(p, x, *sinks, at)
+            return y, k, v, layout.take(pullback, (p, *sinks, at), f"segment {self.seg}")
+
+        def step(carry, per):
+            x, stash = carry
+            i, p = per
+            args = (i, p, x, cache.words_k, cache.words_v, cache.slot)
+            if depth is None:
+                y, k, v, kept = live(*args)
+            else:  # past `depth` a layer is padding (`model.layers`)
+                y, k, v, kept = jax.lax.cond(i < depth, live, _passed(live), *args)
+            return (y, stash.put_layer(i, kept)), (k, v)
+
+        index = jnp.arange(self.n)
+        (y, stash), (k, v) = jax.lax.scan(step, (x0, stash), (index, chunk))
+        return (jnp.pad(y, ((0, 0), (0, spec.msg_len - length), (0, 0))), k, v), stash
+
+    def stashed_backward(
+        self,
+        stash,
+        params,
+        k_prefix,
+        v_prefix,
+        tokens_bxL,
+        first,
+        cotangents,
+        depth,
+        cache,
+        into,
+        grads,
+    ):
+        """`backward` a layer at a time (`KeepLayerResiduals`): (grads, d shared, dx, into
+        or dK, dV prefix[, what W reads]). Last layer first, each layer's vjp is rebuilt
+        from its residuals in `stash` and pulls dx back; its parameter gradients go into
+        `grads` (a `LayerGrads`) and its prefix dK/dV into `into` at once (without it,
+        stacked and returned)."""
+        spec, cfg = self.spec, self.spec.cfg
+        chunk, shared = params
+        dy, dk_own, dv_own = cotangents
+        rows, length = dy.shape[0], spec.local_length(self.seg)
+        cache = cache if cache is not None else kv_cache.Prefix.holding(k_prefix, v_prefix)
+        layout = self.layer_layout(rows, cache.words_k.shape[0])
+
+        def pull(i, p, leaves, d_out):
+            sinks = self._sinks(rows)
+            pullback = layout.rebuild(leaves, (p, *sinks, cache.at_layer(i)))
+            return self._pull_layer(pullback, d_out)
+
+        def step(carry, per):
+            dx, into, grads = carry
+            i, p, dk, dv = per
+            args = (i, p, stash.get_layer(i, layout.stored), (dx, dk, dv))
+            if depth is None:
+                d_p, dx, dk_prefix, dv_prefix, pack = pull(*args)
+            else:
+                d_p, dx, dk_prefix, dv_prefix, pack = jax.lax.cond(
+                    i < depth, pull, _passed(pull, at=1), *args
+                )
+            grads = grads.add_layer(i, d_p)
+            if into is None:
+                return (dx, into, grads), (pack, dk_prefix, dv_prefix)
+            return (dx, into.add_layer(i, dk_prefix, dv_prefix), grads), (pack, None, None)
+
+        per_layer = (jnp.arange(self.n), chunk, dk_own, dv_own)
+        (dx0, into, grads), (pack, dk, dv) = jax.lax.scan(
+            step, (dy[:, :length], into, grads), per_layer, reverse=True
         )
-        return (outputs, grads) if keep_outputs else grads
+        x_in = jnp.zeros((rows, spec.msg_len, cfg.d_model), cfg.dtype)  # unread: linear
+        _, start_vjp = jax.vjp(self._start(tokens_bxL, first), shared, x_in)
+        d_shared, dx = start_vjp(dx0)
+        kept = (into,) if into is not None else (dk, dv)
+        return (grads, d_shared, dx, *kept, *((pack,) if self.split else ()))
 
     def layerwise_backward(
         self, x_in, params, k_prefix, v_prefix, tokens_bxL, first, cotangents, depth, cache, into
@@ -369,17 +613,11 @@ class SegmentUnit:
         rows = x_in.shape[0]
         index = jnp.arange(n)
 
-        def start(shared, x_in):  # the chunk's input: the embedding on global chunk 0
-            return _choose(
-                first, lambda: model.embed(shared, tokens_bxL, cfg), lambda: x_in[:, :length]
-            )
+        start = self._start(tokens_bxL, first)
 
         def prefix(k_prefix, v_prefix):
             """One layer's prefix: zero sinks for its cotangents when it lies in the cache."""
-            if cache is None:
-                return k_prefix, v_prefix
-            sink = jnp.zeros((rows, offset, cfg.local_heads, cfg.head_dim), cfg.dtype)
-            return sink, sink
+            return (k_prefix, v_prefix) if cache is None else self._sinks(rows)
 
         def run(i, p, x, k_prefix, v_prefix, taps=None):
             at = None if cache is None else cache.at_layer(i)
@@ -465,42 +703,41 @@ class SegmentUnit:
         with a run-time layer count, as the executor runs an uneven split."""
         return self.strategy.saved_avals(self, rows, first, depth)
 
-    def layout(self, rows: int, first=None, depth: bool = False) -> ResidualLayout:
-        """The body's residual layout, from an abstract trace; `first` fixed, or decided at
-        run time (None) as in the executor; `depth`: with a run-time layer count."""
+    def layer_layout(self, rows: int, cache_slots: int = 1) -> ResidualLayout:
+        """One layer's residual layout (`KeepLayerResiduals`), from an abstract trace: the
+        same for every layer of the chunk. Its pullback knows the shapes of its inputs,
+        the K/V cache's among them: probed with the cache's slots."""
         spec = self.spec
-        key = (spec.cfg, spec.remat, spec.lengths, self.seg, self.n, rows, first, self.split)
-        # The mesh being traced under: the vjp's avals carry it (with a `tensor` axis,
-        # a layout probed under one mesh does not rebuild under another).
-        key += (depth, jax.sharding.get_abstract_mesh())
+        key = (spec.cfg, spec.remat, spec.lengths, self.seg, rows, self.split, spec.kv_len)
+        key += (cache_slots, jax.sharding.get_abstract_mesh())
         if key not in _LAYOUTS:
-            _LAYOUTS[key] = _probe_layout(self, rows, first, depth)
+            _LAYOUTS[key] = _probe_layer_layout(self, rows, cache_slots)
         return _LAYOUTS[key]
 
 
 _LAYOUTS: dict = {}  # what a layout depends on -> the layout (probes are abstract traces)
 
 
-def _probe_layout(unit: SegmentUnit, rows: int, first, depth: bool) -> ResidualLayout:
+def _probe_layer_layout(unit: SegmentUnit, rows: int, cache_slots: int) -> ResidualLayout:
     found = []
 
-    def probe(p, sh, x_in, k_prefix, v_prefix, tokens, flag, count):
-        flag = first if first is not None else flag
-        body = unit.body(tokens, flag, count if depth else None)
-        _, vjp = unit.vjp(body, (p, sh), x_in, k_prefix, v_prefix)
-        layout, stored = ResidualLayout.split(vjp, (p, sh, k_prefix, v_prefix))
+    def probe(p, x, words_k, words_v, slot, layer):
+        sinks = unit._sinks(rows)
+        at = kv_cache.Prefix(words_k, words_v, slot, layer)
+        _, pullback = unit._layer_vjp(p, x, *sinks, at)
+        layout, stored = ResidualLayout.split(pullback, (p, *sinks, at))
         found.append(layout)
         return stored
 
-    sds = jax.ShapeDtypeStruct
-    probe = tensor.bound(probe, unit.spec.tensor)
-    jax.eval_shape(probe, *unit.avals(rows)[:6], sds((), jnp.bool_), sds((), jnp.int32))
+    spec, cfg, sds = unit.spec, unit.spec.cfg, jax.ShapeDtypeStruct
+    chunk, _, x_in, *_ = unit.avals(rows)
+    p = jax.tree.map(lambda a: sds(a.shape[1:], a.dtype), chunk)
+    x = sds((rows, spec.local_length(unit.seg), cfg.d_model), x_in.dtype)
+    shape = (cache_slots, unit.n, rows, spec.kv_len, cfg.local_heads, cfg.head_dim)
+    words = sds(shape, kv_cache.storage_dtype(cfg.dtype))
+    index = sds((), jnp.int32)
+    jax.eval_shape(tensor.bound(probe, spec.tensor), p, x, words, words, index, index)
     return found[0]
-
-
-def _static(first):
-    """`first` if fixed at trace time, else None (decided at run time)."""
-    return first if isinstance(first, bool) else None
 
 
 def _zero_taps(cfg, lead: tuple) -> dict:

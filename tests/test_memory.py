@@ -89,8 +89,9 @@ def test_analytic_carry_with_residual_stashes(schedule, segments, virtual):
     buffers = carry.of_spec(spec, 2)
     assert len(buffers.saved) == len(buffers.head_dy) == segments
     for k, (stash, n) in enumerate(zip(buffers.saved, spec.program.num_res, strict=True)):
-        stored = units.SegmentUnit(spec, k).layout(2).stored  # the probe's residuals
-        assert tuple(b.shape for b in stash) == tuple((max(n, 1),) + a.shape for a in stored)
+        stored = units.SegmentUnit(spec, k).layer_layout(2).stored  # a layer's residuals
+        lead = (max(n, 1), spec.chunk_layers)
+        assert tuple(b.shape for b in stash) == tuple(lead + a.shape for a in stored)
     slots = [b for stash in buffers.saved for b in stash] + list(buffers.head_dy)
     for b in slots:
         assert any(a.shape == b.shape for a in avals), b

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from pairwise import all_pairs, full_product
 
-from seqpipe import carry, hlo, layout, model, pipeline, reference, remat, sharding, units
+from seqpipe import carry, hlo, kv_cache, layout, model, pipeline, reference, remat, sharding, units
 from seqpipe import config as config_lib
 from seqpipe import schedule as schedule_lib
 from seqpipe import spec as spec_lib
@@ -326,28 +326,36 @@ def test_pipelined_eval_matches_the_model(case):
 
 
 def _take(layout, unit):
-    """What `layout` stashes of a fresh trace of `unit`'s vjp (abstract)."""
+    """What `layout` stashes of a fresh trace of one layer of `unit` (abstract)."""
+    cfg, rows = unit.spec.cfg, 2
+    kv = (1, unit.n, rows, unit.spec.kv_len, cfg.local_heads, cfg.head_dim)
 
-    def trace(p, sh, x_in, k_prefix, v_prefix, tokens, flag):
-        _, vjp = unit.vjp(unit.body(tokens, flag), (p, sh), x_in, k_prefix, v_prefix)
-        return layout.take(vjp, (p, sh, k_prefix, v_prefix), f"segment {unit.seg}")
+    def trace(p, x, words_k, words_v):
+        sinks = unit._sinks(rows)
+        at = kv_cache.Prefix(words_k, words_v, jnp.int32(0), jnp.int32(0))
+        _, pullback = unit._layer_vjp(p, x, *sinks, at)
+        return layout.take(pullback, (p, *sinks, at), f"segment {unit.seg}")
 
-    flag = jax.ShapeDtypeStruct((), jnp.bool_)
-    return jax.eval_shape(trace, *unit.avals(2)[:6], flag)
+    chunk, _, x_in, *_ = unit.avals(rows)
+    p = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), chunk)
+    x = jax.ShapeDtypeStruct((rows, unit.length, cfg.d_model), x_in.dtype)
+    words = jax.ShapeDtypeStruct(kv, kv_cache.storage_dtype(cfg.dtype))
+    return jax.eval_shape(trace, p, x, words, words)
 
 
 def test_the_executors_residual_layout_is_checked_against_the_probe():
-    """The backward rebuilds each vjp from a probe's layout; the forward stashes by it
-    (`take`), which tells segments' layouts apart (under `xla`, whose prefix
+    """The backward rebuilds each layer's vjp from a probe's layout; the forward stashes
+    by it (`take`), which tells segments' layouts apart (under `xla`, whose prefix
     probabilities differ in shape; `blockwise` keeps nothing prefix-shaped)."""
     config = make_config("seq1f1b", (1, 2), 2, "uniform", "equal", 1, "xla")
     config.pipeline.remat = "none"
     spec = pipeline.make_spec(config)
     first, second = (units.SegmentUnit(spec, k) for k in (0, 1))
-    kept = _take(first.layout(2), first)  # a second trace of segment 0
-    assert tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in kept) == first.layout(2).stored
+    kept = _take(first.layer_layout(2), first)  # a second trace of segment 0's layer
+    stored = first.layer_layout(2).stored
+    assert tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in kept) == stored
     with pytest.raises(AssertionError, match="segment 0: the forward's residuals differ"):
-        _take(second.layout(2), first)  # its prefix differs
+        _take(second.layer_layout(2), first)  # its prefix differs
 
 
 def test_a_residual_the_probe_saw_constant_is_rebuilt_from_the_probe():

@@ -19,10 +19,11 @@ switch's width, else 1) times of the T trips; any other conditional counts the m
 its branches. (Checked on matmul FLOPs, which must equal the model's:
 tests/test_step_cost.py.)
 
-Bytes: a fusion's operands and results, except that an operand only sliced inside the
-fusion counts the slices, and an in-place dynamic-update-slice counts the update (read
-and written), not the buffer. FLOPs: 2 x output elements x contracted size of each dot,
-in fusions (Triton GEMMs) and cuBLAS calls alike.
+Bytes: a fusion's operands and results, except that an operand only sliced (or updated
+in place) inside the fusion counts the slices, and an in-place dynamic-update-slice counts
+the update (read and written), not the buffer; a Triton kernel given the K/V cache whole
+counts one slot's one layer of it (`operand_bytes`). FLOPs: 2 x output elements x
+contracted size of each dot, in fusions (Triton GEMMs) and cuBLAS calls alike.
 
 Time: a roofline per kernel, max(FLOPs / F, bytes / B). `H200` holds F and B fitted to
 the steps that one H200 ran (../shared/device.md, at 0952314; the fit and its residuals
@@ -109,6 +110,16 @@ def dot_flops(instr: Instr, types: dict[str, str]) -> float:
     lhs = dims_of(types.get(instr.operands[0], ""))
     k = math.prod(lhs[int(d)] for d in contracting.split(",") if d)
     return 2.0 * math.prod(dims_of(instr.type)) * k
+
+
+def operand_bytes(type_text: str, instr: Instr) -> float:
+    """Bytes a kernel reads of an operand: all of it, except that a Triton kernel (the
+    Pallas attention) given the executor's K/V cache words whole ([slots, n, b, Lkv, H,
+    E]) reads one slot's one layer of them at most."""
+    dims = dims_of(type_text)
+    if instr.op == "custom-call" and "triton" in instr.line and len(dims) == 6:
+        return size_of(type_text) / (dims[0] * dims[1])
+    return size_of(type_text)
 
 
 def dims_of(type_text: str) -> list[int]:
@@ -221,10 +232,11 @@ class Module:
         for index, operand in enumerate(instr.operands):
             param = params.get(index)
             uses = uses_of(param.name) if param else []
-            if uses and all(u.op in ("dynamic-slice", "slice") and p == 0 for u, p in uses):
-                total += sum(size_of(u.type) for u, _ in uses)
-            elif uses and all(u.op == "dynamic-update-slice" and p == 0 for u, p in uses):
-                continue  # updated in place: the update counts, on the result's side
+            windowed = ("dynamic-slice", "slice", "dynamic-update-slice")
+            if uses and all(u.op in windowed and p == 0 for u, p in uses):
+                # Read in windows (the slices count), or updated in place (the update
+                # counts, on the result's side), or both: a window read, added to, written.
+                total += sum(size_of(u.type) for u, _ in uses if u.op != "dynamic-update-slice")
             else:
                 total += size_of(types.get(operand, ""))
         by_name = {i.name: i for i in body}
@@ -283,8 +295,9 @@ class Module:
                 flops = self.fused_flops(callee(i, "calls"))
                 total.kernel(kind_of(i), self.fusion_bytes(i, types), flops)
             else:
-                nbytes = sum(size_of(types.get(o, "")) for o in i.operands) + size_of(i.type)
-                total.kernel(kind_of(i), nbytes, dot_flops(i, types))
+                operands = [types.get(o, "") for o in i.operands]
+                nbytes = sum(map(operand_bytes, operands, [i] * len(operands)))
+                total.kernel(kind_of(i), nbytes + size_of(i.type), dot_flops(i, types))
         return total
 
     def top_level(self, comp: str):
