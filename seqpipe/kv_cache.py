@@ -34,6 +34,13 @@ def from_words(w: jax.Array, dtype) -> jax.Array:
     return w if w.dtype == np.dtype(dtype) else jax.lax.bitcast_convert_type(w, dtype)
 
 
+def slot_zero() -> jax.Array:
+    """Slot 0 of a one-slot buffer (a unit run alone), as a value known only at run time,
+    as the executor's slots are: a vjp keeps a constant index differently than a traced
+    one, and a unit's residual layout must not depend on which it was traced with."""
+    return jax.lax.optimization_barrier(jnp.int32(0))
+
+
 def row_major(tree):
     """Each array of two or more dimensions laid out row-major (XLA's default). The
     executor's buffers are held so wherever a loop carries or reads them: a loop left to
@@ -61,7 +68,7 @@ class Prefix:
         """A cache of one slot holding the prefix arrays ([n, b, P, H, E]), at layer 0 (a
         unit run alone, outside the executor)."""
         words_k, words_v = (to_words(x)[None] for x in (k_prefix, v_prefix))
-        return cls(words_k, words_v, jnp.int32(0), jnp.int32(0))
+        return cls(words_k, words_v, slot_zero(), slot_zero())
 
     def at_layer(self, layer) -> "Prefix":
         return self.replace(layer=layer)

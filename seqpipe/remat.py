@@ -1,7 +1,7 @@
 """What a pipelined forward keeps for its backward: the one table of `pipeline.remat` policies.
 
 Pure data (no jax), so the config can validate against it cheaply. The behaviour behind
-`keeps_residuals` lives in `seqpipe.units` (`RecomputeInput`, `KeepResiduals`).
+`keeps_residuals` lives in `seqpipe.units` (`RecomputeInput`, `KeepLayerResiduals`).
 """
 
 import dataclasses

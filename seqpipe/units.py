@@ -7,9 +7,10 @@ A unit is a body (the token embedding on global chunk 0, then the chunk's layers
 the last global chunk, a head (final norm, logits, loss). The head's backward runs in the
 unit's forward: the loss's cotangent is the constant 1, so only dy [b, L_k, D] waits for
 the body's backward, not the logits. What the body's forward keeps for its backward is the
-remat policy's strategy (`STRATEGIES`): `RecomputeInput` keeps the input and re-runs the
-body under `jax.vjp`; `KeepResiduals` keeps what the body's vjp holds, less what the
-backward re-reads (the parameters and the K/V prefix, which lives in the KV cache).
+remat policy's strategy (`strategy`): `RecomputeInput` keeps the input and re-runs the
+body under `jax.vjp` (`LayerwiseRecompute` a layer at a time); `KeepLayerResiduals` keeps
+what each layer's vjp holds, less what the backward re-reads (the parameters and the K/V
+prefix, which lives in the KV cache), in the stash slot where the executor keeps it.
 
 Letters: b micro-batch rows, n layers per chunk, L_k segment k's length, Lseg the longest
 segment, P the prefix length (segment k's offset), H heads of width E.
@@ -105,13 +106,13 @@ class Stash:
     @classmethod
     def holding(cls, values) -> "Stash":
         """A one-slot stash holding `values` (a unit run alone, outside the executor)."""
-        return cls(tuple(kv_cache.to_words(x)[None] for x in values), jnp.int32(0))
+        return cls(tuple(kv_cache.to_words(x)[None] for x in values), kv_cache.slot_zero())
 
     @classmethod
     def empty(cls, avals) -> "Stash":
         """A one-slot stash of zeros for `avals`."""
         words = lambda a: jnp.zeros((1, *a.shape), kv_cache.storage_dtype(a.dtype))  # noqa: E731
-        return cls(tuple(words(a) for a in avals), jnp.int32(0))
+        return cls(tuple(words(a) for a in avals), kv_cache.slot_zero())
 
     def put(self, values) -> "Stash":
         return self._write((self.slot,), values)
@@ -125,17 +126,24 @@ class Stash:
     def get_layer(self, layer, avals) -> list:
         return self._read((self.slot, layer), avals)
 
+    # Row-major wherever read or written (`kv_cache.row_major`): a layer loop left to
+    # itself lays the stash out as its layer prefers, and XLA transposed the whole stash
+    # between it and the tick's loops (0.66 TB a step of gpt_1b seq1f1b K=4 on an H200).
     def _write(self, lead: tuple, values) -> "Stash":
         def write(buf, x):
             at = lead + (0,) * x.ndim
-            return jax.lax.dynamic_update_slice(buf, kv_cache.to_words(x)[(None,) * len(lead)], at)
+            update = kv_cache.to_words(x)[(None,) * len(lead)]
+            return kv_cache.row_major(
+                jax.lax.dynamic_update_slice(kv_cache.row_major(buf), update, at)
+            )
 
         return self.replace(buffers=tuple(map(write, self.buffers, values)))
 
     def _read(self, lead: tuple, avals) -> list:
         def read(buf, a):
             at = lead + (0,) * len(a.shape)
-            window = jax.lax.dynamic_slice(buf, at, (1,) * len(lead) + tuple(a.shape))
+            size = (1,) * len(lead) + tuple(a.shape)
+            window = jax.lax.dynamic_slice(kv_cache.row_major(buf), at, size)
             return kv_cache.from_words(window.reshape(a.shape), a.dtype)
 
         return [read(b, a) for b, a in zip(self.buffers, avals, strict=True)]
@@ -520,7 +528,7 @@ class SegmentUnit:
         spec, rows = self.spec, x_in.shape[0]
         length, chunk, shared = spec.local_length(self.seg), *params
         cache = cache if cache is not None else kv_cache.Prefix.holding(k_prefix, v_prefix)
-        layout = self.layer_layout(rows, cache.words_k.shape[0])
+        layout = self.layer_layout(rows, cache)
         x0 = self._start(tokens_bxL, first)(shared, x_in)
 
         def live(i, p, x, words_k, words_v, slot):
@@ -567,7 +575,7 @@ class SegmentUnit:
         dy, dk_own, dv_own = cotangents
         rows, length = dy.shape[0], spec.local_length(self.seg)
         cache = cache if cache is not None else kv_cache.Prefix.holding(k_prefix, v_prefix)
-        layout = self.layer_layout(rows, cache.words_k.shape[0])
+        layout = self.layer_layout(rows, cache)
 
         def pull(i, p, leaves, d_out):
             sinks = self._sinks(rows)
@@ -703,22 +711,25 @@ class SegmentUnit:
         with a run-time layer count, as the executor runs an uneven split."""
         return self.strategy.saved_avals(self, rows, first, depth)
 
-    def layer_layout(self, rows: int, cache_slots: int = 1) -> ResidualLayout:
+    def layer_layout(self, rows: int, cache=None) -> ResidualLayout:
         """One layer's residual layout (`KeepLayerResiduals`), from an abstract trace: the
-        same for every layer of the chunk. Its pullback knows the shapes of its inputs,
-        the K/V cache's among them: probed with the cache's slots."""
-        spec = self.spec
-        key = (spec.cfg, spec.remat, spec.lengths, self.seg, rows, self.split, spec.kv_len)
-        key += (cache_slots, jax.sharding.get_abstract_mesh())
+        same for every layer of the chunk. Its pullback knows its inputs' shapes, the K/V
+        cache's (`cache`, a `kv_cache.Prefix`; default: the executor's, of one slot) among
+        them."""
+        spec, cfg = self.spec, self.spec.cfg
+        words = (1, self.n, rows, spec.kv_len, cfg.local_heads, cfg.head_dim)
+        words = words if cache is None else cache.words_k.shape
+        key = (spec.cfg, spec.remat, spec.lengths, self.seg, self.n, rows, self.split, words)
+        key += (jax.sharding.get_abstract_mesh(),)
         if key not in _LAYOUTS:
-            _LAYOUTS[key] = _probe_layer_layout(self, rows, cache_slots)
+            _LAYOUTS[key] = _probe_layer_layout(self, rows, words)
         return _LAYOUTS[key]
 
 
 _LAYOUTS: dict = {}  # what a layout depends on -> the layout (probes are abstract traces)
 
 
-def _probe_layer_layout(unit: SegmentUnit, rows: int, cache_slots: int) -> ResidualLayout:
+def _probe_layer_layout(unit: SegmentUnit, rows: int, words: tuple) -> ResidualLayout:
     found = []
 
     def probe(p, x, words_k, words_v, slot, layer):
@@ -733,8 +744,7 @@ def _probe_layer_layout(unit: SegmentUnit, rows: int, cache_slots: int) -> Resid
     chunk, _, x_in, *_ = unit.avals(rows)
     p = jax.tree.map(lambda a: sds(a.shape[1:], a.dtype), chunk)
     x = sds((rows, spec.local_length(unit.seg), cfg.d_model), x_in.dtype)
-    shape = (cache_slots, unit.n, rows, spec.kv_len, cfg.local_heads, cfg.head_dim)
-    words = sds(shape, kv_cache.storage_dtype(cfg.dtype))
+    words = sds(words, kv_cache.storage_dtype(cfg.dtype))
     index = sds((), jnp.int32)
     jax.eval_shape(tensor.bound(probe, spec.tensor), p, x, words, words, index, index)
     return found[0]
