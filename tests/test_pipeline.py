@@ -17,6 +17,7 @@ from seqpipe import carry, hlo, kv_cache, layout, model, pipeline, reference, re
 from seqpipe import config as config_lib
 from seqpipe import schedule as schedule_lib
 from seqpipe import spec as spec_lib
+from seqpipe.tools import step_cost
 from seqpipe.tools.verify import (
     GRAD_RTOL,
     LOSS_RTOL,
@@ -356,6 +357,37 @@ def test_the_executors_residual_layout_is_checked_against_the_probe():
     assert tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in kept) == stored
     with pytest.raises(AssertionError, match="segment 0: the forward's residuals differ"):
         _take(second.layer_layout(2), first)  # its prefix differs
+
+
+@pytest.mark.parametrize("remat", ["none", "dots"])
+def test_residuals_are_written_and_read_a_layer_at_a_time(remat):
+    """Kept residuals go into their stash slot a layer at a time and come back the same way
+    (`units.KeepLayerResiduals`): no dynamic slice or update of a stash buffer ([slots, n,
+    ...]) spans more than one layer of one slot. Under a vjp of the whole chunk the
+    executor wrote and read whole slots: copies of every layer's residuals per unit."""
+    config = make_config("seq1f1b", (1, 2), 3, "uniform", "more", 1)
+    config.model.num_layers = 4  # two layers a chunk
+    config.pipeline.remat = remat
+    spec = pipeline.make_spec(config)
+    mesh = sharding.mesh_of(config)
+    params = jax.eval_shape(lambda: model.init_params(spec.cfg, jax.random.key(0)))
+    tokens = jax.ShapeDtypeStruct((config.train.global_batch_size, SEQ_LEN + 1), np.int32)
+    step = jax.jit(lambda p, t: pipeline.loss_and_grads(p, t, spec, mesh))
+    module = step_cost.Module(step.lower(params, tokens).compile().as_text())
+    rows = config.train.global_batch_size // config.pipeline.microbatches
+    stash = {tuple(b.shape) for group in carry.of_spec(spec, rows).saved for b in group}
+    kv = tuple(carry.of_spec(spec, rows).kv_k.shape)
+    assert spec.chunk_layers == 2 and stash and kv not in stash
+    windows = []
+    for comp in module.comps:
+        types = module.types(comp)
+        for i in module.comps[comp]:
+            if i.op == "dynamic-update-slice" and tuple(step_cost.dims_of(i.type)) in stash:
+                windows.append(step_cost.dims_of(types[i.operands[1]]))
+            buffer = step_cost.dims_of(types.get(i.operands[0], "")) if i.operands else []
+            if i.op == "dynamic-slice" and tuple(buffer) in stash:
+                windows.append(step_cost.dims_of(i.type))
+    assert windows and all(w[:2] == [1, 1] for w in windows), windows
 
 
 def test_a_residual_the_probe_saw_constant_is_rebuilt_from_the_probe():
