@@ -136,6 +136,43 @@ def test_bytes_count_slices_in_place_updates_and_loop_trips():
     assert cost.total("bytes", "copy") == 2 * 64 * 16 * 4
 
 
+ACCUMULATE = """HloModule m
+
+%fused_add (param_0: f32[24,1024], param_1: bf16[1,1024], param_2: s32[]) -> f32[24,1024] {
+  %param_0 = f32[24,1024]{1,0} parameter(0)
+  %param_1 = bf16[1,1024]{1,0} parameter(1)
+  %param_2 = s32[] parameter(2)
+  %constant.0 = s32[] constant(0)
+  %dynamic-slice.0 = f32[1,1024]{1,0} dynamic-slice(%param_0, %param_2, %constant.0), dynamic_slice_sizes={1,1024}
+  %convert.0 = f32[1,1024]{1,0} convert(%param_1)
+  %add.0 = f32[1,1024]{1,0} add(%dynamic-slice.0, %convert.0)
+  ROOT %dynamic-update-slice.0 = f32[24,1024]{1,0} dynamic-update-slice(%param_0, %add.0, %param_2, %constant.0)
+}
+
+ENTRY %main (acc: f32[24,1024], g: bf16[1,1024], i: s32[], q: bf16[4,64,2,16], cache: u16[3,24,4,512,2,16]) -> (f32[24,1024], bf16[4,64,2,16]) {
+  %acc = f32[24,1024]{1,0} parameter(0)
+  %g = bf16[1,1024]{1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %q = bf16[4,64,2,16]{3,2,1,0} parameter(3)
+  %cache = u16[3,24,4,512,2,16]{5,4,3,2,1,0} parameter(4)
+  %loop_dynamic_update_slice_fusion = f32[24,1024]{1,0} fusion(%acc, %g, %i), kind=kLoop, calls=%fused_add
+  %pallas_call = bf16[4,64,2,16]{3,2,1,0} custom-call(%q, %cache), custom_call_target="__gpu$xla.gpu.triton"
+  ROOT %result = (f32[24,1024]{1,0}, bf16[4,64,2,16]{3,2,1,0}) tuple(%loop_dynamic_update_slice_fusion, %pallas_call)
+}
+"""
+
+
+def test_an_add_in_place_counts_its_window_and_a_kernel_one_layer_of_the_cache():
+    """A window of an accumulator read, added to and written in place moves the window
+    (read, written) and the addend, not the accumulator; a Triton kernel handed the
+    K/V cache whole ([slots, n, b, Lkv, H, E]) counts one slot's one layer of it."""
+    cost = step_cost.step_cost(ACCUMULATE)
+    row = 1024 * 4
+    assert cost.total("bytes", "update") == row + 1024 * 2 + 4 + 2 * row
+    q = 4 * 64 * 2 * 16 * 2
+    assert cost.total("bytes", "custom") == q + 4 * 512 * 2 * 16 * 2 + q
+
+
 def test_the_roofline_takes_the_longer_of_compute_and_memory_per_kernel():
     cost = step_cost.Cost()
     cost.kernel("gemm", nbytes=1e9, flops=1e15)  # compute-bound: 2 s at 5e14
