@@ -129,6 +129,16 @@ def test_pipeline_matches_reference_full_matrix(case):
     check_against_reference(case)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SAMPLE, ids=case_id)
+def test_pipeline_keeping_every_residual_matches_reference(case):
+    """The sample again under `remat=none`: each layer's residuals stashed and rebuilt
+    (`units.KeepLayerResiduals`) in every schedule, mesh and segment count of it."""
+    config = make_config(*case)
+    config.pipeline.remat = "none"
+    check_against_reference(case, config)
+
+
 # Uneven layer splits (`pipeline.layers_per_stage`): a stage with fewer layers than the
 # deepest pads its block with zero layers and skips them (a lax.cond per layer), under
 # every remat policy; with several segments, so the skipped layers' K/V and cotangents
