@@ -308,6 +308,11 @@ def check_layer_scan(spec, rows: int, seg: int = 0) -> dict:
 # --------------------------------------------------------------------------- breakdown
 
 _ELEMENTWISE_FREE = {
+    # Layouts, barriers and bitcasts (the executor's row-major buffers, its storage
+    # words) move or pin data; they compute nothing.
+    "layout_constraint",
+    "optimization_barrier",
+    "bitcast_convert_type",
     "broadcast_in_dim",
     "reshape",
     "convert_element_type",
