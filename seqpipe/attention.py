@@ -52,6 +52,12 @@ def resolve(name: str, platform: str | None = None) -> str:
     return AUTO.get(platform or jax.default_backend(), AUTO_DEFAULT) if name == "auto" else name
 
 
+def reads_cache_in_place(name: str) -> bool:
+    """Whether `attend_cached` by `name` reads the prefix where it lies in the K/V cache;
+    else (`xla`, `splash`: an einsum and a kernel that take arrays) it copies it out."""
+    return resolve(name) in ("blockwise", "pallas_gpu")
+
+
 def attend(
     name: str,
     q_BxQxHxE: jax.Array,

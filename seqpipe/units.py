@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from seqpipe import kv_cache, model, tensor
+from seqpipe import attention, kv_cache, model, tensor
 from seqpipe.model import Params
 from seqpipe.spec import PipelineSpec
 
@@ -489,29 +489,40 @@ class SegmentUnit:
         sink = jnp.zeros(shape, cfg.dtype)
         return sink, sink
 
-    def _layer_vjp(self, p, x, sink_k, sink_v, at):
-        """((y, K, V), pullback) of one layer reading its prefix from the cache at `at` (a
-        `kv_cache.Prefix` at the layer), differentiated in (p, x, sinks, at) under the
-        policy's per-layer checkpoint; split (zero bubble), the pullback is (vjp with the
-        weight matmuls held constant, their inputs), as `vjp`'s. `at` is an argument, not
-        a closure, so that its leaves are known as the backward's own inputs
-        (`ResidualLayout.split`), never stashed."""
+    def _layer_prefix(self, rows: int, at):
+        """(K prefix, V prefix, cache view) that one layer's vjp takes, `at` the cache at
+        the layer (a `kv_cache.Prefix`): zero sinks for the prefix's cotangents and the
+        view where the attention reads the cache in place; else the prefix copied out of
+        the cache, and no view. Inputs either way: the backward re-reads them, so no
+        prefix-shaped copy is ever stashed."""
+        cfg, offset = self.spec.cfg, self.spec.offsets[self.seg]
+        if attention.reads_cache_in_place(cfg.attention):
+            return (*self._sinks(rows), at)
+        return at.block(0, 0, offset, cfg.dtype), at.block(1, 0, offset, cfg.dtype), None
+
+    def _layer_vjp(self, p, x, k_prefix, v_prefix, at):
+        """((y, K, V), pullback) of one layer on its prefix (`_layer_prefix`: sinks and
+        the cache view `at`, or arrays and None), differentiated in (p, x, K prefix, V
+        prefix, at) under the policy's per-layer checkpoint; split (zero bubble), the
+        pullback is (vjp with the weight matmuls held constant, their inputs), as `vjp`'s.
+        `at` is an argument, not a closure, so that its leaves are known as the backward's
+        own inputs (`ResidualLayout.split`), never stashed."""
         spec, cfg = self.spec, self.spec.cfg
         offset = spec.offsets[self.seg]
 
-        def run(p, x, sink_k, sink_v, at, taps=None):
-            return model.layer(p, x, sink_k, sink_v, offset, cfg, taps, at)
+        def run(p, x, k_prefix, v_prefix, at, taps=None):
+            return model.layer(p, x, k_prefix, v_prefix, offset, cfg, taps, at)
 
         if spec.policy.checkpoint is not None:
             run = jax.checkpoint(run, policy=model.CHECKPOINT_POLICIES[spec.policy.checkpoint])
         if not self.split:
-            return jax.vjp(run, p, x, sink_k, sink_v, at)
+            return jax.vjp(run, p, x, k_prefix, v_prefix, at)
         taps = _zero_taps(cfg, (x.shape[0], self.length))
-        outputs, vjp, inputs = _split_vjp(run, p, x, sink_k, sink_v, at, taps)
+        outputs, vjp, inputs = _split_vjp(run, p, x, k_prefix, v_prefix, at, taps)
         return outputs, (vjp, inputs)
 
     def _pull_layer(self, pullback, d_out):
-        """(d p, dx, dK sink, dV sink, what W reads) of a `_layer_vjp` pullback."""
+        """(d p, dx, dK prefix, dV prefix, what W reads) of a `_layer_vjp` pullback."""
         if not self.split:
             d_p, dx, dk, dv, _ = pullback(d_out)
             return d_p, dx, dk, dv, ()
@@ -533,10 +544,9 @@ class SegmentUnit:
         x0 = self._start(tokens_bxL, first)(shared, x_in)
 
         def live(i, p, x, words_k, words_v, slot):
-            sinks = self._sinks(rows)
-            at = kv_cache.Prefix(words_k, words_v, slot, i)
-            (y, k, v), pullback = self._layer_vjp(p, x, *sinks, at)
-            return y, k, v, layout.take(pullback, (p, *sinks, at), f"segment {self.seg}")
+            prefix = self._layer_prefix(rows, kv_cache.Prefix(words_k, words_v, slot, i))
+            (y, k, v), pullback = self._layer_vjp(p, x, *prefix)
+            return y, k, v, layout.take(pullback, (p, *prefix), f"segment {self.seg}")
 
         def step(carry, per):
             x, stash = carry
@@ -579,8 +589,7 @@ class SegmentUnit:
         layout = self.layer_layout(rows, cache)
 
         def pull(i, p, leaves, d_out):
-            sinks = self._sinks(rows)
-            pullback = layout.rebuild(leaves, (p, *sinks, cache.at_layer(i)))
+            pullback = layout.rebuild(leaves, (p, *self._layer_prefix(rows, cache.at_layer(i))))
             return self._pull_layer(pullback, d_out)
 
         def step(carry, per):
@@ -734,10 +743,9 @@ def _probe_layer_layout(unit: SegmentUnit, rows: int, words: tuple) -> ResidualL
     found = []
 
     def probe(p, x, words_k, words_v, slot, layer):
-        sinks = unit._sinks(rows)
-        at = kv_cache.Prefix(words_k, words_v, slot, layer)
-        _, pullback = unit._layer_vjp(p, x, *sinks, at)
-        layout, stored = ResidualLayout.split(pullback, (p, *sinks, at))
+        prefix = unit._layer_prefix(rows, kv_cache.Prefix(words_k, words_v, slot, layer))
+        _, pullback = unit._layer_vjp(p, x, *prefix)
+        layout, stored = ResidualLayout.split(pullback, (p, *prefix))
         found.append(layout)
         return stored
 

@@ -342,10 +342,10 @@ def _take(layout, unit):
     kv = (1, unit.n, rows, unit.spec.kv_len, cfg.local_heads, cfg.head_dim)
 
     def trace(p, x, words_k, words_v):
-        sinks = unit._sinks(rows)
         at = kv_cache.Prefix(words_k, words_v, jnp.int32(0), jnp.int32(0))
-        _, pullback = unit._layer_vjp(p, x, *sinks, at)
-        return layout.take(pullback, (p, *sinks, at), f"segment {unit.seg}")
+        prefix = unit._layer_prefix(rows, at)
+        _, pullback = unit._layer_vjp(p, x, *prefix)
+        return layout.take(pullback, (p, *prefix), f"segment {unit.seg}")
 
     chunk, _, x_in, *_ = unit.avals(rows)
     p = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), chunk)
