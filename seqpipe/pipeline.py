@@ -308,9 +308,8 @@ def _backward_unit(ctx: Context, inp: StageInputs, op: TickOps, k: int, saved, d
         if words_dk is None
         else kv_cache.Cotangents(words_dk, words_dv, op["bwd_dkv"], off, act)
     )
-    stash = saved if isinstance(saved, units.Stash) else None
     layers, d_shared, dx, *rest = unit.backward(
-        None if stash else tuple(saved),
+        saved,
         (inp.chunk(chunk), inp.shared),
         k_prefix,
         v_prefix,
@@ -320,7 +319,6 @@ def _backward_unit(ctx: Context, inp: StageInputs, op: TickOps, k: int, saved, d
         depth=inp.depth(spec, chunk),
         cache=cache,
         into=into,
-        stash=stash,
         grads=layers,
     )
     into, *pack = rest if into is not None else (None, *rest[2:])

@@ -442,27 +442,26 @@ class SegmentUnit:
         depth=None,
         cache=None,
         into=None,
-        stash=None,
         grads=None,
     ):
-        """(d chunk, d shared, dx, dK prefix, dV prefix) from what the forward saved and the
-        cotangents (dy, dK, dV) of the body's outputs; split, B's (`pull`). With `stash` (a
-        `Stash`) what the forward saved is read from there (`saved` unused). With `into` (a
+        """(d chunk, d shared, dx, dK prefix, dV prefix) from what the forward saved (the
+        values, or the `Stash` slot holding them) and the cotangents (dy, dK, dV) of the
+        body's outputs; split, B's (`pull`). With `into` (a
         `kv_cache.Cotangents`) the prefix's dK, dV are added to it, which takes their
         place in the result; with `grads` (a `LayerGrads`) so is d chunk (layer by layer
         where the strategy runs the layers one at a time). `keep_outputs` (measurement
         only) also returns a recomputed forward's outputs, so XLA cannot drop the work
         that only they need, as it cannot inside the executor's layer loop."""
-        rows = cotangents[0].shape[0]
         if self.strategy.layerwise_stash:
-            own = stash if stash is not None else Stash.holding(saved)
+            own = saved if isinstance(saved, Stash) else Stash.holding(saved)
             acc = grads if grads is not None else LayerGrads.zeros(params[0])
             args = (own, params, k_prefix, v_prefix, tokens_bxL, first, cotangents, depth)
             acc, *rest = self.stashed_backward(*args, cache, into, acc)
             result = (acc if grads is not None else acc.of_chunk(), *rest)
             return (None, result) if keep_outputs else result
-        if stash is not None:
-            saved = stash.get(self.saved_avals(rows, depth=depth is not None))
+        if isinstance(saved, Stash):
+            rows = cotangents[0].shape[0]
+            saved = saved.get(self.saved_avals(rows, depth=depth is not None))
         args = (self, saved, params, k_prefix, v_prefix, tokens_bxL, first, cotangents, depth)
         outputs, result = self.strategy.backward(*args, cache, into)
         if grads is not None:
