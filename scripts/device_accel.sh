@@ -2,10 +2,11 @@
 # The accelerator bench for gpt_1b on the device machine (one H200; ../shared/device.md):
 # run through the `run` tool with carry [".whl"], the wheels downloaded as device.md says.
 # Two parts, each under the tool's 10 minutes a command:
-#   bash scripts/device_accel.sh bench     # every variant (about 6.5 minutes at most)
+#   bash scripts/device_accel.sh bench     # every variant, the prediction (9 minutes at most)
 #   bash scripts/device_accel.sh extras    # flags off, xla attention, the Pallas GPU kernel
 #   bash scripts/device_accel.sh           # both, one after the other
-# Results under $OUT: accel.json (written after each variant), accel.txt (the table),
+# Results under $OUT: accel.json (written after each variant), accel.txt (the tables),
+# accel_predict.json (Seq1F1B over 1F1B on 4 and 8 GPUs from unit timings),
 # accel_noflags.json (the reference without seqpipe's GPU XLA flags), accel_xla.json (the
 # reference and seq1f1b K=4 with model.attention=xla: at 2048 tokens `step_cost`'s H200
 # estimate has `blockwise` faster, `auto`'s pick; this measures it), accel_pallas.json
@@ -24,7 +25,11 @@ if [ "$PART" = bench ] || [ "$PART" = all ]; then
   # gpt_1b, seq 2048, batch 32: the reference, 1f1b M=8, seq1f1b M=8 K=4, then with the
   # remat policies that fit an H200 (ref@dots, 1f1b@none, seq1f1b:4@none), then K=1,2,8.
   timeout 400 python3 -m seqpipe.tools.bench --accelerator --config gpt_1b --steps 3 \
-    --json "$OUT/accel.json" 2>&1 | tee "$OUT/accel.txt"
+    --predict= --json "$OUT/accel.json" 2>&1 | tee "$OUT/accel.txt"
+  # Seq1F1B K=4 over 1F1B on 4 and 8 H200s (M=8, remat none), predicted by the bench's
+  # time model from one-layer units compiled and timed here (about 40 of them).
+  timeout 130 python3 -m seqpipe.tools.bench --accelerator --config gpt_1b --variants= \
+    --json "$OUT/accel_predict.json" 2>&1 | tail -12 | tee -a "$OUT/accel.txt"
 fi
 if [ "$PART" = extras ] || [ "$PART" = all ]; then
   # The same reference without the flags seqpipe sets on GPUs (their effect, in one row).

@@ -37,6 +37,31 @@ def test_quick_end_to_end_through_bench_accelerator(tmp_path, capsys):
     assert "| 1f1b |" in capsys.readouterr().out
 
 
+def test_seq1f1b_over_1f1b_is_predicted_from_units_timed_here(tmp_path, capsys):
+    out = tmp_path / "accel.json"
+    argv = ["--accelerator", "--quick", "--variants=", "--predict", "seq1f1b:2@none"]
+    argv += ["--config.model.num_layers=4", "--json", str(out)]  # S = 4 divides it, 8 not
+    assert bench.main(argv) == 0
+    pred = json.loads(out.read_text())["prediction"]
+    assert (pred["remat"], pred["microbatches"], pred["stages_skipped"]) == ("none", 8, [8])
+    one, seq = pred["rows"]
+    assert [(r["stages"], r["label"]) for r in pred["rows"]] == [
+        (4, "1f1b"),
+        (4, "seq1f1b K2 uniform"),
+    ]
+    assert one["speedup_over_1f1b"] == 1.0
+    assert seq["speedup_over_1f1b"] == pytest.approx(one["predicted_s"] / seq["predicted_s"])
+    for r in (one, seq):
+        units = r["unit_s"]  # one micro-batch's units on a middle stage
+        assert units["F"] > 0 and units["B"] > 0 and units["W"] == 0
+        # A synchronous pipeline takes at least a middle stage's own work, and idles some.
+        assert r["predicted_s"] > 8 * (units["F"] + units["B"])
+        assert 0 < r["bubble"] < 1 and r["mfu"] is None  # CPU: no peak
+    printed = capsys.readouterr().out
+    assert "| 4 | seq1f1b K2 uniform |" in printed and "(S = 8: does not divide" in printed
+    assert "| variant |" not in printed  # no step variants were asked for
+
+
 def test_classify_by_innermost_telling_frame():
     def ins(opcode, *stack, calls=()):
         return accel.classify({"opcode": opcode, "stack": list(stack)}, set(calls))
@@ -62,6 +87,17 @@ def test_bad_variant_is_one_line(capsys):
         assert e.value.code == 2
         (line,) = capsys.readouterr().err.strip().splitlines()
         assert line.startswith(f"error: --variants: {message}"), line
+    for extra, message in (
+        (["--predict", "1f1b"], "1f1b: name a seq1f1b variant (seq1f1b:K or seq1f1b:K@REMAT)"),
+        (["--predict", "seq1f1b:3"], "unknown seq1f1b:3; choose from ref, 1f1b,"),
+        (["--predict", "seq1f1b:4@fast"], "seq1f1b:4@fast: unknown remat 'fast'"),
+        (["--predict", "seq1f1b:2"], "model.num_layers=2 splits over none of 4 or 8 stages;"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            accel.main(["--quick", "--variants=", *extra])
+        assert e.value.code == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith(f"error: --predict: {message}"), line
 
 
 def test_a_variant_with_a_remat_policy_sets_it_and_keeps_its_schedule():

@@ -370,15 +370,16 @@ def _chunk_layers(spec) -> int:
     return spec.cfg.num_layers // (spec.stages * spec.virtual)
 
 
-def prediction(specs, timer, layers: int) -> list[dict]:
-    """Seq1F1B over 1F1B, predicted from the measured unit timings. Where a table's chunks
-    have another layer count than the benchmark's (`layers`), the units' backwards keep
-    their outputs (as in the layer loop): with one layer per chunk XLA would drop a middle
-    backward's last matmul, so those times are slight overestimates."""
+def prediction(specs, timer, layers: int | None = None) -> list[dict]:
+    """Seq1F1B over 1F1B, predicted from the measured unit timings (each table after its
+    1F1B). Where a table's chunks have another layer count than the benchmark's
+    (`layers`), the units' backwards keep their outputs (as in the layer loop): with one
+    layer per chunk XLA would drop a middle backward's last matmul, so those times are
+    slight overestimates. Without `layers` every unit is timed as its chunk runs it."""
     out, base = [], None
     for p in specs:
         spec = p["spec"]
-        keep_all = _chunk_layers(spec) != layers
+        keep_all = layers is not None and _chunk_layers(spec) != layers
         pred = predicted(spec, lambda sp, *a, k=keep_all: timer.unit(sp, *a, keep_all=k))
         if spec.schedule.name == "1f1b":
             base = pred["time"]
