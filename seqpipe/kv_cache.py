@@ -97,14 +97,19 @@ class Cotangents:
     """The prefix K/V cotangents of one micro-batch (slot `slot` of the cotangent caches
     `words_k`, `words_v`, [slots, n, b, Lkv, H, E] storage words), which a segment's
     backward adds to: its prefix [0, prefix_len) waits for the earlier segments' backwards;
-    its own window and any later one are spent, so they are cleared for the slot's next
-    micro-batch. Each add touches only its window of the caches."""
+    its own window [prefix_len, prefix_len + own_len), which the backward has read, is
+    spent, so it is cleared for the slot's next micro-batch (each later segment's backward,
+    run before it, cleared its own). Each add touches those two windows only: the prefix
+    read, added to and written in place, the own window written with zeros (reading and
+    rewriting the whole Lkv window each layer cost gpt_1b seq1f1b M=8 K=4 0.18 TB a step on
+    an H200, by `seqpipe.tools.step_cost`; see `Cotangents._add`)."""
 
     words_k: jax.Array
     words_v: jax.Array
     slot: jax.Array
     prefix_len: int = struct.field(pytree_node=False)
     dtype: np.dtype = struct.field(pytree_node=False)
+    own_len: int = struct.field(pytree_node=False)
 
     def add_layer(self, layer, dk: jax.Array, dv: jax.Array) -> "Cotangents":
         """Adds one layer's prefix cotangents ([b, >= prefix_len, H, E])."""
@@ -117,17 +122,18 @@ class Cotangents:
     def _add(self, lead: tuple, dk, dv) -> "Cotangents":
         def update(words, d):
             words = row_major(words)
-            shape = words.shape[len(words.shape) - d.ndim :]
-            at = lead + (0,) * d.ndim
-            d = jnp.pad(d[..., : self.prefix_len, :, :], _pad_positions(shape, self.prefix_len))
-            old = from_words(jax.lax.dynamic_slice(words, at, (1,) * len(lead) + shape), self.dtype)
-            before = (jnp.arange(shape[-3]) < self.prefix_len)[:, None, None]
-            new = jnp.where(before, old + d.astype(self.dtype), 0)
-            return jax.lax.dynamic_update_slice(words, to_words(new), at)
+            *inner, length, h, e = words.shape[len(words.shape) - d.ndim :]
+            lead_ones, at = (1,) * len(lead), lead + (0,) * d.ndim
+            if self.prefix_len:
+                size = (*lead_ones, *inner, self.prefix_len, h, e)
+                old = from_words(jax.lax.dynamic_slice(words, at, size), self.dtype)
+                new = old + d[..., : self.prefix_len, :, :].astype(self.dtype).reshape(size)
+                words = jax.lax.dynamic_update_slice(words, to_words(new), at)
+            own = min(self.own_len, length - self.prefix_len)  # the last segment's: none
+            if own > 0:
+                zeros = jnp.zeros((*lead_ones, *inner, own, h, e), words.dtype)
+                at = (*lead, *(0,) * len(inner), self.prefix_len, 0, 0)
+                words = jax.lax.dynamic_update_slice(words, zeros, at)
+            return words
 
         return self.replace(words_k=update(self.words_k, dk), words_v=update(self.words_v, dv))
-
-
-def _pad_positions(shape: tuple, length: int) -> list:
-    """jnp.pad widths taking [..., length, H, E] to `shape` along the positions."""
-    return [(0, 0)] * (len(shape) - 3) + [(0, shape[-3] - length), (0, 0), (0, 0)]
