@@ -88,9 +88,9 @@ def test_bad_variant_is_one_line(capsys):
         (line,) = capsys.readouterr().err.strip().splitlines()
         assert line.startswith(f"error: --variants: {message}"), line
     for extra, message in (
-        (["--predict", "1f1b"], "1f1b: name a seq1f1b variant (seq1f1b:K or seq1f1b:K@REMAT)"),
-        (["--predict", "seq1f1b:3"], "unknown seq1f1b:3; choose from ref, 1f1b,"),
-        (["--predict", "seq1f1b:4@fast"], "seq1f1b:4@fast: unknown remat 'fast'"),
+        (["--predict", "1f1b"], "1f1b: name seq1f1b:K or seq1f1b:K@REMAT, K in 1, 2, 4, 8;"),
+        (["--predict", "seq1f1b:3"], "seq1f1b:3: name seq1f1b:K or seq1f1b:K@REMAT, K in 1,"),
+        (["--predict", "seq1f1b:4@fast"], "seq1f1b:4@fast: unknown remat 'fast'; choose from"),
         (["--predict", "seq1f1b:2"], "model.num_layers=2 splits over none of 4 or 8 stages;"),
     ):
         with pytest.raises(SystemExit) as e:

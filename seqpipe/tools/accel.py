@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 
-from seqpipe.tools import bench, step_cost
+from seqpipe.tools import bench, predict, step_cost
 
 DEFAULT_CONFIG = "gpt_1b"
 # name: (schedule, microbatches, segments)
@@ -60,10 +60,9 @@ DEFAULT_VARIANTS = (
     "ref,1f1b,seq1f1b:4,ref@dots,1f1b@none,seq1f1b:4@none,seq1f1b:1,seq1f1b:2,seq1f1b:8"
 )
 QUICK_VARIANTS = "ref,1f1b,seq1f1b:2"
-# The prediction's Seq1F1B (against 1F1B under the same remat): `none` is what fits gpt_1b
-# on four or eight H200s with the least recompute (`remat=auto` picks it there). A quick
-# run's model has too few layers for four stages: it predicts only when asked.
-DEFAULT_PREDICT, QUICK_PREDICT = "seq1f1b:4@none", ""
+# After the variants, Seq1F1B over 1F1B on 4 and 8 of these devices (`tools.predict`). A
+# quick run's model has too few layers for four stages: it predicts only when asked.
+QUICK_PREDICT = ""
 GROUPS = (
     "matmuls",
     "attention",
@@ -101,13 +100,6 @@ def unknown_variant(name: str) -> str | None:
     if "@" in name and policy not in remat.POLICIES:
         return f"{name}: unknown remat {policy!r}; choose from {', '.join(remat.POLICIES)}"
     return None
-
-
-def unknown_prediction(name: str) -> str | None:
-    """What is wrong with a `--predict` (`seq1f1b:K[@REMAT]`), or None."""
-    if not name.startswith("seq1f1b:"):
-        return f"{name}: name a seq1f1b variant (seq1f1b:K or seq1f1b:K@REMAT), K in 1, 2, 4, 8"
-    return unknown_variant(name)
 
 
 def variant_config(config, name: str):
@@ -429,94 +421,6 @@ def run(config, names: list[str], steps: int, profile: bool, log=print, dump=Non
     return result
 
 
-def predict(config, name: str, log=print) -> dict:
-    """Seq1F1B (`name`: `seq1f1b:K[@REMAT]`) over 1F1B under the same remat, on S = 4 and
-    8 stages (those that divide the layers), M = 8, data 1: the benchmark's time model
-    (`bench.predicted`: a synchronous tick lasts as long as its busiest stage) under
-    one-layer units compiled and timed on this device, a chunk's unit the sum of its
-    layers' (`flops.chunk_terms`). Predicted MFU counts the S devices' peak."""
-    import jax
-
-    from seqpipe import model, pipeline
-    from seqpipe.metrics import peak_flops
-    from seqpipe.model import GPTConfig
-    from seqpipe.tools import flops
-
-    base, _, policy = name.partition("@")
-    c = config.copy_and_resolve_references()
-    with c.unlocked():
-        c.mesh.data = 1
-        c.pipeline.microbatches = bench.PREDICT_MICROBATCHES
-        c.pipeline.remat = policy or c.pipeline.remat
-    layers, t = c.model.num_layers, c.train
-    stages = [s for s in bench.PREDICT_STAGES if layers % s == 0]
-    tables = [("1f1b", 1), ("seq1f1b", VARIANTS[base][2])]
-    specs = [
-        {
-            "spec": pipeline.make_spec(bench.variant(c, sched, k, "uniform", 1, stage=S)),
-            "depth": c.pipeline.inflight,
-            "label": bench.label(sched, k, "uniform", 1),
-        }
-        for S in stages
-        for sched, k in tables
-    ]
-    rows = t.global_batch_size // c.pipeline.microbatches
-    start = time.perf_counter()
-    units = [u for p in specs for u in flops.needed_units(p["spec"], rows)]
-    flops.precompile(units, os.cpu_count() or 1)  # XLA compiles release the GIL
-    timer = bench.UnitTimer(rows, repeats=5)
-    out = bench.prediction(specs, timer)
-    tokens = t.global_batch_size * t.seq_len
-    per_token = model.flops_per_token(GPTConfig.from_config(c.model), t.seq_len)
-    peak = peak_flops(jax.devices()[0].device_kind)
-    for row, p in zip(out, specs, strict=True):
-        row["tokens_per_s"] = tokens / row["predicted_s"]
-        row["mfu"] = (
-            per_token * tokens / (row["predicted_s"] * row["stages"] * peak) if peak else None
-        )
-        row["unit_s"] = bench.unit_seconds(p["spec"], timer)  # one micro-batch, a middle stage
-    seconds, units = time.perf_counter() - start, flops.release()
-    log(f"prediction: {len(specs)} tables, {units} units compiled and timed in {seconds:.0f} s")
-    skipped = [s for s in bench.PREDICT_STAGES if s not in stages]
-    return {
-        "seq1f1b": name,
-        "remat": c.pipeline.remat,
-        "microbatches": c.pipeline.microbatches,
-        "rows_per_microbatch": rows,
-        "stages_skipped": skipped,  # they do not divide the layers
-        "paper_speedup": PAPER_SPEEDUP,
-        "rows": out,
-    }
-
-
-# Seq1F1B over 1F1B that the paper reports (../shared/seq1f1b.md), for the table.
-PAPER_SPEEDUP = 1.14
-
-
-def predict_table(pred: dict) -> str:
-    """The prediction's console table."""
-    lines = [
-        f"Predicted from units timed here ({pred['seq1f1b']} against 1f1b, remat "
-        f"{pred['remat']}, M={pred['microbatches']}, {pred['rows_per_microbatch']} rows a "
-        f"micro-batch; the paper: {PAPER_SPEEDUP}x); F and B: one micro-batch on a middle stage",
-        "",
-        "| S | schedule | predicted s | bubble | throughput / 1f1b | tokens/s | MFU | F ms "
-        "| B ms |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in pred["rows"]:
-        u = r["unit_s"]
-        lines.append(
-            f"| {r['stages']} | {r['label']} | {r['predicted_s']:.4f} | {r['bubble']:.3f} | "
-            f"{r['speedup_over_1f1b']:.3f} | {r['tokens_per_s']:,.0f} | {_pct(r['mfu'])} | "
-            f"{1e3 * u['F']:.1f} | {1e3 * u['B']:.1f} |"
-        )
-    if pred["stages_skipped"]:
-        skipped = ", ".join(map(str, pred["stages_skipped"]))
-        lines.append(f"\n(S = {skipped}: does not divide the model's layers)")
-    return "\n".join(lines) + "\n"
-
-
 def _pct(x) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
@@ -588,7 +492,7 @@ def main(argv: list[str]) -> int:
             "--predict",
             default=None,
             help=f"seq1f1b:K[@REMAT] to predict against 1f1b on {bench.PREDICT_STAGES} stages "
-            f"from units timed here (default {DEFAULT_PREDICT}, none with --quick; empty: none)",
+            f"from units timed here (default {predict.DEFAULT}, none with --quick; empty: none)",
         )
 
     argv = [a for a in argv if a != "--accelerator"]
@@ -603,15 +507,10 @@ def main(argv: list[str]) -> int:
     names = [n for n in names if n]  # --variants= : the prediction alone
     for problem in filter(None, map(unknown_variant, names)):
         cli.fail(f"--variants: {problem}")
-    default = QUICK_PREDICT if args.quick else DEFAULT_PREDICT
+    default = QUICK_PREDICT if args.quick else predict.DEFAULT
     predicting = default if args.predict is None else args.predict
-    if predicting and (problem := unknown_prediction(predicting)):
-        cli.fail(f"--predict: {problem}")
-    if predicting and not any(config.model.num_layers % s == 0 for s in bench.PREDICT_STAGES):
-        cli.fail(
-            f"--predict: model.num_layers={config.model.num_layers} splits over none of "
-            f"{' or '.join(map(str, bench.PREDICT_STAGES))} stages; --predict= skips it"
-        )
+    if predicting and (problem := predict.problem(predicting, config.model.num_layers)):
+        cli.fail(f"--predict: {problem}; --predict= skips it")
     if args.steps < 1:
         cli.fail(f"--steps={args.steps} must be at least 1")
     cli.quiet_libtpu()
@@ -636,9 +535,9 @@ def main(argv: list[str]) -> int:
     if names:
         sys.stdout.write(table(result))
     if predicting:
-        result["prediction"] = predict(config, predicting, log)
+        result["prediction"] = predict.predict(config, predicting, log=log)
         dump(result)
-        sys.stdout.write(("\n" if names else "") + predict_table(result["prediction"]))
+        sys.stdout.write(("\n" if names else "") + predict.table(result["prediction"]))
     return 0
 
 

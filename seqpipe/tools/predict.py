@@ -1,0 +1,241 @@
+"""Seq1F1B over 1F1B on 4 and 8 stages, from the costs of its units on one device.
+
+    python -m seqpipe.tools.predict [--config gpt_1b] [--predict seq1f1b:4@none]
+        [--topology h200] [--json FILE] [--config.key=value ...]
+
+For `seq1f1b:K[@REMAT]` and 1F1B under the same remat, M = 8, data 1, on S = 4 and 8
+stages (those that divide the layers): the benchmark's time model (`bench.predicted`: a
+synchronous tick lasts as long as its busiest stage), each chunk's unit the sum of its
+layers' one-layer units (`flops.chunk_terms`). The units' costs are
+
+- timed on the device JAX sees (each compiled and run alone, `bench.UnitTimer`);
+  `python -m seqpipe.bench --accelerator` runs this after its variants;
+- or, with `--topology h200`, estimated for an H200 from this machine: each unit
+  compiled for it (`seqpipe.gpu_topology`) and costed by `step_cost`'s roofline fitted to
+  the H200's measured steps. A Pallas kernel's own time is invisible to that estimate,
+  so it stands for `blockwise` attention (`auto` on GPUs), not `pallas_gpu`.
+
+Predicted MFU is the step's model FLOPs over the S devices' peak.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import json
+import os
+import sys
+import time
+
+from seqpipe.tools import bench, step_cost
+
+DEFAULT = "seq1f1b:4@none"  # `none`: what fits gpt_1b on 4 or 8 H200s with least recompute
+SEGMENTS = (1, 2, 4, 8)
+PAPER_SPEEDUP = 1.14  # Seq1F1B over 1F1B in the paper (../shared/seq1f1b.md)
+
+
+def parse(name: str) -> tuple[int, str | None]:
+    """(K, remat or None) of `seq1f1b:K[@REMAT]`; ValueError (one line) if it is not one."""
+    from seqpipe import remat
+
+    base, _, policy = name.partition("@")
+    k = base.removeprefix("seq1f1b:")
+    if not base.startswith("seq1f1b:") or not k.isdigit() or int(k) not in SEGMENTS:
+        choices = ", ".join(map(str, SEGMENTS))
+        raise ValueError(f"{name}: name seq1f1b:K or seq1f1b:K@REMAT, K in {choices}")
+    if "@" in name and policy not in remat.POLICIES:
+        choices = ", ".join(remat.POLICIES)
+        raise ValueError(f"{name}: unknown remat {policy!r}; choose from {choices}")
+    return int(k), policy or None
+
+
+def stages_for(layers: int) -> list[int]:
+    return [s for s in bench.PREDICT_STAGES if layers % s == 0]
+
+
+class EstimatedUnits(bench.UnitTimer):
+    """One-layer units compiled for `device` (a compile-only GPU), each's seconds
+    `step_cost`'s H200 roofline estimate of its compiled program."""
+
+    def __init__(self, rows: int, device):
+        super().__init__(rows, repeats=0)
+        self.device = device
+
+    def one_layer(self, spec, seg, first, last, backward, keep) -> float:
+        import jax
+
+        from seqpipe.tools import flops
+
+        key = flops.unit_key(spec, self.rows, seg, first, last, backward, keep)
+        if key not in self.seconds:
+            fn = flops.unit_functions(spec, seg, first, last, self.rows)[backward]
+            if key[-1]:  # as `flops.compiled_unit`: the recomputed forward's outputs kept
+                fn = functools.partial(fn, keep_outputs=True)
+            args = flops.unit_args(spec, self.rows, seg, 1, backward, (first, last))
+            on = jax.sharding.SingleDeviceSharding(self.device)
+            args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on), args)
+            lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+            cost = step_cost.step_cost(lowered.compile().as_text(), 1, 1)
+            self.seconds[key] = cost.seconds(*step_cost.H200)
+        return self.seconds[key]
+
+    def precompile(self, needed: list[tuple], workers: int) -> None:
+        """Estimate `flops.needed_units` entries on `workers` threads (compiles release
+        the GIL)."""
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            list(pool.map(lambda u: self.one_layer(u[0], *u[2:]), needed))
+
+
+def predict(config, name: str, device=None, log=print) -> dict:
+    """The prediction for `name` (`parse`): units timed on this device, or with `device`
+    (a compile-only H200) estimated for it."""
+    import jax
+
+    from seqpipe import model, pipeline
+    from seqpipe.metrics import peak_flops
+    from seqpipe.model import GPTConfig
+    from seqpipe.tools import flops
+
+    segments, policy = parse(name)
+    c = config.copy_and_resolve_references()
+    with c.unlocked():
+        c.mesh.data = 1
+        c.pipeline.microbatches = bench.PREDICT_MICROBATCHES
+        c.pipeline.remat = policy or c.pipeline.remat
+    t, stages = c.train, stages_for(c.model.num_layers)
+    specs = [
+        {
+            "spec": pipeline.make_spec(bench.variant(c, sched, k, "uniform", 1, stage=S)),
+            "depth": c.pipeline.inflight,
+            "label": bench.label(sched, k, "uniform", 1),
+        }
+        for S in stages
+        for sched, k in (("1f1b", 1), ("seq1f1b", segments))
+    ]
+    rows = t.global_batch_size // c.pipeline.microbatches
+    start, workers = time.perf_counter(), os.cpu_count() or 1
+    needed = [u for p in specs for u in flops.needed_units(p["spec"], rows)]
+    if device is None:
+        timer, kind = bench.UnitTimer(rows, repeats=5), jax.devices()[0].device_kind
+        flops.precompile(needed, workers)
+        costs = f"timed on {kind}"
+    else:
+        timer, kind = EstimatedUnits(rows, device), device.device_kind
+        timer.precompile(needed, workers)
+        costs = f"estimated for {kind} (step_cost's H200 roofline)"
+    out = bench.prediction(specs, timer)
+    tokens = t.global_batch_size * t.seq_len
+    per_token = model.flops_per_token(GPTConfig.from_config(c.model), t.seq_len)
+    peak = peak_flops(kind)
+    for row, p in zip(out, specs, strict=True):
+        row["tokens_per_s"] = tokens / row["predicted_s"]
+        device_s = row["predicted_s"] * row["stages"]
+        row["mfu"] = per_token * tokens / (device_s * peak) if peak else None
+        row["unit_s"] = bench.unit_seconds(p["spec"], timer)  # one micro-batch, a middle stage
+    seconds, units = time.perf_counter() - start, len(timer.seconds)
+    flops.release()
+    log(f"prediction: {len(specs)} tables, {units} units {costs} in {seconds:.0f} s")
+    return {
+        "seq1f1b": name,
+        "costs": costs,
+        "remat": c.pipeline.remat,
+        "microbatches": c.pipeline.microbatches,
+        "rows_per_microbatch": rows,
+        "stages_skipped": [s for s in bench.PREDICT_STAGES if s not in stages],
+        "paper_speedup": PAPER_SPEEDUP,
+        "rows": out,
+    }
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def table(pred: dict) -> str:
+    """The prediction's console table."""
+    lines = [
+        f"Predicted Seq1F1B over 1F1B ({pred['seq1f1b']}, remat {pred['remat']}, "
+        f"M={pred['microbatches']}, {pred['rows_per_microbatch']} rows a micro-batch), unit "
+        f"costs {pred['costs']}; the paper: {PAPER_SPEEDUP}x. F and B: one micro-batch's "
+        "units on a middle stage.",
+        "",
+        "| S | schedule | predicted s | bubble | throughput / 1f1b | tokens/s | MFU | F ms "
+        "| B ms |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in pred["rows"]:
+        u = r["unit_s"]
+        lines.append(
+            f"| {r['stages']} | {r['label']} | {r['predicted_s']:.4f} | {r['bubble']:.3f} | "
+            f"{r['speedup_over_1f1b']:.3f} | {r['tokens_per_s']:,.0f} | {_pct(r['mfu'])} | "
+            f"{1e3 * u['F']:.1f} | {1e3 * u['B']:.1f} |"
+        )
+    if pred["stages_skipped"]:
+        skipped = ", ".join(map(str, pred["stages_skipped"]))
+        lines.append(f"\n(S = {skipped}: does not divide the model's layers)")
+    return "\n".join(lines) + "\n"
+
+
+def problem(name: str, num_layers: int) -> str | None:
+    """What is wrong with predicting `name` for a model of `num_layers`, or None."""
+    try:
+        parse(name)
+    except ValueError as e:
+        return str(e)
+    if not stages_for(num_layers):
+        stages = " or ".join(map(str, bench.PREDICT_STAGES))
+        return f"model.num_layers={num_layers} splits over none of {stages} stages"
+    return None
+
+
+def main(argv: list[str]) -> int:
+    from seqpipe import cli
+
+    def flags(parser):
+        parser.add_argument("--predict", default=DEFAULT, help="seq1f1b:K[@REMAT]")
+        parser.add_argument(
+            "--topology",
+            default=None,
+            help="estimate the units for this GPU (h200) instead of timing them here",
+        )
+        parser.add_argument("--json", default=None, help="write the prediction here")
+
+    if not any(a == "--config" or a.startswith("--config=") for a in argv):
+        argv = ["--config", "gpt_1b", *argv]
+    config, args = cli.load_or_exit(argv, "python -m seqpipe.tools.predict", flags)
+    cli.no_tensor_or_exit(config, "python -m seqpipe.tools.predict")
+    if bad := problem(args.predict, config.model.num_layers):
+        cli.fail(f"--predict: {bad}")
+    target = None
+    if args.topology is not None:
+        from seqpipe import gpu_topology, topology
+
+        if args.topology.strip().lower() not in ("h200", "h200-1"):
+            cli.fail(f"--topology {args.topology}: the estimate is fitted to one H200; use h200")
+        target = gpu_topology.parse(args.topology)
+        target.prepare_env()  # before jax is imported
+        try:
+            device = target.devices()[0]
+        except topology.TopologyError as e:
+            cli.fail(str(e))
+    else:
+        from seqpipe import xla_flags
+
+        xla_flags.apply()  # as train.py does: GPU only, the user's XLA_FLAGS win
+        device = None
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    pred = cli.run_or_exit(lambda: predict(config, args.predict, device, log))
+    if args.json:
+        if os.path.dirname(args.json):
+            os.makedirs(os.path.dirname(args.json), exist_ok=True)
+        with open(args.json, "w") as fh:
+            json.dump(pred, fh, indent=1)
+    sys.stdout.write(table(pred))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
