@@ -10,20 +10,11 @@ from pathlib import Path
 import pytest
 from test_gpu_topology import needs_plugin
 
-from seqpipe.tools import predict
+from seqpipe.tools import accel, predict
 
 REPO = Path(__file__).resolve().parent.parent
-# gpt_1b's shape scaled down; 4 layers, so S = 4 divides them and S = 8 does not.
-TINY = [
-    "--config.model.vocab_size=256",
-    "--config.model.num_layers=4",
-    "--config.model.d_model=32",
-    "--config.model.num_heads=2",
-    "--config.model.d_ff=64",
-    "--config.model.dtype=float32",
-    "--config.train.global_batch_size=8",
-    "--config.train.seq_len=64",
-]
+# The accelerator bench's tiny gpt_1b with 4 layers: S = 4 divides them, S = 8 does not.
+TINY = [*accel.QUICK, "--config.model.num_layers=4"]
 
 
 @needs_plugin

@@ -147,10 +147,6 @@ def predict(config, name: str, device=None, log=print) -> dict:
     }
 
 
-def _pct(x) -> str:
-    return "-" if x is None else f"{100 * x:.1f}%"
-
-
 def table(pred: dict) -> str:
     """The prediction's console table."""
     lines = [
@@ -164,10 +160,10 @@ def table(pred: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in pred["rows"]:
-        u = r["unit_s"]
+        u, mfu = r["unit_s"], "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
         lines.append(
             f"| {r['stages']} | {r['label']} | {r['predicted_s']:.4f} | {r['bubble']:.3f} | "
-            f"{r['speedup_over_1f1b']:.3f} | {r['tokens_per_s']:,.0f} | {_pct(r['mfu'])} | "
+            f"{r['speedup_over_1f1b']:.3f} | {r['tokens_per_s']:,.0f} | {mfu} | "
             f"{1e3 * u['F']:.1f} | {1e3 * u['B']:.1f} |"
         )
     if pred["stages_skipped"]:
