@@ -27,7 +27,7 @@ if [ "$PART" = bench ] || [ "$PART" = all ]; then
   timeout 400 python3 -m seqpipe.tools.bench --accelerator --config gpt_1b --steps 3 \
     --predict= --json "$OUT/accel.json" 2>&1 | tee "$OUT/accel.txt"
   # Seq1F1B K=4 over 1F1B on 4 and 8 H200s (M=8, remat none), predicted by the bench's
-  # time model from one-layer units compiled and timed here (about 40 of them).
+  # time model from one-layer units compiled and timed here (30 of them).
   timeout 130 python3 -m seqpipe.tools.bench --accelerator --config gpt_1b --variants= \
     --json "$OUT/accel_predict.json" 2>&1 | tail -12 | tee -a "$OUT/accel.txt"
 fi
