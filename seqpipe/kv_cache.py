@@ -12,6 +12,8 @@ the layer. `blockwise.cached_attention` slices its key blocks from it directly, 
 prefix is never copied, per unit or per layer, nor kept for the backward.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,6 +34,35 @@ def to_words(x: jax.Array) -> jax.Array:
 
 def from_words(w: jax.Array, dtype) -> jax.Array:
     return w if w.dtype == np.dtype(dtype) else jax.lax.bitcast_convert_type(w, dtype)
+
+
+def add_window(words: jax.Array, at: tuple, delta: jax.Array, dtype) -> jax.Array:
+    """`words` with `delta` (in `dtype`) added to its window at `at`, in place. The window
+    is read, added to and written through a view that depends on the backend: on CPU the
+    words themselves, bitcast at the window (`add_through_words`); on accelerators the
+    whole buffer bitcast to `dtype` (`add_through_view`), because XLA's GPU compiler
+    copies a window it reads through a bitcast before the update that writes it back (a
+    toy 24-layer cotangent cache compiled for an H200: 32 MiB of copies and a fusion more
+    per add; none through the view)."""
+    at = tuple(jnp.asarray(i, jnp.int32) for i in at)
+    return jax.lax.platform_dependent(
+        words,
+        delta.astype(dtype),
+        *at,
+        cpu=functools.partial(add_through_words, dtype=dtype),
+        default=functools.partial(add_through_view, dtype=dtype),
+    )
+
+
+def add_through_words(words, delta, *at, dtype):
+    old = from_words(jax.lax.dynamic_slice(words, at, delta.shape), dtype)
+    return jax.lax.dynamic_update_slice(words, to_words(old + delta), at)
+
+
+def add_through_view(words, delta, *at, dtype):
+    view = from_words(words, dtype)
+    old = jax.lax.dynamic_slice(view, at, delta.shape)
+    return to_words(jax.lax.dynamic_update_slice(view, old + delta, at))
 
 
 def slot_zero() -> jax.Array:
@@ -126,9 +157,8 @@ class Cotangents:
             lead_ones, at = (1,) * len(lead), lead + (0,) * d.ndim
             if self.prefix_len:
                 size = (*lead_ones, *inner, self.prefix_len, h, e)
-                old = from_words(jax.lax.dynamic_slice(words, at, size), self.dtype)
-                new = old + d[..., : self.prefix_len, :, :].astype(self.dtype).reshape(size)
-                words = jax.lax.dynamic_update_slice(words, to_words(new), at)
+                delta = d[..., : self.prefix_len, :, :].reshape(size)
+                words = add_window(words, at, delta, self.dtype)
             own = min(self.own_len, length - self.prefix_len)  # the last segment's: none
             if own > 0:
                 zeros = jnp.zeros((*lead_ones, *inner, own, h, e), words.dtype)
