@@ -37,32 +37,39 @@ def from_words(w: jax.Array, dtype) -> jax.Array:
 
 
 def add_window(words: jax.Array, at: tuple, delta: jax.Array, dtype) -> jax.Array:
-    """`words` with `delta` (in `dtype`) added to its window at `at`, in place. The window
-    is read, added to and written through a view that depends on the backend: on CPU the
-    words themselves, bitcast at the window (`add_through_words`); on accelerators the
-    whole buffer bitcast to `dtype` (`add_through_view`), because XLA's GPU compiler
-    copies a window it reads through a bitcast before the update that writes it back (a
-    toy 24-layer cotangent cache compiled for an H200: 32 MiB of copies and a fusion more
-    per add; none through the view)."""
+    """`words` with `delta` (in `dtype`) added to its window at `at`, in place
+    (`update_window`)."""
+    return update_window(words, at, delta.astype(dtype), jnp.add, dtype)
+
+
+def update_window(words: jax.Array, at: tuple, value: jax.Array, combine, dtype) -> jax.Array:
+    """`words` with its window at `at` (`value`'s shape) replaced by combine(window,
+    value), both in `dtype`, in place. The window is read and written through a view that
+    depends on the backend: on CPU the words themselves, bitcast at the window
+    (`update_through_words`); on accelerators the whole buffer bitcast to `dtype`
+    (`update_through_view`), because XLA's GPU compiler copies a window it reads through a
+    bitcast before the update that writes it back (a toy 24-layer cotangent cache
+    compiled for an H200: 32 MiB of copies and a fusion more per add; none through the
+    view)."""
     at = tuple(jnp.asarray(i, jnp.int32) for i in at)
     return jax.lax.platform_dependent(
         words,
-        delta.astype(dtype),
+        value,
         *at,
-        cpu=functools.partial(add_through_words, dtype=dtype),
-        default=functools.partial(add_through_view, dtype=dtype),
+        cpu=functools.partial(update_through_words, combine=combine, dtype=dtype),
+        default=functools.partial(update_through_view, combine=combine, dtype=dtype),
     )
 
 
-def add_through_words(words, delta, *at, dtype):
-    old = from_words(jax.lax.dynamic_slice(words, at, delta.shape), dtype)
-    return jax.lax.dynamic_update_slice(words, to_words(old + delta), at)
+def update_through_words(words, value, *at, combine, dtype):
+    old = from_words(jax.lax.dynamic_slice(words, at, value.shape), dtype)
+    return jax.lax.dynamic_update_slice(words, to_words(combine(old, value)), at)
 
 
-def add_through_view(words, delta, *at, dtype):
+def update_through_view(words, value, *at, combine, dtype):
     view = from_words(words, dtype)
-    old = jax.lax.dynamic_slice(view, at, delta.shape)
-    return to_words(jax.lax.dynamic_update_slice(view, old + delta, at))
+    old = jax.lax.dynamic_slice(view, at, value.shape)
+    return to_words(jax.lax.dynamic_update_slice(view, combine(old, value), at))
 
 
 def slot_zero() -> jax.Array:

@@ -30,8 +30,8 @@ def test_a_window_add_is_the_same_through_the_words_and_through_the_view():
     at = (jnp.int32(1), jnp.int32(2), 0, 5, 0, 0)
     expected = np.asarray(base).copy()
     expected[1:2, 2:3, :, 5:11] = np.asarray(base[1:2, 2:3, :, 5:11] + delta)
-    for add in (kv_cache.add_through_words, kv_cache.add_through_view):
-        out = jax.jit(lambda w, d, *a, add=add: add(w, d, *a, dtype=jnp.bfloat16))(
+    for update in (kv_cache.update_through_words, kv_cache.update_through_view):
+        out = jax.jit(lambda w, d, *a, f=update: f(w, d, *a, combine=jnp.add, dtype=jnp.bfloat16))(
             words, delta, *at
         )
         got = kv_cache.from_words(out, jnp.bfloat16)
