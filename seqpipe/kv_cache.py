@@ -56,8 +56,9 @@ def update_window(words: jax.Array, at: tuple, value: jax.Array, combine, dtype)
         words,
         value,
         *at,
-        cpu=functools.partial(update_through_words, combine=combine, dtype=dtype),
-        default=functools.partial(update_through_view, combine=combine, dtype=dtype),
+        cuda=functools.partial(update_through_view, combine=combine, dtype=dtype),
+        rocm=functools.partial(update_through_view, combine=combine, dtype=dtype),
+        default=functools.partial(update_through_words, combine=combine, dtype=dtype),
     )
 
 
