@@ -12,8 +12,6 @@ the layer. `blockwise.cached_attention` slices its key blocks from it directly, 
 prefix is never copied, per unit or per layer, nor kept for the backward.
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,34 +42,14 @@ def add_window(words: jax.Array, at: tuple, delta: jax.Array, dtype) -> jax.Arra
 
 def update_window(words: jax.Array, at: tuple, value: jax.Array, combine, dtype) -> jax.Array:
     """`words` with its window at `at` (`value`'s shape) replaced by combine(window,
-    value), both in `dtype`, in place. The window is read and written through a view that
-    depends on the backend: on GPUs the whole buffer bitcast to `dtype`
-    (`update_through_view`), because XLA's GPU compiler copies a window it reads through a
-    bitcast before the update that writes it back (a toy 24-layer cotangent cache
-    compiled for an H200: 32 MiB of copies and a fusion more per add; none through the
-    view); elsewhere the words themselves, bitcast at the window (`update_through_words`:
-    on CPU a bf16 view is widened to float32 whole, and on a TPU v5p-8 the view cost gpt_1b
-    at 32768 tokens 1.1 GiB a chip)."""
-    at = tuple(jnp.asarray(i, jnp.int32) for i in at)
-    return jax.lax.platform_dependent(
-        words,
-        value,
-        *at,
-        cuda=functools.partial(update_through_view, combine=combine, dtype=dtype),
-        rocm=functools.partial(update_through_view, combine=combine, dtype=dtype),
-        default=functools.partial(update_through_words, combine=combine, dtype=dtype),
-    )
-
-
-def update_through_words(words, value, *at, combine, dtype):
+    value), both in `dtype`, in place, the window bitcast from and to words. (On a GPU,
+    XLA copies a window it reads through a bitcast before the update that writes it back;
+    a bf16 view of the whole buffer avoids that there but costs a CPU a float32 copy of
+    the buffer and a TPU 1.1 GiB a chip at 32768 tokens, and `jax.lax.platform_dependent`,
+    which could choose per backend, left later multi-device CPU programs deadlocked in
+    their collectives in jax 0.10.2.)"""
     old = from_words(jax.lax.dynamic_slice(words, at, value.shape), dtype)
     return jax.lax.dynamic_update_slice(words, to_words(combine(old, value)), at)
-
-
-def update_through_view(words, value, *at, combine, dtype):
-    view = from_words(words, dtype)
-    old = jax.lax.dynamic_slice(view, at, value.shape)
-    return to_words(jax.lax.dynamic_update_slice(view, combine(old, value), at))
 
 
 def slot_zero() -> jax.Array:
