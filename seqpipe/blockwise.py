@@ -183,11 +183,12 @@ def _backward(q, prefix, k_seg, v_seg, out, lse, d_out, block_q, block_k, out_le
             dq, dk_j, dv_j = jax.lax.fori_loop(lo, qb.count, query_block, (dq, zeros, zeros))
 
             def add(words, block):  # an overlapping last block keeps what the one before wrote
-                def keep_fresh(old, new):
-                    return jnp.where(fresh[None, :, None, None], new, old)
-
-                at = (0, blocks.start(j), 0, 0)
-                return kv_cache.update_window(words, at, block.astype(dtype), keep_fresh, dtype)
+                start = blocks.start(j)
+                old = kv_cache.from_words(_slice(words, start, blocks.size), dtype)
+                new = jnp.where(fresh[None, :, None, None], block.astype(dtype), old)
+                return jax.lax.dynamic_update_slice_in_dim(
+                    words, kv_cache.to_words(new), start, axis=1
+                )
 
             return dq, add(dk, dk_j), add(dv, dv_j)
 

@@ -34,24 +34,6 @@ def from_words(w: jax.Array, dtype) -> jax.Array:
     return w if w.dtype == np.dtype(dtype) else jax.lax.bitcast_convert_type(w, dtype)
 
 
-def add_window(words: jax.Array, at: tuple, delta: jax.Array, dtype) -> jax.Array:
-    """`words` with `delta` (in `dtype`) added to its window at `at`, in place
-    (`update_window`)."""
-    return update_window(words, at, delta.astype(dtype), jnp.add, dtype)
-
-
-def update_window(words: jax.Array, at: tuple, value: jax.Array, combine, dtype) -> jax.Array:
-    """`words` with its window at `at` (`value`'s shape) replaced by combine(window,
-    value), both in `dtype`, in place, the window bitcast from and to words. (On a GPU,
-    XLA copies a window it reads through a bitcast before the update that writes it back;
-    a bf16 view of the whole buffer avoids that there but costs a CPU a float32 copy of
-    the buffer and a TPU 1.1 GiB a chip at 32768 tokens, and `jax.lax.platform_dependent`,
-    which could choose per backend, left later multi-device CPU programs deadlocked in
-    their collectives in jax 0.10.2.)"""
-    old = from_words(jax.lax.dynamic_slice(words, at, value.shape), dtype)
-    return jax.lax.dynamic_update_slice(words, to_words(combine(old, value)), at)
-
-
 def slot_zero() -> jax.Array:
     """Slot 0 of a one-slot buffer (a unit run alone), as a value known only at run time,
     as the executor's slots are: a vjp keeps a constant index differently than a traced
@@ -115,19 +97,14 @@ class Cotangents:
     """The prefix K/V cotangents of one micro-batch (slot `slot` of the cotangent caches
     `words_k`, `words_v`, [slots, n, b, Lkv, H, E] storage words), which a segment's
     backward adds to: its prefix [0, prefix_len) waits for the earlier segments' backwards;
-    its own window [prefix_len, prefix_len + own_len), which the backward has read, is
-    spent, so it is cleared for the slot's next micro-batch (each later segment's backward,
-    run before it, cleared its own). Each add touches those two windows only: the prefix
-    read, added to and written in place, the own window written with zeros (reading and
-    rewriting the whole Lkv window each layer cost gpt_1b seq1f1b M=8 K=4 0.18 TB a step on
-    an H200, by `seqpipe.tools.step_cost`; see `Cotangents._add`)."""
+    its own window and any later one are spent, so they are cleared for the slot's next
+    micro-batch. Each add touches only its window of the caches."""
 
     words_k: jax.Array
     words_v: jax.Array
     slot: jax.Array
     prefix_len: int = struct.field(pytree_node=False)
     dtype: np.dtype = struct.field(pytree_node=False)
-    own_len: int = struct.field(pytree_node=False)
 
     def add_layer(self, layer, dk: jax.Array, dv: jax.Array) -> "Cotangents":
         """Adds one layer's prefix cotangents ([b, >= prefix_len, H, E])."""
@@ -140,17 +117,17 @@ class Cotangents:
     def _add(self, lead: tuple, dk, dv) -> "Cotangents":
         def update(words, d):
             words = row_major(words)
-            *inner, length, h, e = words.shape[len(words.shape) - d.ndim :]
-            lead_ones, at = (1,) * len(lead), lead + (0,) * d.ndim
-            if self.prefix_len:
-                size = (*lead_ones, *inner, self.prefix_len, h, e)
-                delta = d[..., : self.prefix_len, :, :].reshape(size)
-                words = add_window(words, at, delta, self.dtype)
-            own = min(self.own_len, length - self.prefix_len)  # the last segment's: none
-            if own > 0:
-                zeros = jnp.zeros((*lead_ones, *inner, own, h, e), words.dtype)
-                at = (*lead, *(0,) * len(inner), self.prefix_len, 0, 0)
-                words = jax.lax.dynamic_update_slice(words, zeros, at)
-            return words
+            shape = words.shape[len(words.shape) - d.ndim :]
+            at = lead + (0,) * d.ndim
+            d = jnp.pad(d[..., : self.prefix_len, :, :], _pad_positions(shape, self.prefix_len))
+            old = from_words(jax.lax.dynamic_slice(words, at, (1,) * len(lead) + shape), self.dtype)
+            before = (jnp.arange(shape[-3]) < self.prefix_len)[:, None, None]
+            new = jnp.where(before, old + d.astype(self.dtype), 0)
+            return jax.lax.dynamic_update_slice(words, to_words(new), at)
 
         return self.replace(words_k=update(self.words_k, dk), words_v=update(self.words_v, dv))
+
+
+def _pad_positions(shape: tuple, length: int) -> list:
+    """jnp.pad widths taking [..., length, H, E] to `shape` along the positions."""
+    return [(0, 0)] * (len(shape) - 3) + [(0, shape[-3] - length), (0, 0), (0, 0)]

@@ -306,7 +306,7 @@ def _backward_unit(ctx: Context, inp: StageInputs, op: TickOps, k: int, saved, d
     into = (
         None
         if words_dk is None
-        else kv_cache.Cotangents(words_dk, words_dv, op["bwd_dkv"], off, act, spec.lengths[k])
+        else kv_cache.Cotangents(words_dk, words_dv, op["bwd_dkv"], off, act)
     )
     layers, d_shared, dx, *rest = unit.backward(
         saved,
