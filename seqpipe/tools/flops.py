@@ -151,12 +151,20 @@ def compiled_unit(
     last matmul (whose output only the primal result uses): inside the layer scan it runs."""
     key = unit_key(spec, rows, seg, first, last, backward, keep)
     if key not in _COMPILED:
-        fn = unit_functions(spec, seg, first, last, rows)[backward]
-        if key[-1]:
-            fn = functools.partial(fn, keep_outputs=True)
-        args = unit_args(spec, rows, seg, 1, backward, (first, last))
+        fn, args = unit_program(spec, rows, seg, first, last, backward, keep)
         _COMPILED[key] = (jax.jit(fn).lower(*args).compile(), args)
     return _COMPILED[key]
+
+
+def unit_program(
+    spec, rows: int, seg: int, first: bool, last: bool, backward: bool, keep: bool = False
+):
+    """(function, abstract args) of the unit through a one-layer chunk, as
+    `compiled_unit` compiles it."""
+    fn = unit_functions(spec, seg, first, last, rows)[backward]
+    if unit_key(spec, rows, seg, first, last, backward, keep)[-1]:
+        fn = functools.partial(fn, keep_outputs=True)
+    return fn, unit_args(spec, rows, seg, 1, backward, (first, last))
 
 
 def needed_units(spec, rows: int, keep_all: bool = False) -> list[tuple]:
@@ -173,13 +181,18 @@ def precompile(units: list[tuple], workers: int) -> None:
     """Compile `needed_units` entries on `workers` threads (XLA releases the GIL)."""
     import concurrent.futures
 
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        list(pool.map(lambda a: compiled_unit(*a), distinct_units(units, _COMPILED)))
+
+
+def distinct_units(units: list[tuple], done) -> list[tuple]:
+    """`needed_units` entries, one per program (`unit_key`), less those keyed in `done`."""
     todo = {}
     for args in units:
         key = unit_key(*args)
-        if key not in _COMPILED:
+        if key not in done:
             todo.setdefault(key, args)
-    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        list(pool.map(lambda a: compiled_unit(*a), todo.values()))
+    return list(todo.values())
 
 
 def release() -> int:

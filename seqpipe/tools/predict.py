@@ -21,7 +21,6 @@ Predicted MFU is the step's model FLOPs over the S devices' peak.
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import json
 import os
 import sys
@@ -68,10 +67,7 @@ class EstimatedUnits(bench.UnitTimer):
 
         key = flops.unit_key(spec, self.rows, seg, first, last, backward, keep)
         if key not in self.seconds:
-            fn = flops.unit_functions(spec, seg, first, last, self.rows)[backward]
-            if key[-1]:  # as `flops.compiled_unit`: the recomputed forward's outputs kept
-                fn = functools.partial(fn, keep_outputs=True)
-            args = flops.unit_args(spec, self.rows, seg, 1, backward, (first, last))
+            fn, args = flops.unit_program(spec, self.rows, seg, first, last, backward, keep)
             on = jax.sharding.SingleDeviceSharding(self.device)
             args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on), args)
             lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
@@ -81,9 +77,12 @@ class EstimatedUnits(bench.UnitTimer):
 
     def precompile(self, needed: list[tuple], workers: int) -> None:
         """Estimate `flops.needed_units` entries on `workers` threads (compiles release
-        the GIL)."""
+        the GIL), each program once."""
+        from seqpipe.tools import flops
+
+        todo = flops.distinct_units(needed, self.seconds)
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            list(pool.map(lambda u: self.one_layer(u[0], *u[2:]), needed))
+            list(pool.map(lambda u: self.one_layer(u[0], *u[2:]), todo))
 
 
 def predict(config, name: str, device=None, log=print) -> dict:
