@@ -41,7 +41,7 @@ bench-accelerator: $(STAMP)
 	$(PY) -m seqpipe.tools.bench --accelerator --json runs/accelerator.json $(ACCEL_ARGS)
 
 # On the device machine (../shared/device.md): gpt_1b, every variant, then the extras;
-# through the `run` tool, one call each: bash scripts/device_accel.sh bench|extras.
+# through the `run` tool, one call each: bash scripts/device_accel.sh bench|long|extras.
 bench-device:
 	bash scripts/device_accel.sh all
 

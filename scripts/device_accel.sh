@@ -1,19 +1,28 @@
 #!/usr/bin/env bash
-# The accelerator bench for gpt_1b on the device machine (one H200; ../shared/device.md):
-# run through the `run` tool with carry [".whl"], the wheels downloaded as device.md says.
-# Two parts, each under the tool's 10 minutes a command:
-#   bash scripts/device_accel.sh bench     # every variant, the prediction (9 minutes at most)
-#   bash scripts/device_accel.sh extras    # flags off, xla attention, the Pallas GPU kernel
-#   bash scripts/device_accel.sh           # both, one after the other
-# Results under $OUT: accel.json (written after each variant), accel.txt (the tables),
-# accel_predict.json (Seq1F1B over 1F1B on 4 and 8 GPUs from unit timings),
-# accel_noflags.json (the reference without seqpipe's GPU XLA flags), accel_xla.json (the
-# reference and seq1f1b K=4 with model.attention=xla: at 2048 tokens `step_cost`'s H200
-# estimate has `blockwise` faster, `auto`'s pick; this measures it), accel_pallas.json
-# (the reference, 1f1b and seq1f1b K=4 with the pallas_gpu kernel), attention.json and
-# attention.txt (the pallas_gpu kernel against xla, and timed against blockwise). Each
-# bench row also carries its compiled step's bytes and H200 estimate, to check the
-# estimate against the measured time.
+# The accelerator figures issues 13 and 14 ask for, on the device machine (one H200;
+# ../shared/device.md): run through the `run` tool with carry [".whl"], the wheels
+# downloaded as device.md says. A session has 15 minutes of device time, start-up
+# included, and 10 minutes a command, so the work comes in parts, most wanted first:
+#   bash scripts/device_accel.sh bench     # call 1, 9 minutes at most
+#   bash scripts/device_accel.sh long      # call 2, right after (the machine still warm)
+#   bash scripts/device_accel.sh extras    # a session with time to spare
+#   bash scripts/device_accel.sh           # all three, one after the other
+# Every step is cut by its own `timeout` and writes its JSON as it goes (the bench after
+# each variant), so a part cut short keeps what it measured. Results under $OUT:
+#   bench:  attention.json/.txt (the pallas_gpu kernels against xla in bf16, output and
+#           five cotangents, reading a K/V cache bit for bit as on arrays; then timed
+#           against blockwise and xla at gpt_1b's 8192-token shapes), accel_pallas.json
+#           (gpt_1b 2048 x 32 with pallas_gpu, at the remat that fits an H200 with least
+#           recompute, profiled), accel.json (the same steps with `auto` attention
+#           (blockwise) and the default remat: what the yardstick in device.md ran),
+#           accel_predict.json (Seq1F1B over 1F1B on 4 and 8 GPUs from unit timings);
+#   long:   accel_32k.json (seq1f1b M=2 K=8 at 32768 x 2), accel_8k_pallas.json and
+#           accel_8k_xla.json (the reference at 8192 x 8, the fused kernel against xla);
+#   extras: attention_sweep.json (the pallas_gpu kernels' tilings, each checked against
+#           xla and timed), accel_32k_blockwise.json, accel_k.json (seq1f1b K=1, 2, 8),
+#           accel_noflags.json (the reference without seqpipe's GPU XLA flags).
+# accel.txt collects the tables, NAME.log each step's whole output. Each bench row also carries its compiled step's bytes
+# and step_cost's H200 estimate, to check the estimate against the measured time.
 set -uo pipefail
 PART=${1:-all}
 OUT=${OUT:-runs/device}
@@ -21,36 +30,49 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
+START=$SECONDS
+bench() {  # LIMIT_S JSON [bench flags...]: gpt_1b through the accelerator bench
+  local limit=$1 json=$2
+  shift 2
+  echo "== $json (${limit} s at most; $((SECONDS - START)) s into this part)" | tee -a "$OUT/accel.txt"
+  timeout "$limit" python3 -m seqpipe.tools.bench --accelerator --config gpt_1b \
+    --json "$OUT/$json" "$@" 2>&1 | tee "$OUT/${json%.json}.log" | tail -30 \
+    | tee -a "$OUT/accel.txt"
+}
+# Seconds a step at these lengths: one warm-up step and one timed.
+LONG8K=(--config.train.seq_len=8192 --config.train.global_batch_size=8 --variants ref
+  --steps 1 --no_profile --predict=)
+LONG32K=(--config.train.seq_len=32768 --config.train.global_batch_size=2 --microbatches 2
+  --variants seq1f1b:8@none --steps 1 --no_profile --predict=)
 if [ "$PART" = bench ] || [ "$PART" = all ]; then
-  # gpt_1b, seq 2048, batch 32: the reference, 1f1b M=8, seq1f1b M=8 K=4, then with the
-  # remat policies that fit an H200 (ref@dots, 1f1b@none, seq1f1b:4@none), then K=1,2,8.
-  timeout 400 python3 -m seqpipe.tools.bench --accelerator --config gpt_1b --steps 3 \
-    --predict= --json "$OUT/accel.json" 2>&1 | tee "$OUT/accel.txt"
+  # Exit status 1: a check failed (see attention.txt); the pallas rows then mean little.
+  timeout 60 python3 -m seqpipe.tools.attention_check --budget_s 35 \
+    --json "$OUT/attention.json" 2>&1 | tail -20 | tee "$OUT/attention.txt"
+  # Issue 14's best case: the Triton kernel (step_cost's H200 estimate: ref@dots 1.33 s
+  # against blockwise's 1.68 s, before the kernels' own compute) with 3 matmul passes.
+  bench 190 accel_pallas.json --variants ref@dots,1f1b@none,seq1f1b:4@none --steps 3 \
+    --predict= --config.model.attention=pallas_gpu
+  # Before and after: the yardstick's steps (default remat, 0952314: 2.14, 2.60, 3.07 s).
+  bench 150 accel.json --variants ref,1f1b,seq1f1b:4 --steps 3 --no_profile --predict=
   # Seq1F1B K=4 over 1F1B on 4 and 8 H200s (M=8, remat none), predicted by the bench's
   # time model from one-layer units compiled and timed here (30 of them).
-  timeout 130 python3 -m seqpipe.tools.bench --accelerator --config gpt_1b --variants= \
-    --json "$OUT/accel_predict.json" 2>&1 | tail -12 | tee -a "$OUT/accel.txt"
+  bench 120 accel_predict.json --variants=
+fi
+if [ "$PART" = long ] || [ "$PART" = all ]; then
+  # Issue 13: gpt_1b at 32768 x 2 trains on one H200 (89 GiB peak compiled for it), then
+  # the fused kernel against xla at 8192 x 8 (the reference, default remat).
+  bench 100 accel_32k.json "${LONG32K[@]}" --config.model.attention=pallas_gpu
+  bench 55 accel_8k_pallas.json "${LONG8K[@]}" --config.model.attention=pallas_gpu
+  bench 55 accel_8k_xla.json "${LONG8K[@]}" --config.model.attention=xla
 fi
 if [ "$PART" = extras ] || [ "$PART" = all ]; then
-  # The same reference without the flags seqpipe sets on GPUs (their effect, in one row).
-  SEQPIPE_XLA_GPU_FLAGS=0 timeout 90 python3 -m seqpipe.tools.bench --accelerator \
-    --config gpt_1b --variants ref --steps 3 --no_profile --json "$OUT/accel_noflags.json" \
-    2>&1 | tail -5 | tee -a "$OUT/accel.txt"
-  # `auto` is blockwise on GPUs; at 2048 tokens `xla` may be faster (fewer, larger kernels).
-  timeout 150 python3 -m seqpipe.tools.bench --accelerator --config gpt_1b \
-    --variants ref,seq1f1b:4 --steps 3 --no_profile --json "$OUT/accel_xla.json" \
-    --config.model.attention=xla 2>&1 | tail -6 | tee -a "$OUT/accel.txt"
-  # The Triton kernel in every step, the reference's included (each data shard in a
-  # shard_map): with the remat each fits on an H200 with. step_cost's H200 estimate:
-  # ref@dots 1.33 s against blockwise's 1.68 s, before the kernels' own compute.
-  timeout 150 python3 -m seqpipe.tools.bench --accelerator --config gpt_1b \
-    --variants ref@dots,1f1b@none,seq1f1b:4@none --steps 3 --no_profile \
-    --json "$OUT/accel_pallas.json" --config.model.attention=pallas_gpu 2>&1 | tail -6 \
-    | tee -a "$OUT/accel.txt"
-  # The pallas_gpu Triton kernel compiled for the GPU: exact against xla (bf16, output and
-  # five cotangents), reading a K/V cache bit for bit as on arrays, then forward + backward
-  # against blockwise and xla at gpt_1b's 8192-token shapes; cases past 50 s are skipped,
-  # so this adds about a minute at most. Exit status 1: a check failed (see the output).
-  timeout 75 python3 -m seqpipe.tools.attention_check --budget_s 50 \
-    --json "$OUT/attention.json" 2>&1 | tail -20 | tee "$OUT/attention.txt"
+  # The kernels' tiles (untuned): each tiling in attention_check.SWEEP checked, then timed.
+  timeout 130 python3 -m seqpipe.tools.attention_check --sweep --budget_s 100 \
+    --json "$OUT/attention_sweep.json" 2>&1 | tail -12 | tee -a "$OUT/attention.txt"
+  bench 110 accel_32k_blockwise.json "${LONG32K[@]}" --config.model.attention=blockwise
+  bench 150 accel_k.json --variants seq1f1b:1,seq1f1b:2,seq1f1b:8 --steps 3 --no_profile \
+    --predict=
+  SEQPIPE_XLA_GPU_FLAGS=0 bench 90 accel_noflags.json --variants ref --steps 3 \
+    --no_profile --predict=
 fi
+echo "== $PART: $((SECONDS - START)) s" | tee -a "$OUT/accel.txt"

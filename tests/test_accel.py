@@ -10,10 +10,12 @@ from seqpipe.tools import accel, bench
 def test_quick_end_to_end_through_bench_accelerator(tmp_path, capsys):
     out = tmp_path / "accel.json"
     argv = ["--accelerator", "--quick", "--variants", "ref,1f1b", "--steps", "1"]
-    assert bench.main(argv + ["--json", str(out)]) == 0
+    assert bench.main(argv + ["--microbatches", "4", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     rows = {r["variant"]: r for r in result["rows"]}
     assert list(rows) == ["ref", "1f1b"]
+    assert (result["attention"], result["microbatches"]) == ("blockwise", 4)  # `auto` on CPU
+    assert (rows["ref"]["microbatches"], rows["1f1b"]["microbatches"]) == (1, 4)
     assert rows["ref"]["vs_ref"] == 1.0 and rows["1f1b"]["vs_ref"] > 0
     for r in rows.values():
         assert r["step_s"] > 0 and r["tokens_per_s"] > 0 and r["compile_s"] > 0
@@ -28,13 +30,14 @@ def test_quick_end_to_end_through_bench_accelerator(tmp_path, capsys):
         assert prof["groups_s"]["matmuls"] > 0 and prof["groups_s"]["attention"] > 0
         assert prof["groups_s"]["optimizer"] > 0
     assert rows["1f1b"]["profile"]["groups_s"]["pipeline buffers / grad accumulation"] > 0
-    # Eight micro-batches run each layer's operations eight times.
+    # Four micro-batches run each layer's operations four times.
     assert rows["1f1b"]["profile"]["ops"] > 2 * rows["ref"]["profile"]["ops"]
     # And the compiled step says so too (`step_cost`), with an estimate for an H200.
     assert rows["1f1b"]["hlo_kernels"] > 2 * rows["ref"]["hlo_kernels"] > 0
     for r in rows.values():
         assert r["hlo_bytes"] > 0 and r["h200_estimate_s"] > 0
-    assert "| 1f1b |" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "| 1f1b |" in printed and "blockwise attention, 4 micro-batches" in printed
 
 
 def test_seq1f1b_over_1f1b_is_predicted_from_units_timed_here(tmp_path, capsys):
@@ -98,6 +101,15 @@ def test_bad_variant_is_one_line(capsys):
         assert e.value.code == 2
         (line,) = capsys.readouterr().err.strip().splitlines()
         assert line.startswith(f"error: --predict: {message}"), line
+    for m, message in (
+        ("3", "train.global_batch_size=8 must be a positive multiple of mesh.data * "),
+        ("0", "--microbatches=0 must be at least 1"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            accel.main(["--quick", "--variants", "ref,seq1f1b:2", "--microbatches", m])
+        assert e.value.code == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith(f"error: {message}"), line
 
 
 def test_a_variant_with_a_remat_policy_sets_it_and_keeps_its_schedule():
@@ -107,5 +119,9 @@ def test_a_variant_with_a_remat_policy_sets_it_and_keeps_its_schedule():
     c = accel.variant_config(config, "seq1f1b:4@none")
     assert (c.pipeline.schedule, c.pipeline.segments, c.pipeline.remat) == ("seq1f1b", 4, "none")
     assert accel.variant_config(config, "ref").pipeline.remat == config.pipeline.remat
+    # Eight micro-batches unless told (a long-context batch has fewer rows); the reference one.
+    assert c.pipeline.microbatches == accel.MICROBATCHES == 8
+    assert accel.variant_config(config, "seq1f1b:8", 2).pipeline.microbatches == 2
+    assert accel.variant_config(config, "ref", 2).pipeline.microbatches == 1
     for name in accel.DEFAULT_VARIANTS.split(","):
         assert accel.unknown_variant(name) is None, name

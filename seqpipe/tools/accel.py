@@ -1,15 +1,16 @@
 """The real train step on whatever device JAX sees: the reference against the pipeline.
 
     python -m seqpipe.tools.accel [--config gpt_1b] [--quick] [--json FILE] [--steps N]
-        [--variants ref,1f1b,seq1f1b:4,ref@dots,seq1f1b:4@none,...] [--no_profile]
-        [--config.key=value ...]
+        [--variants ref,1f1b,seq1f1b:4,ref@dots,seq1f1b:4@none,...] [--microbatches M]
+        [--no_profile] [--config.key=value ...]
     (the same: python -m seqpipe.tools.bench --accelerator ..., python -m seqpipe.bench
     --accelerator ...)
 
 For the config and its overrides, on a one-device mesh: the un-pipelined reference step
-(`schedule none`) and the pipelined step on one stage (1f1b M=8, seq1f1b M=8 K=1, 2, 4,
-8); `NAME@POLICY` runs a variant with `pipeline.remat=POLICY` (the default list adds the
-policies that recompute less and still fit an H200, from `--compile_only --topology h200`).
+(`schedule none`) and the pipelined step on one stage (1f1b, seq1f1b K=1, 2, 4, 8; M=8
+micro-batches, or `--microbatches`); `NAME@POLICY` runs a variant with
+`pipeline.remat=POLICY` (the default list adds the policies that recompute less and still
+fit an H200, from `--compile_only --topology h200`).
 Each is the jitted step `seqpipe.train.make_train_step` builds (optimizer included), on
 random tokens. Per variant: compile time, step time, tokens/s, MFU, XLA's memory and the
 device's peak, and a profile summary: one step traced with `jax.profiler`, the trace's
@@ -36,12 +37,15 @@ import time
 from seqpipe.tools import bench, predict, step_cost
 
 DEFAULT_CONFIG = "gpt_1b"
-# name: (schedule, microbatches, segments)
+# name: (schedule, segments)
 VARIANTS = {
-    "ref": ("none", 1, 1),
-    "1f1b": ("1f1b", 8, 1),
-    **{f"seq1f1b:{k}": ("seq1f1b", 8, k) for k in (1, 2, 4, 8)},
+    "ref": ("none", 1),
+    "1f1b": ("1f1b", 1),
+    **{f"seq1f1b:{k}": ("seq1f1b", k) for k in (1, 2, 4, 8)},
 }
+# The pipelined variants' micro-batches (`--microbatches`): 8 at gpt_1b's 2048 x 32; a
+# long-context batch (32768 x 2) has fewer rows than that.
+MICROBATCHES = 8
 QUICK = (
     "--config.model.vocab_size=256",
     "--config.model.num_layers=2",
@@ -102,17 +106,18 @@ def unknown_variant(name: str) -> str | None:
     return None
 
 
-def variant_config(config, name: str):
-    """`config` on one device (data 1, stage 1) with the variant's schedule (and remat)."""
+def variant_config(config, name: str, microbatches: int = MICROBATCHES):
+    """`config` on one device (data 1, stage 1) with the variant's schedule (and remat),
+    `microbatches` micro-batches if it pipelines."""
     from seqpipe import config as config_lib
 
     base, _, policy = name.partition("@")
-    schedule, microbatches, segments = VARIANTS[base]
+    schedule, segments = VARIANTS[base]
     c = config.copy_and_resolve_references()
     with c.unlocked():
         c.mesh.data, c.mesh.stage = 1, 1
         c.pipeline.schedule = schedule
-        c.pipeline.microbatches = microbatches
+        c.pipeline.microbatches = 1 if schedule == "none" else microbatches
         c.pipeline.segments = segments
         if policy:
             c.pipeline.remat = policy
@@ -313,7 +318,9 @@ def profile_step(compiled, state, tokens) -> tuple[dict, object]:
 # --------------------------------------------------------------------------- measuring
 
 
-def measure(config, name: str, steps: int, profile: bool, log=print) -> dict:
+def measure(
+    config, name: str, steps: int, profile: bool, log=print, microbatches: int = MICROBATCHES
+) -> dict:
     """One variant's compile time, step time, throughput, MFU, memory and profile."""
     import jax
     import numpy as np
@@ -322,7 +329,7 @@ def measure(config, name: str, steps: int, profile: bool, log=print) -> dict:
     from seqpipe.metrics import device_memory_peak, peak_flops
     from seqpipe.model import GPTConfig
 
-    c = variant_config(config, name)
+    c = variant_config(config, name, microbatches)
     t = c.train
     mesh = sharding.make_mesh(1, 1, jax.devices()[:1])
     tx = optim.make_optimizer(t)
@@ -380,12 +387,21 @@ def measure(config, name: str, steps: int, profile: bool, log=print) -> dict:
     return out
 
 
-def run(config, names: list[str], steps: int, profile: bool, log=print, dump=None) -> dict:
-    """Every variant in `names`; each row's `vs_ref` is its step time over the reference's.
-    `dump(result)` after each variant keeps what was measured if a time limit cuts the run."""
+def run(
+    config,
+    names: list[str],
+    steps: int,
+    profile: bool,
+    log=print,
+    dump=None,
+    microbatches: int = MICROBATCHES,
+) -> dict:
+    """Every variant in `names` (the pipelined ones with `microbatches`); each row's
+    `vs_ref` is its step time over the reference's. `dump(result)` after each variant
+    keeps what was measured if a time limit cuts the run."""
     import jax
 
-    from seqpipe import model
+    from seqpipe import attention, model
     from seqpipe.metrics import peak_flops
     from seqpipe.model import GPTConfig
 
@@ -400,6 +416,8 @@ def run(config, names: list[str], steps: int, profile: bool, log=print, dump=Non
         "attention_halved": False,  # PaLM's count; mfu_causal halves it
         "global_batch_size": config.train.global_batch_size,
         "seq_len": config.train.seq_len,
+        "attention": attention.resolve(config.model.attention, dev.platform),
+        "microbatches": microbatches,
         "steps": steps,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "rows": [],
@@ -407,7 +425,7 @@ def run(config, names: list[str], steps: int, profile: bool, log=print, dump=Non
     rows = result["rows"]
     for name in names:
         try:
-            rows.append(measure(config, name, steps, profile, log))
+            rows.append(measure(config, name, steps, profile, log, microbatches))
         except Exception as e:  # out of memory, say: the row says so, the others run
             log(f"{name}: {type(e).__name__}: {str(e)[:300]}")
             rows.append({"variant": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
@@ -429,8 +447,10 @@ def table(result: dict) -> str:
     """The console table: one row per variant, then each profiled variant's groups."""
     lines = [
         f"{result['device_kind']} ({result['platform']}), jax {result['jax']}, batch "
-        f"{result['global_batch_size']} x seq {result['seq_len']}, {result['steps']} timed "
-        "steps; MFU: PaLM FLOPs (attention not halved; causal: halved) over "
+        f"{result['global_batch_size']} x seq {result['seq_len']}, {result['attention']} "
+        f"attention, {result['microbatches']} micro-batches a pipelined step, "
+        f"{result['steps']} timed steps; MFU: PaLM FLOPs (attention not halved; causal: "
+        "halved) over "
         + (f"{result['peak_flops'] / 1e12:.0f} TFLOP/s" if result["peak_flops"] else "no peak"),
         "",
         "| variant | step s | vs ref | tokens/s | MFU | MFU causal | XLA temp GiB | "
@@ -475,7 +495,9 @@ def table(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str]) -> int:
+def parse(argv: list[str]):
+    """(config, flags, variant names, the prediction or "") of a command line; bad input
+    exits with one line, before anything is compiled."""
     from seqpipe import cli
 
     def flags(parser):
@@ -486,6 +508,12 @@ def main(argv: list[str]) -> int:
             "--variants",
             default=None,
             help=f"of {', '.join(VARIANTS)}, each optionally @REMAT (ref@dots)",
+        )
+        parser.add_argument(
+            "--microbatches",
+            type=int,
+            default=MICROBATCHES,
+            help="micro-batches of the pipelined variants (32768 x 2: 2)",
         )
         parser.add_argument("--no_profile", action="store_true", help="skip the traced step")
         parser.add_argument(
@@ -513,12 +541,19 @@ def main(argv: list[str]) -> int:
         cli.fail(f"--predict: {problem}; --predict= skips it")
     if args.steps < 1:
         cli.fail(f"--steps={args.steps} must be at least 1")
-    cli.quiet_libtpu()
-    from seqpipe import xla_flags
+    if args.microbatches < 1:
+        cli.fail(f"--microbatches={args.microbatches} must be at least 1")
+    for name in names:  # a micro-batch count the batch cannot split into, say
+        cli.run_or_exit(lambda n=name: variant_config(config, n, args.microbatches))
+    return config, args, names, predicting
 
+
+def main(argv: list[str]) -> int:
+    from seqpipe import cli, xla_flags
+
+    config, args, names, predicting = parse(argv)
+    cli.quiet_libtpu()
     xla_flags.apply()  # as train.py does: GPU only, the user's XLA_FLAGS win
-    for name in names:
-        cli.run_or_exit(lambda n=name: variant_config(config, n))  # bad input: before any work
 
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
@@ -531,7 +566,7 @@ def main(argv: list[str]) -> int:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=1)
 
-    result = run(config, names, args.steps, not args.no_profile, log, dump)
+    result = run(config, names, args.steps, not args.no_profile, log, dump, args.microbatches)
     if names:
         sys.stdout.write(table(result))
     if predicting:

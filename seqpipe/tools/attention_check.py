@@ -1,6 +1,6 @@
 """The segment attention kernels on the accelerator: exactness against `xla`, then time.
 
-    python -m seqpipe.tools.attention_check [--json FILE] [--budget_s 50]
+    python -m seqpipe.tools.attention_check [--json FILE] [--budget_s 50] [--sweep]
 
 1. `pallas_gpu` compiled for the GPU (not interpreted) against `xla` in bfloat16: the
    output and all five cotangents, on a segment whose prefix and length are off every
@@ -15,11 +15,17 @@
    times 3.5 (forward 1 + backward 2.5, the usual FlashAttention count).
 
 Cases past `--budget_s` are skipped (said in the output), so the check stays short.
+
+`--sweep` tunes the kernels' tiles instead: for each tiling in `SWEEP` (query and key
+blocks of the forward, dK/dV and dq kernels; Triton's warps and pipeline stages), the
+check of 1. against `xla`, then the time of 2., and the fastest tiling that is exact.
+A tiling that does not compile (past the GPU's shared memory, say) is reported as such.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -29,12 +35,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from seqpipe import attention, kv_cache
+from seqpipe import attention, gpu_attention, kv_cache
 
 NAMES = ("out", "dq", "dk_prefix", "dv_prefix", "dk_own", "dv_own")
 BOUND = 2e-2
 HEADS, WIDTH = 16, 128  # gpt_1b
 TIMED = ((6144, 2048), (0, 8192))  # (prefix, queries)
+EXACT = (2, 1000, 700, 4, WIDTH)  # batch, prefix, queries, heads, width: off every block
+# The tilings `--sweep` tries, the default first. Shared memory bounds them: a 128 x 128
+# forward tile at E = 128 holds Q, K and V tiles of 32 KiB each per pipeline stage.
+SWEEP = (
+    gpu_attention.Blocks(),
+    gpu_attention.Blocks(forward=(128, 128)),
+    gpu_attention.Blocks(forward=(64, 64)),
+    gpu_attention.Blocks(num_stages=3),
+    gpu_attention.Blocks(forward=(128, 128), num_stages=3),
+    gpu_attention.Blocks(dkv=(128, 64), dq=(128, 64)),
+    gpu_attention.Blocks(dkv=(64, 128), dq=(128, 64)),
+    gpu_attention.Blocks(dkv=(128, 128), dq=(128, 128)),
+    gpu_attention.Blocks(num_warps=4),
+)
 
 
 def _inputs(batch, prefix, q_len, heads, width, dtype, seed=0):
@@ -54,19 +74,37 @@ def _out_and_grads(name):
     return jax.jit(run)
 
 
-def check_exact() -> dict:
-    args = _inputs(2, 1000, 700, 4, WIDTH, jnp.bfloat16)
-    want = _out_and_grads("xla")(*args)
-    got = _out_and_grads("pallas_gpu")(*args)
+def _tiled(blocks: gpu_attention.Blocks, interpret: bool):
+    """`_out_and_grads` of pallas_gpu with these tiles."""
+
+    def run(q, kp, vp, ks, vs, g):
+        def fn(*a):
+            return gpu_attention.pallas_gpu_attention(*a, blocks=blocks, interpret=interpret)
+
+        out, vjp = jax.vjp(fn, q, kp, vp, ks, vs)
+        return (out, *vjp(g))
+
+    return jax.jit(run)
+
+
+def exactness(got, want) -> dict:
+    """Each of the output and five cotangents' error relative to its largest entry."""
     errors = {}
     for name, x, y in zip(NAMES, got, want, strict=True):
         x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
         errors[name] = float(np.abs(x - y).max() / np.abs(y).max())
-    return {
-        "shape": "b2 P1000 Q700 H4 E128 bf16",
-        "rel_err": errors,
-        "ok": all(e <= BOUND for e in errors.values()),
-    }
+    return {"rel_err": errors, "ok": all(e <= BOUND for e in errors.values())}
+
+
+def _shape_name(batch, prefix, q_len, heads, width) -> str:
+    return f"b{batch} P{prefix} Q{q_len} H{heads} E{width} bf16"
+
+
+def check_exact() -> dict:
+    args = _inputs(*EXACT, jnp.bfloat16)
+    want = _out_and_grads("xla")(*args)
+    got = _out_and_grads("pallas_gpu")(*args)
+    return {"shape": _shape_name(*EXACT), **exactness(got, want)}
 
 
 def check_cached() -> dict:
@@ -93,9 +131,9 @@ def check_cached() -> dict:
     return {"max_abs_diff": diffs, "ok": not any(diffs.values())}
 
 
-def time_case(name: str, prefix: int, q_len: int, reps: int = 5) -> dict:
-    args = _inputs(1, prefix, q_len, HEADS, WIDTH, jnp.bfloat16)
-    fn = _out_and_grads(name)
+def timed(fn, prefix: int, q_len: int, heads: int, width: int, reps: int) -> dict:
+    """fn's (forward + backward's) compile and median time on one row of the shape."""
+    args = _inputs(1, prefix, q_len, heads, width, jnp.bfloat16)
     start = time.perf_counter()
     jax.block_until_ready(fn(*args))
     compile_s = time.perf_counter() - start
@@ -105,9 +143,8 @@ def time_case(name: str, prefix: int, q_len: int, reps: int = 5) -> dict:
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - start)
     step = statistics.median(times)
-    forward = 4 * HEADS * WIDTH * (q_len * prefix + q_len * (q_len + 1) / 2)
+    forward = 4 * heads * width * (q_len * prefix + q_len * (q_len + 1) / 2)
     return {
-        "impl": name,
         "prefix": prefix,
         "q": q_len,
         "compile_s": round(compile_s, 1),
@@ -116,13 +153,64 @@ def time_case(name: str, prefix: int, q_len: int, reps: int = 5) -> dict:
     }
 
 
-def main(argv=None) -> int:
+def time_case(name: str, prefix: int, q_len: int, reps: int = 5) -> dict:
+    return {"impl": name, **timed(_out_and_grads(name), prefix, q_len, HEADS, WIDTH, reps)}
+
+
+def sweep(
+    candidates=SWEEP,
+    budget_s: float = 100.0,
+    exact=EXACT,
+    cases=TIMED,
+    heads: int = HEADS,
+    interpret: bool = False,
+    reps: int = 5,
+    log=print,
+) -> dict:
+    """Each tiling's exactness against xla on `exact` (batch, prefix, queries, heads,
+    width), then its time at each (prefix, queries) of `cases` (`heads` heads of that
+    width); and the fastest exact tiling. Tilings past `budget_s` are skipped."""
+    began, rows = time.perf_counter(), []
+    args = _inputs(*exact, jnp.bfloat16)
+    want = _out_and_grads("xla")(*args)
+    for blocks in candidates:
+        row = {"blocks": dataclasses.asdict(blocks)}
+        rows.append(row)
+        if time.perf_counter() - began > budget_s:
+            row["skipped"] = f"past {budget_s:.0f} s"
+            continue
+        try:
+            fn = _tiled(blocks, interpret)
+            row.update(exactness(fn(*args), want))
+            if row["ok"]:
+                row["timed"] = [timed(fn, p, q, heads, exact[-1], reps) for p, q in cases]
+                row["ms"] = round(sum(t["ms"] for t in row["timed"]), 2)
+        except Exception as e:  # out of shared memory, say: a result, not a crash
+            row["error"] = f"{type(e).__name__}: {e}"[:500]
+        log(json.dumps(row))
+    fastest = min((r for r in rows if "ms" in r), key=lambda r: r["ms"], default=None)
+    return {"shape": _shape_name(*exact), "rows": rows, "fastest": fastest}
+
+
+def arguments(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--budget_s", type=float, default=50.0)
-    flags = parser.parse_args(argv)
-    began = time.perf_counter()
+    parser.add_argument("--sweep", action="store_true", help="time the tilings in SWEEP")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    flags = arguments(argv)
     print(f"devices: {jax.devices()}", flush=True)
+    if flags.sweep:
+        results = sweep(budget_s=flags.budget_s, log=lambda m: print(m, flush=True))
+        print(f"fastest exact tiling: {results['fastest']}")
+        if flags.json:
+            with open(flags.json, "w") as f:
+                json.dump(results, f, indent=1)
+        return 0 if results["fastest"] else 1
+    began = time.perf_counter()
     results = {"exact": None, "cached": None, "timed": [], "skipped": [], "errors": []}
     for key, check in (("exact", check_exact), ("cached", check_cached)):
         try:
