@@ -397,8 +397,9 @@ def run(
     microbatches: int = MICROBATCHES,
 ) -> dict:
     """Every variant in `names` (the pipelined ones with `microbatches`); each row's
-    `vs_ref` is its step time over the reference's. `dump(result)` after each variant
-    keeps what was measured if a time limit cuts the run."""
+    `vs_ref` is its step time over the first reference's (`ref` or `ref@POLICY`) in
+    `names`. `dump(result)` after each variant keeps what was measured if a time limit
+    cuts the run."""
     import jax
 
     from seqpipe import attention, model
@@ -427,10 +428,12 @@ def run(
         try:
             rows.append(measure(config, name, steps, profile, log, microbatches))
         except Exception as e:  # out of memory, say: the row says so, the others run
-            log(f"{name}: {type(e).__name__}: {str(e)[:300]}")
-            rows.append({"variant": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            error = f"{type(e).__name__}: {str(e)[:300]}"
+            log(f"{name}: {error}")
+            schedule = VARIANTS[name.partition("@")[0]][0]
+            rows.append({"variant": name, "schedule": schedule, "error": error})
         jax.clear_caches()
-        ref = next((r for r in rows if r["variant"] == "ref" and "step_s" in r), None)
+        ref = next((r for r in rows if r["schedule"] == "none" and "step_s" in r), None)
         for r in rows:
             if "step_s" in r:
                 r["vs_ref"] = r["step_s"] / ref["step_s"] if ref else None
