@@ -21,8 +21,10 @@
 #   extras: attention_sweep.json (the pallas_gpu kernels' tilings, each checked against
 #           xla and timed), accel_32k_blockwise.json, accel_k.json (seq1f1b K=1, 2, 8),
 #           accel_noflags.json (the reference without seqpipe's GPU XLA flags).
-# accel.txt collects the tables, NAME.log each step's whole output. Each bench row also carries its compiled step's bytes
-# and step_cost's H200 estimate, to check the estimate against the measured time.
+# Back on the development machine, `python -m seqpipe.tools.device_report DIR` sets what
+# came back against the issues' goals. accel.txt collects the tables, NAME.log each step's
+# whole output. Each bench row also carries its compiled step's bytes and step_cost's H200
+# estimate, to check the estimate against the measured time.
 set -uo pipefail
 PART=${1:-all}
 OUT=${OUT:-runs/device}
