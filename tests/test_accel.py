@@ -77,6 +77,8 @@ def test_classify_by_innermost_telling_frame():
     pipe = ("/x/seqpipe/pipeline.py", "write_slot")
     assert ins("fusion", model, pipe, calls={"dot"}) == "matmuls"
     assert ins("fusion", attn, model, pipe, calls={"dot"}) == "attention"
+    kernel = ("/x/seqpipe/gpu_attention.py", "_forward")
+    assert ins("custom-call", kernel, ("/x/seqpipe/units.py", "SegmentUnit.body")) == "attention"
     assert ins("dot", xent, ("/x/seqpipe/units.py", "SegmentUnit.head")) == "cross-entropy"
     assert ins("fusion", ("/site/optax/_src/transform.py", "update_fn")) == "optimizer"
     assert ins("dynamic-update-slice", pipe) == "pipeline buffers / grad accumulation"

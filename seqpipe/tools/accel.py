@@ -92,6 +92,8 @@ XENT_FUNCTIONS = {
     "head",
 }
 CONTAINERS = {"while", "conditional", "call", "async-start", "async-done"}
+# seqpipe's attention implementations (a kernel's frames may stop short of attention.py).
+ATTENTION_FILES = {"attention.py", "blockwise.py", "gpu_attention.py", "splash.py"}
 
 
 def unknown_variant(name: str) -> str | None:
@@ -218,7 +220,7 @@ def _by_source(stack: list[tuple[str, str]]) -> str | None:
     compute, or no frames: the opcode decides)."""
     for path, function in stack:
         name = os.path.basename(path)
-        if name == "attention.py":
+        if name in ATTENTION_FILES:
             return "attention"
         if name in ("model.py", "units.py"):
             if _base(function) in XENT_FUNCTIONS:
