@@ -4,7 +4,7 @@
 # downloaded as device.md says. A session has 15 minutes of device time, start-up
 # included, and 10 minutes a command, so the work comes in parts, most wanted first:
 #   bash scripts/device_accel.sh bench     # call 1, 9 minutes at most
-#   bash scripts/device_accel.sh long      # call 2, right after (the machine still warm)
+#   bash scripts/device_accel.sh long      # call 2, within 30 s (the machine still warm)
 #   bash scripts/device_accel.sh extras    # a session with time to spare
 #   bash scripts/device_accel.sh           # all three, one after the other
 # Every step is cut by its own `timeout` and writes its JSON as it goes (the bench after
@@ -28,8 +28,18 @@
 set -uo pipefail
 PART=${1:-all}
 OUT=${OUT:-runs/device}
+WHEELS=${WHEELS:-.whl}
+case $PART in bench | long | extras | all) ;; *)
+  echo "error: unknown part '$PART'; name bench, long, extras or all" >&2
+  exit 2
+  ;;
+esac
+if ! ls "$WHEELS"/*.whl >/dev/null 2>&1; then  # without them every step fails on import
+  echo "error: no wheels in $WHEELS: download them as ../shared/device.md says, carry $WHEELS" >&2
+  exit 2
+fi
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$WHEELS"/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 START=$SECONDS

@@ -36,16 +36,23 @@ def recorded(part: str, tmp_path: Path) -> list[list[str]]:
     for name, text in stubs.items():
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(stat.S_IRWXU)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out")}
+    wheels = tmp_path / "wheels"
+    wheels.mkdir(exist_ok=True)
+    (wheels / "grain-0-py3-none-any.whl").touch()
     subprocess.run(
         ["bash", "scripts/device_accel.sh", part],
         cwd=REPO,
-        env=env,
+        env=_env(bin_dir, tmp_path, WHEELS=str(wheels)),
         check=True,
         capture_output=True,
         timeout=60,
     )
     return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def _env(bin_dir: Path, tmp_path: Path, **extra) -> dict:
+    path = f"{bin_dir}:{os.environ['PATH']}"
+    return {**os.environ, "PATH": path, "OUT": str(tmp_path / "out"), **extra}
 
 
 @pytest.fixture(scope="module")
@@ -96,3 +103,28 @@ def test_each_part_fits_its_call_and_the_first_two_the_session(parts):
     }
     assert all(s <= PER_CALL_S for s in seconds.values()), seconds
     assert START_S + seconds["bench"] + seconds["long"] <= DEVICE_S, seconds
+
+
+@pytest.mark.parametrize(
+    "part, message",
+    [
+        ("bench", "error: no wheels in {wheels}: download them as ../shared/device.md says"),
+        ("benhc", "error: unknown part 'benhc'; name bench, long, extras or all"),
+    ],
+)
+def test_no_wheels_or_an_unknown_part_stops_it_at_once_in_one_line(tmp_path, part, message):
+    """Before the pip install and any device time: on the device machine every step would
+    fail on importing grain without the carried wheels."""
+    wheels = tmp_path / "absent"
+    result = subprocess.run(
+        ["bash", "scripts/device_accel.sh", part],
+        cwd=REPO,
+        env=_env(tmp_path / "no-stubs", tmp_path, WHEELS=str(wheels)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2 and result.stdout == ""
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(message.format(wheels=wheels)), line
+    assert not (tmp_path / "out").exists()
