@@ -51,7 +51,7 @@ bench() {  # LIMIT_S JSON [bench flags...]: gpt_1b through the accelerator bench
     --json "$OUT/$json" "$@" 2>&1 | tee "$OUT/${json%.json}.log" | tail -30 \
     | tee -a "$OUT/accel.txt"
 }
-# Seconds a step at these lengths: one warm-up step and one timed.
+# A step takes seconds at these lengths: one warm-up step, then one timed.
 LONG8K=(--config.train.seq_len=8192 --config.train.global_batch_size=8 --variants ref
   --steps 1 --no_profile --predict=)
 LONG32K=(--config.train.seq_len=32768 --config.train.global_batch_size=2 --microbatches 2
