@@ -29,6 +29,7 @@ restores the run stops with one line instead of starting from scratch over them.
 
 import errno
 import gc
+import logging
 import os
 import re
 import shutil
@@ -261,7 +262,9 @@ def _drop_failed_reads() -> None:
     """A failed restore leaves orbax's other reads of that step pending; collected, each
     raises its own read error as an "Exception ignored in <coroutine>" traceback on stderr
     (during the restore, later, or at exit), over the one line that already says why.
-    From the first restore on, such errors of read coroutines are dropped."""
+    From the first restore on, such errors of read coroutines are dropped, and asyncio's
+    report of a read task's error that nobody retrieved (orbax's `async_deserialize`) is
+    logged as info: in the run's log file, not on the console."""
     if getattr(sys.unraisablehook, "drops_failed_reads", False):
         return
     previous = sys.unraisablehook
@@ -273,6 +276,17 @@ def _drop_failed_reads() -> None:
 
     hook.drops_failed_reads = True
     sys.unraisablehook = hook
+    logging.getLogger("asyncio").addFilter(_failed_read_task_as_info)
+
+
+def _failed_read_task_as_info(record: logging.LogRecord) -> bool:
+    """asyncio's "Task exception was never retrieved" for a read task, at info level."""
+    message = record.getMessage()
+    coroutine = re.search(r"coro=<(\w+)\(", message)
+    if message.startswith("Task exception was never retrieved") and coroutine:
+        if "read" in coroutine.group(1) or "deserialize" in coroutine.group(1):
+            record.levelno, record.levelname = logging.INFO, "INFO"
+    return True
 
 
 def _agree(reason: str | None, other: str) -> str | None:
