@@ -444,7 +444,8 @@ def run(
     return result
 
 
-def _pct(x) -> str:
+def pct(x) -> str:
+    """A fraction as a percentage with one decimal, "-" for none."""
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
@@ -470,7 +471,7 @@ def table(result: dict) -> str:
         vs = "-" if r["vs_ref"] is None else f"{r['vs_ref']:.2f}x"
         lines.append(
             f"| {r['variant']} | {r['step_s']:.4f} | {vs} | {r['tokens_per_s']:,.0f} | "
-            f"{_pct(r['mfu'])} | {_pct(r['mfu_causal'])} | {gib(r['xla_temp_bytes'])} | "
+            f"{pct(r['mfu'])} | {pct(r['mfu_causal'])} | {gib(r['xla_temp_bytes'])} | "
             f"{gib(r['device_peak_bytes'])} | {r['compile_s']:.1f} | "
             f"{r['hlo_bytes'] / 1e12:.3f} | {r['h200_estimate_s']:.3f} |"
         )
@@ -487,10 +488,10 @@ def table(result: dict) -> str:
         lines.append("|---|---|---|---|---|" + "---|" * len(GROUPS))
         for r in profiled:
             p = r["profile"]
-            shares = " | ".join(_pct(p["groups_fraction"][g]) for g in GROUPS)
+            shares = " | ".join(pct(p["groups_fraction"][g]) for g in GROUPS)
             lines.append(
                 f"| {r['variant']} | {p['matched_s']:.4f} ({p['events_from']}) | {p['ops']:,} | "
-                f"{p['mean_op_s'] * 1e6:.1f} | {_pct(p['busy_fraction'])} | {shares} |"
+                f"{p['mean_op_s'] * 1e6:.1f} | {pct(p['busy_fraction'])} | {shares} |"
             )
         for r in profiled:
             top = ", ".join(

@@ -21,6 +21,8 @@ import json
 import sys
 from pathlib import Path
 
+from seqpipe.tools.accel import pct
+
 # The step files, in the order the script writes them (accel_noflags: without the XLA
 # flags seqpipe sets on GPUs).
 STEPS = (
@@ -52,10 +54,6 @@ def load(directory: Path) -> dict[str, dict]:
     return out
 
 
-def _pct(x) -> str:
-    return "-" if x is None else f"{100 * x:.1f}%"
-
-
 def _gib(b) -> str:
     return "-" if b is None else f"{b / 2**30:.1f}"
 
@@ -75,7 +73,7 @@ def steps_table(results: dict[str, dict]) -> list[str]:
             vs = "-" if r.get("vs_ref") is None else f"{r['vs_ref']:.2f}x"
             lines.append(
                 f"| {what} | {r['variant']} | {r['step_s']:.3f} | {vs} | "
-                f"{r['tokens_per_s']:,.0f} | {_pct(r['mfu'])} | {_pct(r['mfu_causal'])} | "
+                f"{r['tokens_per_s']:,.0f} | {pct(r['mfu'])} | {pct(r['mfu_causal'])} | "
                 f"{_gib(r['xla_temp_bytes'])} | {_gib(r['device_peak_bytes'])} | "
                 f"{r['compile_s']:.0f} | {r['h200_estimate_s']:.2f} |"
             )
@@ -103,7 +101,7 @@ def goals(results: dict[str, dict]) -> list[str]:
     refs = [(n, r) for n in TWO_K for r in _rows(results, n) if r["schedule"] == "none"]
     if any(r["mfu"] is not None for _, r in refs):
         name, best = max(refs, key=lambda nr: nr[1]["mfu"] or 0.0)
-        value = f"{_pct(best['mfu'])} ({best['variant']}, {_run(name, results)})"
+        value = f"{pct(best['mfu'])} ({best['variant']}, {_run(name, results)})"
         met = best["mfu"] >= REFERENCE_MFU
         lines.append("- reference MFU: " + _verdict(value, f"{REFERENCE_MFU:.0%}", met))
     else:  # none ran, or on a device whose peak seqpipe does not know (a CPU)
@@ -122,7 +120,7 @@ def goals(results: dict[str, dict]) -> list[str]:
         name, r = long[0]
         peak = _gib(r["device_peak_bytes"])
         value = (
-            f"{_pct(r['mfu'])}, {r['tokens_per_s']:,.0f} tokens/s, peak {peak} GiB "
+            f"{pct(r['mfu'])}, {r['tokens_per_s']:,.0f} tokens/s, peak {peak} GiB "
             f"({r['variant']}, {_run(name, results)})"
         )
         lines.append("- 32768 x 2: " + _verdict(value, f"{LONG_MFU:.0%}", r["mfu"] >= LONG_MFU))
