@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import statistics
 import sys
@@ -66,25 +67,25 @@ def _inputs(batch, prefix, q_len, heads, width, dtype, seed=0):
     ]
 
 
-def _out_and_grads(name):
+def _with_grads(attend):
+    """attend(q, K prefix, V prefix, K own, V own), jitted with its five cotangents for
+    the output cotangent g: (out, dq, dK prefix, dV prefix, dK own, dV own)."""
+
     def run(q, kp, vp, ks, vs, g):
-        out, vjp = jax.vjp(lambda *a: attention.attend(name, *a), q, kp, vp, ks, vs)
+        out, vjp = jax.vjp(attend, q, kp, vp, ks, vs)
         return (out, *vjp(g))
 
     return jax.jit(run)
+
+
+def _out_and_grads(name):
+    return _with_grads(functools.partial(attention.attend, name))
 
 
 def _tiled(blocks: gpu_attention.Blocks, interpret: bool):
     """`_out_and_grads` of pallas_gpu with these tiles."""
-
-    def run(q, kp, vp, ks, vs, g):
-        def fn(*a):
-            return gpu_attention.pallas_gpu_attention(*a, blocks=blocks, interpret=interpret)
-
-        out, vjp = jax.vjp(fn, q, kp, vp, ks, vs)
-        return (out, *vjp(g))
-
-    return jax.jit(run)
+    kernel = gpu_attention.pallas_gpu_attention
+    return _with_grads(functools.partial(kernel, blocks=blocks, interpret=interpret))
 
 
 def exactness(got, want) -> dict:
