@@ -449,6 +449,11 @@ def pct(x) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
+def gib(nbytes, digits: int = 2) -> str:
+    """Bytes in GiB with `digits` decimals, "-" for none."""
+    return "-" if nbytes is None else f"{nbytes / 2**30:.{digits}f}"
+
+
 def table(result: dict) -> str:
     """The console table: one row per variant, then each profiled variant's groups."""
     lines = [
@@ -463,7 +468,6 @@ def table(result: dict) -> str:
         "device peak GiB | compile s | TB moved | H200 estimate s |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    gib = lambda b: "-" if b is None else f"{b / 2**30:.2f}"  # noqa: E731
     for r in result["rows"]:
         if "error" in r:
             lines.append(f"| {r['variant']} | {r['error'][:80]} |" + " |" * 9)

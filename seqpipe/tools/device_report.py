@@ -21,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-from seqpipe.tools.accel import pct
+from seqpipe.tools.accel import gib, pct
 
 # The step files, in the order the script writes them (accel_noflags: without the XLA
 # flags seqpipe sets on GPUs).
@@ -54,10 +54,6 @@ def load(directory: Path) -> dict[str, dict]:
     return out
 
 
-def _gib(b) -> str:
-    return "-" if b is None else f"{b / 2**30:.1f}"
-
-
 def steps_table(results: dict[str, dict]) -> list[str]:
     lines = [
         "| run | variant | step s | vs ref | tokens/s | MFU | MFU causal | XLA temp GiB | "
@@ -74,7 +70,7 @@ def steps_table(results: dict[str, dict]) -> list[str]:
             lines.append(
                 f"| {what} | {r['variant']} | {r['step_s']:.3f} | {vs} | "
                 f"{r['tokens_per_s']:,.0f} | {pct(r['mfu'])} | {pct(r['mfu_causal'])} | "
-                f"{_gib(r['xla_temp_bytes'])} | {_gib(r['device_peak_bytes'])} | "
+                f"{gib(r['xla_temp_bytes'], 1)} | {gib(r['device_peak_bytes'], 1)} | "
                 f"{r['compile_s']:.0f} | {r['h200_estimate_s']:.2f} |"
             )
     return lines
@@ -118,7 +114,7 @@ def goals(results: dict[str, dict]) -> list[str]:
     ]
     if long and long[0][1]["mfu"] is not None:
         name, r = long[0]
-        peak = _gib(r["device_peak_bytes"])
+        peak = gib(r["device_peak_bytes"], 1)
         value = (
             f"{pct(r['mfu'])}, {r['tokens_per_s']:,.0f} tokens/s, peak {peak} GiB "
             f"({r['variant']}, {_run(name, results)})"
