@@ -34,11 +34,11 @@ lint: $(STAMP)
 	$(PY) -m ruff format --check seqpipe tests configs train.py
 
 bench: $(STAMP)
-	$(PY) -m seqpipe.tools.bench --json runs/bench.json --png docs/bench.png
+	$(PY) -m seqpipe.bench --json runs/bench.json --png docs/bench.png
 
 # The train step on the device JAX sees (gpt_1b; on CPU add ACCEL_ARGS=--quick).
 bench-accelerator: $(STAMP)
-	$(PY) -m seqpipe.tools.bench --accelerator --json runs/accelerator.json $(ACCEL_ARGS)
+	$(PY) -m seqpipe.bench --accelerator --json runs/accelerator.json $(ACCEL_ARGS)
 
 # On the device machine (../shared/device.md): gpt_1b, every variant, then the extras;
 # through the `run` tool, one call each: bash scripts/device_accel.sh bench|long|extras.

@@ -47,7 +47,7 @@ bench() {  # LIMIT_S JSON [bench flags...]: gpt_1b through the accelerator bench
   local limit=$1 json=$2
   shift 2
   echo "== $json (${limit} s at most; $((SECONDS - START)) s into this part)" | tee -a "$OUT/accel.txt"
-  timeout "$limit" python3 -m seqpipe.tools.bench --accelerator --config gpt_1b \
+  timeout "$limit" python3 -m seqpipe.bench --accelerator --config gpt_1b \
     --json "$OUT/$json" "$@" 2>&1 | tee "$OUT/${json%.json}.log" | tail -30 \
     | tee -a "$OUT/accel.txt"
 }

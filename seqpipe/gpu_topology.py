@@ -20,7 +20,7 @@ import re
 import sys
 
 from seqpipe import xla_flags
-from seqpipe.topology import TopologyError
+from seqpipe.errors import TopologyError
 
 GPUS_PER_HOST = 8
 # Where `make install` puts the plugin; SEQPIPE_CUDA_PLUGIN_DIR names another place.
@@ -136,9 +136,7 @@ class System:
 
     def budget(self) -> int:
         """Bytes JAX's allocator will have of a GPU (`pipeline.remat=auto` fits it)."""
-        from seqpipe import remat_auto
-
-        return remat_auto.gpu_budget(self.spec.memory_bytes)
+        return gpu_budget(self.spec.memory_bytes)
 
     def report(self, memory_total: int) -> dict:
         """The system's fields for the --compile_only JSON: what it is, and whether the
@@ -151,6 +149,16 @@ class System:
             "hbm_fraction": round(memory_total / self.spec.memory_bytes, 4),
             "fits": memory_total <= self.spec.memory_bytes,
         }
+
+
+# What JAX's GPU allocator takes of a GPU's memory unless told otherwise.
+GPU_MEM_FRACTION = 0.75
+
+
+def gpu_budget(memory_bytes: int) -> int:
+    """What JAX's allocator will have of a GPU with `memory_bytes`."""
+    fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEM_FRACTION))
+    return int(fraction * memory_bytes)
 
 
 def is_gpu_name(name: str) -> bool:

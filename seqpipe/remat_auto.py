@@ -13,7 +13,7 @@ budget. Where there is no budget to compare with (the CPU: its memory is the hos
 from __future__ import annotations
 
 import dataclasses
-import os
+from collections.abc import Callable
 
 from ml_collections import ConfigDict
 
@@ -23,8 +23,6 @@ FALLBACK = "full"
 # XLA's figure leaves out what the runtime allocates beside the program (cuBLAS and cuDNN
 # workspaces, collective buffers) and what fragmentation costs.
 HEADROOM = 0.9
-# What JAX's GPU allocator takes of a GPU's memory unless told otherwise.
-GPU_MEM_FRACTION = 0.75
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,12 +40,6 @@ class Choice:
         limit = f"{gib(HEADROOM * self.budget)} GiB ({HEADROOM:.0%} of {gib(self.budget)})"
         verdict = "fits" if self.peaks.get(self.policy, 0) <= HEADROOM * self.budget else "least"
         return f"auto -> {self.policy} ({verdict}; peak GiB: {tried}; limit {limit})"
-
-
-def gpu_budget(memory_bytes: int) -> int:
-    """What JAX's allocator will have of a GPU with `memory_bytes`."""
-    fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEM_FRACTION))
-    return int(fraction * memory_bytes)
 
 
 def device_budget(devices: list) -> int | None:
@@ -87,18 +79,20 @@ def with_policy(config: ConfigDict, policy: str) -> ConfigDict:
 
 
 def resolve(
-    config: ConfigDict, devices: list, budget: int | None = None
+    config: ConfigDict,
+    devices: list,
+    compile_only: Callable[[ConfigDict, list], dict],
+    budget: int | None = None,
 ) -> tuple[ConfigDict, Choice, dict | None]:
     """`config` with `pipeline.remat=auto` replaced by the policy chosen for `devices`
     (`budget` bytes a device; default `device_budget`), the choice, and the chosen
-    policy's `train.compile_only` report (None where nothing was compiled)."""
-    from seqpipe import train
-
+    policy's `compile_only(config, devices)` report (None where nothing was compiled).
+    The trainer passes its `compile_only` in, so that this module stays below it."""
     budget = device_budget(devices) if budget is None else budget
     reports = {}
 
     def peak_of(policy):
-        reports[policy] = train.compile_only(with_policy(config, policy), devices)
+        reports[policy] = compile_only(with_policy(config, policy), devices)
         return reports[policy]["peak_memory_per_device_bytes"]
 
     choice = choose(peak_of, budget)

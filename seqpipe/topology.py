@@ -23,11 +23,10 @@ import math
 import os
 import re
 
+from seqpipe import gpu_topology
+from seqpipe.errors import TopologyError
+
 GiB = 2**30
-
-
-class TopologyError(RuntimeError):
-    """libtpu cannot describe the slice (not installed, or too old); the message says so."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,8 +116,6 @@ def supported_sizes(generation: str) -> list[int]:
 def parse(name: str):
     """A TPU slice from its Cloud TPU name, or a GPU system (`seqpipe.gpu_topology`) from
     its; ValueError (one line: what is supported) if neither."""
-    from seqpipe import gpu_topology
-
     if gpu_topology.is_gpu_name(name):
         return gpu_topology.parse(name)
     names = "v4-N, v5p-N, v5litepod-N (or v5e-N), v6e-N, h100-N, h200-N"

@@ -358,7 +358,7 @@ class Trainer:
         """Steps start+1 .. end (or until a signal); returns the records logged."""
         config, t = self.config, self.config.train
         if config.pipeline.remat == "auto":
-            config, choice, _ = remat_auto.resolve(config, jax.devices())
+            config, choice, _ = remat_auto.resolve(config, jax.devices(), compile_only)
             self.log.print(f"pipeline.remat: {choice.line()}")
         step_fn = make_train_step(
             make_grad_fn(config, self.mesh),
@@ -530,7 +530,7 @@ def compile_only(
     config = config_lib.resolve(config, len(devices))
     if config.pipeline.remat == "auto":
         # The chosen policy's step was compiled to choose it: its report is this one.
-        config, choice, report = remat_auto.resolve(config, devices, budget)
+        config, choice, report = remat_auto.resolve(config, devices, compile_only, budget)
         report = report or compile_only(config, devices)  # none compiled: no budget
         return {**report, "remat_auto": dataclasses.asdict(choice)}
     # Resolved for the devices compiled for (a TPU slice's from this CPU, say), not this

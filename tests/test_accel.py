@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from seqpipe.tools import accel, bench
+from seqpipe import bench
+from seqpipe.tools import accel
 
 
 def test_quick_end_to_end_through_bench_accelerator(tmp_path, capsys):

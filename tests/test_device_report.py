@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from seqpipe.tools import bench, device_report
+from seqpipe import bench
+from seqpipe.tools import device_report
 
 
 @pytest.fixture(scope="module")

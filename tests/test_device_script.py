@@ -70,7 +70,7 @@ def test_every_command_parses_and_writes_its_own_json(parts):
             assert limit.isdigit(), (part, argv)  # every measurement is cut by a timeout
             assert argv[:1] == ["-m"], argv
             module, args = argv[1], argv[2:]
-            if module == "seqpipe.tools.bench":
+            if module == "seqpipe.bench":
                 assert "--accelerator" in args
                 config, flags, names, predicting = accel.parse(args)  # exits on bad input
                 assert names or predicting, args
@@ -84,7 +84,7 @@ def test_every_command_parses_and_writes_its_own_json(parts):
 def test_the_long_context_rows_are_those_issue_13_asks_for(parts):
     by_json = {}
     for _, *argv in parts["long"]:
-        if argv[1] == "seqpipe.tools.bench":
+        if argv[1] == "seqpipe.bench":
             config, flags, names, _ = accel.parse(argv[2:])
             by_json[Path(flags.json).name] = (config, flags, names)
     config, flags, names = by_json["accel_32k.json"]

@@ -5,7 +5,7 @@ import pytest
 from test_train import PIPELINED, tiny_config
 
 from seqpipe import config as config_lib
-from seqpipe import remat_auto, spec, train
+from seqpipe import gpu_topology, remat_auto, spec, train
 
 GiB = 2**30
 
@@ -45,9 +45,9 @@ def test_nothing_fits_picks_the_policy_that_needs_least_and_no_budget_compiles_n
 
 def test_the_gpu_budget_is_what_jax_allocates_of_it(monkeypatch):
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
-    assert remat_auto.gpu_budget(100 * GiB) == 75 * GiB
+    assert gpu_topology.gpu_budget(100 * GiB) == 75 * GiB
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
-    assert remat_auto.gpu_budget(100 * GiB) == 95 * GiB
+    assert gpu_topology.gpu_budget(100 * GiB) == 95 * GiB
     assert remat_auto.device_budget(jax.devices()) is None  # the CPU: its host's memory
 
 

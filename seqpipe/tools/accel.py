@@ -1,10 +1,8 @@
 """The real train step on whatever device JAX sees: the reference against the pipeline.
 
-    python -m seqpipe.tools.accel [--config gpt_1b] [--quick] [--json FILE] [--steps N]
-        [--variants ref,1f1b,seq1f1b:4,ref@dots,seq1f1b:4@none,...] [--microbatches M]
-        [--no_profile] [--config.key=value ...]
-    (the same: python -m seqpipe.tools.bench --accelerator ..., python -m seqpipe.bench
-    --accelerator ...)
+    python -m seqpipe.bench --accelerator [--config gpt_1b] [--quick] [--json FILE]
+        [--steps N] [--variants ref,1f1b,seq1f1b:4,ref@dots,seq1f1b:4@none,...]
+        [--microbatches M] [--no_profile] [--config.key=value ...]
 
 For the config and its overrides, on a one-device mesh: the un-pipelined reference step
 (`schedule none`) and the pipelined step on one stage (1f1b, seq1f1b K=1, 2, 4, 8; M=8
@@ -46,12 +44,7 @@ VARIANTS = {
 # The pipelined variants' micro-batches (`--microbatches`): 8 at gpt_1b's 2048 x 32; a
 # long-context batch (32768 x 2) has fewer rows than that.
 MICROBATCHES = 8
-QUICK = (
-    "--config.model.vocab_size=256",
-    "--config.model.num_layers=2",
-    "--config.model.d_model=32",
-    "--config.model.num_heads=2",
-    "--config.model.d_ff=64",
+QUICK = bench.QUICK_MODEL + (
     "--config.model.dtype=float32",
     "--config.train.global_batch_size=8",
     "--config.train.seq_len=64",
@@ -538,7 +531,7 @@ def parse(argv: list[str]):
         argv = ["--config", DEFAULT_CONFIG] + argv
     if "--quick" in argv:  # the user's own overrides come later, so they win
         argv = list(QUICK) + argv
-    config, args = cli.load_or_exit(argv, "python -m seqpipe.tools.accel", flags)
+    config, args = cli.load_or_exit(argv, "python -m seqpipe.bench --accelerator", flags)
     cli.no_tensor_or_exit(config, "python -m seqpipe.bench --accelerator")
     default = QUICK_VARIANTS if args.quick else DEFAULT_VARIANTS
     names = (default if args.variants is None else args.variants).split(",")
@@ -584,7 +577,3 @@ def main(argv: list[str]) -> int:
         dump(result)
         sys.stdout.write(("\n" if names else "") + predict.table(result["prediction"]))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

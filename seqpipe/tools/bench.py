@@ -1,8 +1,8 @@
 """Every schedule on one model and global batch, side by side, in one process.
 
-    python -m seqpipe.tools.bench [--config CONFIG] [--quick] [--json FILE] [--png FILE]
+    python -m seqpipe.bench [--config CONFIG] [--quick] [--json FILE] [--png FILE]
         [--config.key=value ...]
-    python -m seqpipe.tools.bench --accelerator ...   (`seqpipe.tools.accel`)
+    python -m seqpipe.bench --accelerator ...   (`seqpipe.tools.accel`)
 
 For gpipe, 1f1b, seq1f1b (K = 2, 4, 8; uniform and flops partitions) and the interleaved
 variants, on the config's mesh: XLA's per-device peak temporary memory of the compiled
@@ -53,12 +53,15 @@ POLICY_RUNS = (
     ("seq1f1b", 4, "uniform", 1),
     ("seq_zb_h1", 4, "uniform", 1),
 )
-QUICK = (
+# A tiny model, for the quick runs of this benchmark and of `tools.accel`.
+QUICK_MODEL = (
     "--config.model.vocab_size=256",
     "--config.model.num_layers=2",
     "--config.model.d_model=32",
     "--config.model.num_heads=2",
     "--config.model.d_ff=64",
+)
+QUICK = QUICK_MODEL + (
     "--config.mesh.stage=2",
     "--config.pipeline.microbatches=2",
     "--config.pipeline.segments=2",
@@ -599,7 +602,7 @@ def bench(config, runs, repeats: int, log=print, quick: bool = False, save=None)
     rows_per_mb = batch // (config.mesh.data * config.pipeline.microbatches)
     timer = UnitTimer(rows_per_mb, repeats=5)
     result = {
-        "command": "python -m seqpipe.tools.bench " + " ".join(sys.argv[1:]),
+        "command": "python -m seqpipe.bench " + " ".join(sys.argv[1:]),
         "model": dict(config.model),
         "mesh": f"{config.mesh.data}x{config.mesh.stage}",
         "microbatches": config.pipeline.microbatches,
@@ -742,10 +745,6 @@ def report(result: dict) -> str:
 
 
 def main(argv: list[str]) -> int:
-    if "--accelerator" in argv:  # the train step on the device JAX sees (`tools.accel`)
-        from seqpipe.tools import accel
-
-        return accel.main(argv)
     from seqpipe import cli, files
 
     def flags(parser):
@@ -760,8 +759,8 @@ def main(argv: list[str]) -> int:
         argv = ["--config", DEFAULT_CONFIG] + argv
     if quick:  # the user's own overrides come later, so they win
         argv = list(QUICK) + argv
-    config, args = cli.load_or_exit(argv, "python -m seqpipe.tools.bench", flags)
-    cli.no_tensor_or_exit(config, "python -m seqpipe.tools.bench")
+    config, args = cli.load_or_exit(argv, "python -m seqpipe.bench", flags)
+    cli.no_tensor_or_exit(config, "python -m seqpipe.bench")
     cli.quiet_libtpu()
     config = cli.resolve_or_exit(config)  # a mesh axis at -1 gets its size
     runs = QUICK_RUNS if args.quick else RUNS
@@ -783,7 +782,3 @@ def main(argv: list[str]) -> int:
     if args.png:
         chart(result, args.png)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,6 @@
+"""Errors shared by modules that must not import each other."""
+
+
+class TopologyError(RuntimeError):
+    """libtpu or JAX's CUDA plugin cannot describe the slice or system (not installed, or too
+    old); the message says so."""
