@@ -10,7 +10,8 @@ import pytest
 from hostile import read_only_later
 from test_faults import _fill, small_disk  # noqa: F401  (a fixture)
 
-from seqpipe import cli, config, data, schedule
+from seqpipe import cli, config, data
+from seqpipe.schedule import cli as schedule
 
 TEXT = "def f(x):\n    return x + 1\n" * 2000  # 58 KB of text
 
