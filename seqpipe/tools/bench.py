@@ -585,6 +585,63 @@ def chart(result: dict, path: str) -> None:
     plt.close(fig)
 
 
+def _header(config, batch: int, seq: int) -> dict:
+    """The result's description of the run, before any row."""
+    return {
+        "command": "python -m seqpipe.bench " + " ".join(sys.argv[1:]),
+        "model": dict(config.model),
+        "mesh": f"{config.mesh.data}x{config.mesh.stage}",
+        "microbatches": config.pipeline.microbatches,
+        "global_batch_size": batch,
+        "seq_len": seq,
+        "remat": config.pipeline.remat,
+        "cpu_cores": os.cpu_count(),
+        "note": NOTE,
+        "rows": [],
+    }
+
+
+def _one_stage(config):
+    """The one-stage mesh, for the machinery's overhead: one micro-batch and one segment."""
+    one = variant(config, "1f1b", 1, "uniform", 1, stage=1)
+    with one.unlocked():
+        one.mesh.data = 1
+        one.pipeline.microbatches = 1
+    return one
+
+
+def _log_row(log, r: dict, seconds: float) -> None:
+    u = r["unit_s"]
+    log(
+        f"# {r['label']}: temp {_mib(r['temp_bytes'])} MiB, FLOPs x{r['flop_ratio']:.4f}, "
+        f"bubble {r['bubble_measured_costs']:.3f}, predicted {1e3 * r['predicted_s']:.0f} "
+        f"ms, measured {1e3 * r['measured_s']:.0f} ms, F/B/W "
+        f"{1e3 * u['F']:.1f}/{1e3 * u['B']:.1f}/{1e3 * u['W']:.1f} ms ({seconds:.0f} s)"
+    )
+
+
+def _overhead(config, cfg, params, tokens, one, step, repeats: int) -> tuple[dict, dict]:
+    """The machinery alone: the pipelined step on one stage against the reference that
+    checkpoints its layers as the policy does (the same FLOPs), and against none."""
+    from seqpipe import remat
+
+    matching = remat.POLICIES[config.pipeline.remat].reference
+    reference = {
+        "checkpoint": matching or "none",
+        "seconds": reference_seconds(cfg, params, tokens, matching, repeats),
+        "no_checkpoint_s": reference_seconds(cfg, params, tokens, None, repeats),
+    }
+    solo_s = run_one(one, step, params, tokens, None, repeats, count_flops=False)["measured_s"]
+    overhead = {
+        "pipelined_one_stage_s": solo_s,
+        "reference_s": reference["seconds"],
+        "ratio": solo_s / reference["seconds"],
+        "ratio_vs_no_checkpoint": solo_s / reference["no_checkpoint_s"],
+        "target": 1.15,
+    }
+    return reference, overhead
+
+
 def bench(config, runs, repeats: int, log=print, quick: bool = False, save=None) -> dict:
     """Every section of the report; `save(result)` after each, so a run that dies (a
     shared machine out of memory) leaves what it measured."""
@@ -601,23 +658,8 @@ def bench(config, runs, repeats: int, log=print, quick: bool = False, save=None)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, seq + 1), np.int32)
     rows_per_mb = batch // (config.mesh.data * config.pipeline.microbatches)
     timer = UnitTimer(rows_per_mb, repeats=5)
-    result = {
-        "command": "python -m seqpipe.bench " + " ".join(sys.argv[1:]),
-        "model": dict(config.model),
-        "mesh": f"{config.mesh.data}x{config.mesh.stage}",
-        "microbatches": config.pipeline.microbatches,
-        "global_batch_size": batch,
-        "seq_len": seq,
-        "remat": config.pipeline.remat,
-        "cpu_cores": os.cpu_count(),
-        "note": NOTE,
-        "rows": [],
-    }
-    # The one-stage mesh, for the machinery's overhead: one micro-batch and one segment.
-    one = variant(config, "1f1b", 1, "uniform", 1, stage=1)
-    with one.unlocked():
-        one.mesh.data = 1
-        one.pipeline.microbatches = 1
+    result = _header(config, batch, seq)
+    one = _one_stage(config)
     configs = [variant(config, *run) for run in runs]
     variants = [(k, p) for name, k, p, v in runs if name == "seq1f1b" and v == 1]
     stages = (config.mesh.stage,) if quick else PREDICT_STAGES
@@ -630,11 +672,7 @@ def bench(config, runs, repeats: int, log=print, quick: bool = False, save=None)
     workers = max(1, os.cpu_count() or 1)
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         steps = list(pool.map(compile_step, configs + [one]))
-    units = [
-        u
-        for c, st in zip(configs, steps, strict=False)
-        for u in flops.needed_units(st["spec"], rows_per_mb)
-    ]
+    units = [u for st in steps[:-1] for u in flops.needed_units(st["spec"], rows_per_mb)]
     layers = _chunk_layers(steps[0]["spec"])
     flops.precompile(units, workers)
     log(f"# compiled {len(configs) + 1} steps and the units in {time.perf_counter() - start:.0f} s")
@@ -642,36 +680,13 @@ def bench(config, runs, repeats: int, log=print, quick: bool = False, save=None)
         start = time.perf_counter()
         step, steps[i] = steps[i], None  # run_one's step is freed when the next replaces it
         result["rows"].append(run_one(c, step, params, tokens, timer, repeats))
-        r, u = result["rows"][-1], result["rows"][-1]["unit_s"]
-        log(
-            f"# {r['label']}: temp {_mib(r['temp_bytes'])} MiB, FLOPs x{r['flop_ratio']:.4f}, "
-            f"bubble {r['bubble_measured_costs']:.3f}, predicted {1e3 * r['predicted_s']:.0f} "
-            f"ms, measured {1e3 * r['measured_s']:.0f} ms, F/B/W "
-            f"{1e3 * u['F']:.1f}/{1e3 * u['B']:.1f}/{1e3 * u['W']:.1f} ms "
-            f"({time.perf_counter() - start:.0f} s)"
-        )
+        _log_row(log, result["rows"][-1], time.perf_counter() - start)
         save(result)
-    # The machinery alone: the pipelined step on one stage against the reference that
-    # checkpoints its layers as the policy does (the same FLOPs), and against none.
-    from seqpipe import remat
-
-    matching = remat.POLICIES[config.pipeline.remat].reference
-    result["reference"] = {
-        "checkpoint": matching or "none",
-        "seconds": reference_seconds(cfg, params, tokens, matching, repeats),
-        "no_checkpoint_s": reference_seconds(cfg, params, tokens, None, repeats),
-    }
-    solo = run_one(one, steps.pop(), params, tokens, None, repeats, count_flops=False)
-    solo_s = solo["measured_s"]
+    result["reference"], result["overhead"] = _overhead(
+        config, cfg, params, tokens, one, steps.pop(), repeats
+    )
     del step, steps
     log(f"# freed {len(configs) + 1} steps and {flops.release()} units")
-    result["overhead"] = {
-        "pipelined_one_stage_s": solo_s,
-        "reference_s": result["reference"]["seconds"],
-        "ratio": solo_s / result["reference"]["seconds"],
-        "ratio_vs_no_checkpoint": solo_s / result["reference"]["no_checkpoint_s"],
-        "target": 1.15,
-    }
     log(f"# overhead: one-stage pipeline / reference = {result['overhead']['ratio']:.3f}")
     save(result)
     # The prediction's units not timed for the rows (other stage counts, kept outputs).
