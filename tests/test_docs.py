@@ -36,7 +36,7 @@ SHORT_FORMS = {"seqpipe.tools.verify": "seqpipe.verify", "seqpipe.tools.bench": 
 FENCE = re.compile(r"^(\s*)(```+|~~~+)\s*([\w+-]*)")
 LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
-HEX = re.compile(r"(?<![\w.-])[0-9a-f]{7,40}(?![\w-])")
+HEX = re.compile(r"\b[0-9a-f]{7,40}\b")
 
 
 # ---------------------------------------------------------------- Markdown structure
@@ -49,9 +49,7 @@ def split_fences(text: str) -> tuple[str, list[tuple[str, str]]]:
         m = FENCE.match(line)
         if fence is None and m:
             fence, lang, body = m.group(2), m.group(3).lower(), []
-        elif fence is not None and line.strip().startswith(fence) and not line.strip()[
-            len(fence) :
-        ].strip(fence[0]).strip():
+        elif fence is not None and re.fullmatch(rf"\s*{fence[0]}{{{len(fence)},}}\s*", line):
             blocks.append((lang, "\n".join(body)))
             fence = None
         elif fence is not None:
@@ -294,12 +292,14 @@ def check_commands(commands: list[list[str]], run_dir: Path, refused: bool = Fal
             problems.append(f"{shown}: {bad}")
         (run if kind == "module" and name in QUICK else probe).append((shown, (kind, name, args)))
     if probe:
-        for (shown, job), got in zip(probe, in_subprocess("probe", [j for _, j in probe], ROOT)):
+        results = in_subprocess("probe", [job for _, job in probe], ROOT)
+        for (shown, job), got in zip(probe, results, strict=True):
             problems += _flag_problems(shown, job[2], got)
     if run:
         (run_dir / "docs").mkdir(exist_ok=True)
         (run_dir / "runs").mkdir(exist_ok=True)
-        for (shown, _), got in zip(run, in_subprocess("run", [j for _, j in run], run_dir)):
+        results = in_subprocess("run", [job for _, job in run], run_dir)
+        for (shown, _), got in zip(run, results, strict=True):
             if got["code"] != 0:
                 problems.append(f"{shown}: exit {got['code']}: {got['stderr'].strip()}")
     return problems
@@ -480,7 +480,7 @@ def test_an_unknown_flag_a_stale_key_or_a_missing_module_is_caught(tmp_path):
 
 def test_a_commit_hash_is_caught_and_a_hex_number_is_not():
     known = frozenset({"0123456789abcdef0123456789abcdef01234567"})
-    text = "measured at 0123456 and at 0123456789abcdef; 0xdeadbeef, deadbeef1, 1234567 tokens"
+    text = "at 0123456, at 9999999-0123456789abcdef; 0xdeadbeef, deadbeef1, 1234567 tokens"
     assert commit_hashes(text, known) == ["0123456", "0123456789abcdef"]
     head = subprocess.run(
         ["git", "-C", str(ROOT), "rev-parse", "--short=7", "HEAD"], capture_output=True, text=True
