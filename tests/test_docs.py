@@ -399,6 +399,18 @@ def test_no_machine_paths_and_no_missing_tests(page):
     assert named_tests(text) == []
 
 
+@pytest.mark.parametrize("page", _pages())
+def test_each_tool_is_spelled_one_way(page):
+    long_forms = "|".join(re.escape(m) for m in SHORT_FORMS)
+    assert re.findall(rf"-m ({long_forms})\b", page.read_text()) == []
+
+
+def test_the_code_points_at_pages_that_exist():
+    sources = [*ROOT.glob("seqpipe/**/*.py"), *ROOT.glob("scripts/*"), *ROOT.glob("tests/*.py")]
+    named = {m for f in sources for m in re.findall(r"docs/[\w-]+\.(?:md|png)", f.read_text())}
+    assert named and {m for m in named if not (ROOT / m).is_file()} == set()
+
+
 def test_no_commit_hash_outside_the_changelog():
     known = commits()
     found = {p.name: commit_hashes(p.read_text(), known) for p in PAGES}
