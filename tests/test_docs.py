@@ -89,11 +89,11 @@ def check_links(path: Path, text: str, root: Path = ROOT) -> list[str]:
         if re.match(r"^[a-z]+:", target):  # http:, https:, mailto:
             continue
         file, _, anchor = target.partition("#")
-        dest = (path.parent / file).resolve()
-        if not file:
+        if not file:  # an anchor in this page
             if anchor not in anchors(text):
                 problems.append(f"{path.name}: {target}: no heading with that anchor")
             continue
+        dest = (path.parent / file).resolve()
         if not dest.is_relative_to(root.resolve()):
             problems.append(f"{path.name}: {target}: outside the repository")
         elif not dest.exists():
