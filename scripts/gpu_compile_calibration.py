@@ -1,5 +1,5 @@
 """Compile gpt_1b's step, as an older commit of seqpipe builds it, for one H200 without a
-GPU, to compare with what that commit measured on the device (docs/training.md).
+GPU, to compare with what that commit measured on the device (docs/performance.md).
 
     git worktree add --detach /tmp/old 0952314
     python scripts/gpu_compile_calibration.py /tmp/old --config.train.seq_len=8192 ...

@@ -1,5 +1,5 @@
 """Fit `seqpipe.tools.step_cost`'s roofline (a matmul rate, a memory rate, a fixed cost
-per kernel) to steps measured on a GPU, from their compiled HLO (docs/training.md).
+per kernel) to steps measured on a GPU, from their compiled HLO (docs/performance.md).
 
     XLA_FLAGS=--xla_dump_to=/tmp/cal/ref python scripts/gpu_compile_calibration.py \\
         OLD_CHECKOUT --config.train.global_batch_size=32 --config.train.seq_len=2048

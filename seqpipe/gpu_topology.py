@@ -5,7 +5,7 @@ devices are descriptions made from a target config (the GPU's properties XLA wou
 from the driver), enough to build a mesh and ask XLA's GPU compiler for memory and for
 the program it would run, Triton kernels lowered to PTX included. On one H200 the XLA
 temporaries compiled this way came within 3.5% of those the device reported
-(docs/training.md).
+(docs/compiling.md).
 
 A name counts GPUs in hosts of eight (an HGX board): `h200` or `h200-1` is one GPU,
 `h200-8` one host, `h200-16` two. The plugin (`jax-cuda13-plugin` and `jax-cuda13-pjrt`

@@ -27,7 +27,7 @@ num_dkv count (micro-batch, chunk) pairs), D model width, H heads of width E.
 recomputed forward and its vjp
 (attention probabilities of every layer of the chunk for one segment, logits on the last
 stage; `unit`), plus any copies of carry buffers it makes (`excess`, `loop_copies`).
-See docs/memory.md for the measured table and what holds the memory.
+See docs/long-context.md for what a unit keeps and what it costs.
 """
 
 from __future__ import annotations

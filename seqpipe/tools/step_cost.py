@@ -27,7 +27,7 @@ contracted size of each dot, in fusions (Triton GEMMs) and cuBLAS calls alike.
 
 Time: a roofline per kernel, max(FLOPs / F, bytes / B). `H200` holds F and B fitted to
 the steps that one H200 ran (../shared/device.md, at 0952314; the fit and its residuals
-are in docs/training.md): it is an estimate that ranks changes, not a measurement.
+are in docs/performance.md): it is an estimate that ranks changes, not a measurement.
 """
 
 import argparse
@@ -44,7 +44,7 @@ FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4}
 _BYTES |= {"u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
 _ARRAY = re.compile(r"\b([a-z]\w*?)\[([\d,]*)\]")
-# Fitted to five measured H200 steps (docs/training.md): matmuls at 475 TFLOP/s, memory
+# Fitted to five measured H200 steps (docs/performance.md): matmuls at 475 TFLOP/s, memory
 # at 4.3 TB/s; a fixed cost per kernel fitted to 0 (1 us fitted worse, 6 us far worse).
 H200 = (475e12, 4.3e12, 0.0)
 _CALLS = r"calls=%?([\w.\-]+)"
