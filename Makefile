@@ -40,7 +40,7 @@ bench: $(STAMP)
 bench-accelerator: $(STAMP)
 	$(PY) -m seqpipe.bench --accelerator --json runs/accelerator.json $(ACCEL_ARGS)
 
-# On the device machine (../shared/device.md): gpt_1b, every variant, then the extras;
+# On the device machine (docs/performance.md): gpt_1b, every variant, then the extras;
 # through the `run` tool, one call each: bash scripts/device_accel.sh bench|long|extras.
 bench-device:
 	bash scripts/device_accel.sh all

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The accelerator figures issues 13 and 14 ask for, on the device machine (one H200;
-# ../shared/device.md): run through the `run` tool with carry [".whl"], the wheels
-# downloaded as device.md says. A session has 15 minutes of device time, start-up
+# docs/performance.md): run through the `run` tool with carry [".whl"], the wheels
+# downloaded as docs/performance.md says. A session has 15 minutes of device time, start-up
 # included, and 10 minutes a command, so the work comes in parts, most wanted first:
 #   bash scripts/device_accel.sh bench     # call 1, 9 minutes at most
 #   bash scripts/device_accel.sh long      # call 2, within 30 s (the machine still warm)
@@ -35,7 +35,7 @@ case $PART in bench | long | extras | all) ;; *)
   ;;
 esac
 if ! ls "$WHEELS"/*.whl >/dev/null 2>&1; then  # without them every step fails on import
-  echo "error: no wheels in $WHEELS: download them as ../shared/device.md says, carry $WHEELS" >&2
+  echo "error: no wheels in $WHEELS: download them as docs/performance.md says, carry $WHEELS" >&2
   exit 2
 fi
 mkdir -p "$OUT"

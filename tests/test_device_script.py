@@ -108,7 +108,7 @@ def test_each_part_fits_its_call_and_the_first_two_the_session(parts):
 @pytest.mark.parametrize(
     "part, message",
     [
-        ("bench", "error: no wheels in {wheels}: download them as ../shared/device.md says"),
+        ("bench", "error: no wheels in {wheels}: download them as docs/performance.md says"),
         ("benhc", "error: unknown part 'benhc'; name bench, long, extras or all"),
     ],
 )
