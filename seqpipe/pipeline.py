@@ -518,11 +518,14 @@ def _on_stages(params: Params, tokens_BxL1, spec: PipelineSpec, mesh, out_specs,
     shared = {k: v for k, v in params.items() if k != "layers"}
     specs = param_specs(params, spec.tensor)
 
+    platform = mesh.devices.flat[0].platform
+
     def local(layers, sh, tok):  # this stage's [V * n] layers, as V chunks and back
         chunks = jax.tree.map(lambda w: w.reshape(V, n, *w.shape[1:]), layers)
-        if spec.forward_only:
-            return stage_step(spec, chunks, sh, tok)
-        loss, grads, grads_shared = stage_step(spec, chunks, sh, tok, scatter)
+        with kv_cache.layouts_for(platform):
+            if spec.forward_only:
+                return stage_step(spec, chunks, sh, tok)
+            loss, grads, grads_shared = stage_step(spec, chunks, sh, tok, scatter)
         return loss, jax.tree.map(lambda g: g.reshape(V * n, *g.shape[3:]), grads), grads_shared
 
     body = jax.shard_map(
