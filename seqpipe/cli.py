@@ -72,14 +72,16 @@ def load_or_exit(
     `pipeline.remat=auto` only where `auto_remat` (train.py): the tools measure the policy
     they are named."""
     parser = _Parser(prog=prog)
-    parser.add_argument("--config", required=True, help="config file, or a name in configs/")
+    parser.add_argument(
+        "--config", required=True, help="config file, a name in configs/, or hf:DIR"
+    )
     parser.add_argument("--workdir", default=None, help="output directory (default runs/NAME)")
     if add_flags:
         add_flags(parser)
     args, rest = parser.parse_known_args(argv)
     try:
         config = config_lib.load(args.config, config_lib.parse_overrides(rest))
-        args.workdir = args.workdir or f"runs/{config_lib.resolve_path(args.config).stem}"
+        args.workdir = args.workdir or f"runs/{config_lib.run_name(args.config)}"
     except config_lib.ConfigError as e:
         fail(str(e))
     if config.pipeline.remat == "auto" and not auto_remat:

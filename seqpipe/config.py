@@ -21,6 +21,7 @@ PARTITIONS = ("uniform", "flops")
 DTYPES = ("float32", "bfloat16", "float16")
 SOURCES = ("stdlib", "text", "tokens")
 TOKENIZERS = ("bpe", "byte")
+HF = "hf:"  # a HuggingFace model directory (`seqpipe.hf`), as a config, weights or tokenizer
 # `auto`: the least recompute that fits the device (`seqpipe.remat_auto`, train.py).
 REMAT_POLICIES = (*remat.POLICIES, "auto")
 # seqpipe.attention.IMPLEMENTATIONS, named here so that loading a config imports no jax.
@@ -132,12 +133,13 @@ SCHEMA = {
     "train.stop_at": _COUNT,
     "train.max_bad_steps": _POSITIVE_INT,
     "train.shard_optimizer": Key(str, choices=("auto", "on", "off")),
+    "train.init_from": Key(str),  # "" or hf:DIR: `_validate_init_from`
     "checkpoint.every": _COUNT,
     "checkpoint.keep": _COUNT,
     "checkpoint.async_save": Key(bool),
     "data.source": Key(str, choices=SOURCES),
     "data.path": Key(str),
-    "data.tokenizer": Key(str, choices=TOKENIZERS),
+    "data.tokenizer": Key(str),  # one of TOKENIZERS, hf:DIR or a tokenizer.json: `validate`
     "data.token_dtype": Key(str, choices=("uint16", "uint32")),
     "data.eval_fraction": Key(float, low=0.0, high=1.0, low_open=True, high_open=True),
     "data.cache_dir": Key(str),
@@ -210,6 +212,9 @@ def base_config() -> ml_collections.ConfigDict:
         # The optimizer state split over mesh.data (ZeRO-1, Megatron's distributed
         # optimizer): "on", "off", or "auto" (on when mesh.data > 1). See `shards_optimizer`.
         shard_optimizer="auto",
+        # hf:DIR: start from a HuggingFace checkpoint's weights (`seqpipe.hf`), whose
+        # config.json must describe this model; a workdir's own checkpoint wins.
+        init_from="",
     )
     # Checkpoints under WORKDIR/checkpoints: every `every` steps (0: only at the end), the
     # newest `keep` kept (0: all), written by a background thread when async_save.
@@ -217,7 +222,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.data = dict(
         source="stdlib",
         path="",
-        tokenizer="bpe",
+        tokenizer="bpe",  # bpe, byte, hf:DIR (its tokenizer.json) or a tokenizer.json
         token_dtype="uint16",
         eval_fraction=0.02,
         cache_dir="",
@@ -303,9 +308,34 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: dict[str, str]
             node[leaf] = _parse_value(key, text, node[leaf])
 
 
+def from_hf(spec: str) -> ml_collections.ConfigDict:
+    """`--config hf:DIR`: the defaults, with the model keys of DIR/config.json, its weights
+    (train.init_from) and its tokenizer when it has one."""
+    from seqpipe import hf_config  # pure Python
+
+    try:
+        keys = hf_config.model_keys(hf_config.read(spec), spec + "/config.json")
+    except hf_config.HFError as e:
+        raise ConfigError(str(e)) from None
+    config = base_config()
+    config.model.update(keys)
+    config.train.init_from = spec
+    if (hf_config.directory(spec) / "tokenizer.json").is_file():
+        config.data.tokenizer = spec
+    return config
+
+
+def run_name(name: str) -> str:
+    """A config's name for its default workdir (runs/NAME)."""
+    if name.startswith(HF):
+        return Path(name[len(HF) :]).resolve().name
+    return resolve_path(name).stem
+
+
 def load(name: str, overrides: dict[str, str] | None = None) -> ml_collections.ConfigDict:
-    """Load a config file, apply `a.b=value` overrides, and check the result."""
-    config = load_file(name)
+    """Load a config file (or hf:DIR, `from_hf`), apply `a.b=value` overrides, and check
+    the result."""
+    config = from_hf(name) if name.startswith(HF) else load_file(name)
     base = base_config()
     for section in config:
         if section not in base:
@@ -400,9 +430,32 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         "BPE",
     )
     _require(
+        d.tokenizer in TOKENIZERS or d.tokenizer.startswith(HF) or d.tokenizer.endswith(".json"),
+        f"data.tokenizer={d.tokenizer!r} is not valid; choose one of {list(TOKENIZERS)}, "
+        "hf:DIR (its tokenizer.json) or a path to a tokenizer.json",
+    )
+    _validate_init_from(config)
+    _require(
         d.tokenizer != "byte" or m.vocab_size >= 256,
         f"model.vocab_size={m.vocab_size} is below 256, the byte tokenizer's size",
     )
+
+
+def _validate_init_from(config: ml_collections.ConfigDict) -> None:
+    """train.init_from=hf:DIR names a readable HF model whose every model key is ours."""
+    spec = config.train.init_from
+    if not spec:
+        return
+    _require(
+        spec.startswith(HF), f"train.init_from={spec!r} is not valid; give hf:DIR (a HF model)"
+    )
+    from seqpipe import hf_config  # pure Python
+
+    try:
+        message = hf_config.mismatch(config.model, spec)
+    except hf_config.HFError as e:
+        raise ConfigError(f"train.init_from={spec}: {e}") from None
+    _require(message is None, f"train.init_from={spec}: {message}")
 
 
 def mesh_sizes(mesh: ml_collections.ConfigDict, num_devices: int | None = None) -> dict:

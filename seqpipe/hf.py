@@ -281,15 +281,20 @@ def _tensors(cfg: GPTConfig, params: model.Params, dtype: str):
 
 
 def save(
-    path: str, cfg: GPTConfig, params: model.Params, dtype: str | None = None, base=None
+    path: str,
+    cfg: GPTConfig,
+    params: model.Params,
+    dtype: str | None = None,
+    base: dict | None = None,
+    context: int = 0,
 ) -> None:
     """A HF directory at `path`: config.json and model.safetensors, or shards of at most
     5 GB with their index. `dtype` (default the parameters'); `base`, a config.json whose
-    other keys (token ids, context length) are kept."""
+    other keys (token ids) are kept; `context`, the longest sequence trained on."""
     dtype = dtype or str(jax.tree.leaves(params)[0].dtype)
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    config = hf_config(_model_keys(cfg), dtype, base)
+    config = hf_config(_model_keys(cfg), dtype, base, context)
     shards, current, size = [], {}, 0
     for name, array in _tensors(cfg, params, dtype):
         if current and size + array.nbytes > SHARD_BYTES:

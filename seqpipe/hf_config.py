@@ -71,8 +71,7 @@ def architecture(hf: Mapping, where: str) -> str:
     if name not in ARCHITECTURES:
         shown = ", ".join(map(str, names)) if names else "none"
         raise HFError(
-            f"{where}: architecture {shown} is not supported; seqpipe reads "
-            f"{', '.join(SUPPORTED)}"
+            f"{where}: architecture {shown} is not supported; seqpipe reads {', '.join(SUPPORTED)}"
         )
     return name
 
@@ -189,9 +188,10 @@ def mismatch(model: Mapping, spec: str) -> str | None:
     return None
 
 
-def hf_config(model: Mapping, dtype: str, base: Mapping | None = None) -> dict:
+def hf_config(model: Mapping, dtype: str, base: Mapping | None = None, context: int = 0) -> dict:
     """A config.json for seqpipe's `model.` keys, its tensors in `dtype`: Qwen 2 where Q, K
-    and V carry biases, else Llama (or `base`'s architecture, whose other keys it keeps)."""
+    and V carry biases, else Llama (or `base`'s architecture, whose other keys it keeps).
+    max_position_embeddings: at least `context` (the longest sequence trained on)."""
     arch = "Qwen2ForCausalLM" if model["qkv_bias"] else "LlamaForCausalLM"
     if base and base.get("architectures") and ARCHITECTURES.get(base["architectures"][0]):
         if ARCHITECTURES[base["architectures"][0]][1] == model["qkv_bias"]:
@@ -221,7 +221,9 @@ def hf_config(model: Mapping, dtype: str, base: Mapping | None = None) -> dict:
         dtype=dtype,
         torch_dtype=dtype,
     )
-    out.setdefault("max_position_embeddings", _max_positions(scaling))
+    out["max_position_embeddings"] = max(
+        out.get("max_position_embeddings") or _max_positions(scaling), context
+    )
     if arch == "LlamaForCausalLM":
         out.update(attention_bias=False, mlp_bias=False)
     if arch == "Qwen2ForCausalLM":

@@ -51,7 +51,12 @@ def compare(config, tokens_BxL1, mesh) -> dict:
         config.model.dtype = "float32"
         config.model.param_dtype = "float32"
     spec = pipeline.make_spec(config)
-    params = model.init_params(spec.cfg, jax.random.key(config.train.seed))
+    if config.train.init_from:  # a HF checkpoint's weights (`seqpipe.hf`), in float32
+        from seqpipe import hf
+
+        params = hf.load(config.train.init_from.removeprefix("hf:"))[1]
+    else:
+        params = model.init_params(spec.cfg, jax.random.key(config.train.seed))
     ref_loss, ref_grads = jax.jit(reference.loss_and_grads, static_argnums=2)(
         params, tokens_BxL1, spec.cfg
     )
