@@ -107,6 +107,7 @@ def write(name: str, out: Path) -> None:
     target = out / name
     shutil.rmtree(target, ignore_errors=True)
     model.save_pretrained(target, **MODELS[name][2])
+    tokenizer(model.config.vocab_size).save(str(target / "tokenizer.json"))
     ids = tokens(model.config.vocab_size)
     logits, loss = oracle(model, ids)
     np.savez_compressed(target / "oracle.npz", tokens=ids.astype(np.int32), logits=logits)
@@ -120,6 +121,20 @@ def write(name: str, out: Path) -> None:
     (target / "oracle.json").write_text(json.dumps(meta, indent=1) + "\n")
     spread = float(logits.std())
     print(f"{name}: loss {loss:.6f}, logit std {spread:.3f}, files {sorted(os.listdir(target))}")
+
+
+def tokenizer(vocab_size: int):
+    """A character-level BPE (no merges; sentencepiece-style word marks, as Llama 2's)
+    with `vocab_size` symbols: `--config hf:DIR` tokenizes with it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    symbols = ["<unk>", "<|endoftext|>", "\u2581"] + [chr(c) for c in range(33, 126)]
+    vocab = {s: i for i, s in enumerate(symbols[:vocab_size])}
+    t = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.Metaspace()
+    t.decoder = decoders.Metaspace()
+    t.add_special_tokens(["<unk>", "<|endoftext|>"])
+    return t
 
 
 def bf16_copy(out: Path) -> None:
