@@ -28,7 +28,6 @@ TINY = dict(
     vocab_size=96,
     hidden_size=32,
     intermediate_size=48,
-    num_hidden_layers=2,
     num_attention_heads=4,
     max_position_embeddings=64,
 )
@@ -36,10 +35,12 @@ TINY = dict(
 # name: (config class, config keys beyond TINY, save_pretrained options)
 MODELS = {
     # GQA (4 query heads share 2 K/V heads) and llama3 rope scaling, whose original
-    # context (16) is shorter than the tokens, so that dropping the scaling shows; sharded.
+    # context (16) is shorter than the tokens, so that dropping the scaling shows; sharded;
+    # four layers, for the pipeline schedules on two and four stages.
     "llama_gqa_llama3": (
         "LlamaConfig",
         dict(
+            num_hidden_layers=4,
             num_key_value_heads=2,
             rms_norm_eps=1e-5,
             rope_theta=500000.0,
@@ -51,7 +52,7 @@ MODELS = {
                 original_max_position_embeddings=16,
             ),
         ),
-        dict(max_shard_size="40KB"),
+        dict(max_shard_size="80KB"),
     ),
     # Plain multi-head attention and one matrix for the embedding and the head.
     "llama_tied_mha": (
@@ -75,7 +76,7 @@ def tokens(vocab_size: int) -> np.ndarray:
 def build(name: str):
     """The seeded model `name`, float32, every parameter drawn from the seed."""
     config_class, keys, _ = MODELS[name]
-    config = getattr(transformers, config_class)(**TINY, **keys)
+    config = getattr(transformers, config_class)(**{"num_hidden_layers": 2, **TINY, **keys})
     config._attn_implementation = "eager"
     torch.manual_seed(SEED)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
