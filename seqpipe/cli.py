@@ -222,13 +222,14 @@ def no_tensor_or_exit(config, tool: str) -> None:
 
 
 def run_or_exit(fn: Callable[[], T]) -> T:
-    """Run fn; a config, data, workdir or restore error becomes one line on stderr and exit
-    code 2 (each is raised before any training step)."""
+    """Run fn; a config, data, workdir, restore or HF checkpoint error becomes one line on
+    stderr and exit code 2 (each is raised before any training step)."""
     from seqpipe.checkpoint import RestoreError
     from seqpipe.data import DataError
+    from seqpipe.hf_config import HFError
     from seqpipe.workdir import WorkdirError
 
     try:
         return fn()
-    except (config_lib.ConfigError, DataError, WorkdirError, RestoreError) as e:
+    except (config_lib.ConfigError, DataError, WorkdirError, RestoreError, HFError) as e:
         fail(str(e))

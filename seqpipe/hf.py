@@ -202,6 +202,11 @@ def config_of(spec: str, dtype: str = "float32") -> GPTConfig:
     return GPTConfig.from_config({**keys, "dtype": dtype, "param_dtype": dtype})
 
 
+def check(spec: str, cfg: GPTConfig) -> None:
+    """HFError unless every tensor `cfg` needs is in spec's files, readable, of its shape."""
+    open_reader(spec, cfg)
+
+
 def open_reader(spec: str, cfg: GPTConfig) -> tuple[Reader, dict]:
     layout = _layout(dataclasses.replace(cfg, tensor=1))
     return Reader(Path(spec.removeprefix(PREFIX)), _names(layout)), layout

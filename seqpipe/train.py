@@ -329,6 +329,10 @@ class Trainer:
         rows = data.local_rows(config, self.mesh)
         # The data is checked before the workdir is touched: a refusal leaves nothing.
         train_tokens, eval_tokens, tokenizer = data.read_corpus(config)
+        if t.get("init_from"):  # its files' names, shapes and dtypes, as the data
+            from seqpipe import hf
+
+            hf.check(t.init_from, GPTConfig.from_config(config.model))
         self.data_id = data.identity(train_tokens)  # what the checkpoints' data position counts
         self.lock = workdir_lib.Lock(workdir, jax.process_index())  # one run per workdir
         self.manager = None

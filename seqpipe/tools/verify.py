@@ -91,7 +91,8 @@ def main(argv: list[str]) -> int:
     train_tokens, _ = cli.run_or_exit(lambda: data.load_tokens(config, ""))
     rows = cli.run_or_exit(lambda: data.local_rows(config, mesh))
     batch = next(data.train_iterator(config, train_tokens, rows))["tokens"]
-    r = compare(config, data.to_global(batch, mesh, config.train.global_batch_size), mesh)
+    tokens = data.to_global(batch, mesh, config.train.global_batch_size)
+    r = cli.run_or_exit(lambda: compare(config, tokens, mesh))
     print(
         f"schedule {config.pipeline.schedule}  loss {r['loss']:.6f} (reference "
         f"{r['reference_loss']:.6f}, rel err {r['loss_rel_err']:.1e} <= {LOSS_RTOL:.0e})  "
