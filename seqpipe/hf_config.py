@@ -169,12 +169,18 @@ def _effective(key: str, value, keys: Mapping):
     return value
 
 
+# What a run may set otherwise than the checkpoint: a context extension's rope.
+EXTENSIBLE = ("rope_base", "rope_scaling")
+
+
 def mismatch(model: Mapping, spec: str) -> str | None:
-    """None if the config's `model.` keys are those of `spec`'s config.json, else one line
-    naming the first key that differs and both values."""
+    """None if the config's `model.` keys are those of `spec`'s config.json (the rope's
+    aside, `EXTENSIBLE`), else one line naming the first key that differs and both values."""
     path = directory(spec) / "config.json"
     theirs = model_keys(read(spec), str(path))
     for key, value in theirs.items():
+        if key in EXTENSIBLE:
+            continue
         ours = model.get(key)
         if ours is None:
             return f"model.{key} is not a key of this seqpipe, and {path} needs {value!r}"
@@ -186,6 +192,19 @@ def mismatch(model: Mapping, spec: str) -> str | None:
                 f"--config.model.{key} to match, or start from --config {PREFIX}{directory(spec)}"
             )
     return None
+
+
+def rope_change(model: Mapping, spec: str) -> str | None:
+    """A line saying how the config's rope differs from `spec`'s (a context extension:
+    continued pretraining at a longer context), or None."""
+    theirs = model_keys(read(spec))
+    changed = []
+    for key in EXTENSIBLE:
+        ours = dict(model[key]) if key == "rope_scaling" else model[key]
+        before, after = _effective(key, theirs[key], theirs), _effective(key, ours, model)
+        if before != after:
+            changed.append(f"model.{key} {before} -> {after}")
+    return f"{', '.join(changed)} (the checkpoint's rope extended)" if changed else None
 
 
 def hf_config(model: Mapping, dtype: str, base: Mapping | None = None, context: int = 0) -> dict:

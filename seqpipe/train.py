@@ -367,7 +367,10 @@ class Trainer:
                     f"checkpoint (step {self.start}), which the run resumes"
                 )
         elif t.get("init_from"):
-            self.log.print(f"initialised from {t.init_from}")
+            from seqpipe import hf_config
+
+            change = hf_config.rope_change(config.model, t.init_from)
+            self.log.print(f"initialised from {t.init_from}" + (f"; {change}" if change else ""))
         self.bad = BadSteps()
         self.records: list[dict] = []
 
