@@ -13,7 +13,7 @@ import pytest
 from safetensors import safe_open
 
 from seqpipe import config as config_lib
-from seqpipe import hf, layout, optim, sharding, train
+from seqpipe import hf, hf_config, layout, model, optim, sharding, train
 from seqpipe.schedule import SCHEDULES
 from seqpipe.tools import verify
 
@@ -234,9 +234,81 @@ def test_export_writes_what_transformers_loads(tmp_path):
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():
         theirs = loaded(input_ids=torch.from_numpy(tokens)).logits.numpy()
-    from seqpipe import model
-
     ours = np.asarray(model.forward(params, np.asarray(tokens, np.int32), cfg))
     assert float(np.max(np.abs(ours - theirs))) <= 1e-3
     with safe_open(str(out / "model.safetensors"), framework="numpy") as f:
         assert "lm_head.weight" in f.keys()
+
+
+def test_config_from_an_hf_directory():
+    """`--config hf:DIR`: its model keys, its weights and its tokenizer; defaults else."""
+    config = config_lib.load(SPEC, {"train.seq_len": "64"})
+    keys = hf_config.model_keys(hf_config.read(SPEC))
+    assert {k: config.model[k] for k in keys if k != "rope_scaling"} == {
+        k: v for k, v in keys.items() if k != "rope_scaling"
+    }
+    assert config.model.rope_scaling.to_dict() == {
+        **config_lib.base_config().model.rope_scaling.to_dict(),
+        **keys["rope_scaling"],
+    }
+    assert (config.train.init_from, config.data.tokenizer) == (SPEC, SPEC)
+    assert config.train.seq_len == 64 and config.train.steps == config_lib.base_config().train.steps
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"model.num_kv_heads": "4"}, f"model.num_kv_heads=4 but {GQA}/config.json has 2"),
+        ({"data.tokenizer": "gpt2"}, "data.tokenizer='gpt2' is not valid"),
+        ({"train.init_from": str(GQA)}, "is not valid; give hf:DIR"),
+        ({"train.init_from": "hf:/nonexistent"}, "/nonexistent has no config.json"),
+    ],
+)
+def test_bad_hf_settings_are_one_line(overrides, message):
+    with pytest.raises(config_lib.ConfigError) as e:
+        config_lib.load(SPEC, overrides)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_longer_context_may_change_the_rope():
+    config = config_lib.load(SPEC, {"model.rope_scaling.factor": "16", "train.seq_len": "256"})
+    assert "model.rope_scaling ('llama3', 8.0, " in hf_config.rope_change(config.model, SPEC)
+
+
+@pytest.mark.slow
+def test_continued_pretraining_end_to_end(tmp_path):
+    """Import the GQA Llama (llama3 rope, trained context 16 x 8), train 20 steps of
+    seq1f1b on a 2 x 4 mesh at 256 tokens with the rope factor doubled, export: the
+    export loads in transformers, whose logits equal seqpipe's at 256 tokens."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("".join(p.read_text() for p in sorted((REPO / "seqpipe").glob("*.py"))))
+    work, out = tmp_path / "run", tmp_path / "export"
+    args = [
+        "--config", SPEC, "--workdir", str(work),
+        *run_args(tmp_path, **{
+            "data.path": str(text), "mesh.data": 2, "mesh.stage": 4,
+            "pipeline.schedule": "seq1f1b", "pipeline.microbatches": 4,
+            "pipeline.segments": 4, "train.seq_len": 256, "train.global_batch_size": 16,
+            "train.steps": 20, "train.log_every": 5, "train.warmup_steps": 2,
+            "train.learning_rate": 1e-3, "model.rope_scaling.factor": 16,
+        }),
+    ]  # fmt: skip
+    trained = run(args, timeout=1200)
+    print(trained.stdout)
+    assert trained.returncode == 0, trained.stderr
+    exported = run(["export", "--workdir", str(work), "--out", str(out)], "seqpipe.hf")
+    assert exported.returncode == 0, exported.stderr
+    print(exported.stdout)
+    cfg, params = hf.load(out)
+    assert cfg.rope_scaling.factor == 16.0
+    tokens = np.random.default_rng(2).integers(0, 96, (2, 256))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = loaded(input_ids=torch.from_numpy(tokens)).logits.numpy()
+    ours = np.asarray(model.forward(params, np.asarray(tokens, np.int32), cfg))
+    error = float(np.max(np.abs(ours - theirs)))
+    print(f"max |seqpipe - transformers| logit after 20 steps at 256 tokens: {error:.2e}")
+    assert error <= 1e-3
