@@ -194,16 +194,22 @@ def mismatch(model: Mapping, spec: str) -> str | None:
     return None
 
 
+def _rope_keys(model: Mapping) -> dict:
+    """{key: value} of the rope settings the model reads, rope_scaling's by field."""
+    scaling = dict(model["rope_scaling"])
+    kind = scaling.get("type", "none")
+    keys = {"rope_base": float(model["rope_base"]), "rope_scaling.type": kind}
+    keys.update({f"rope_scaling.{f}": scaling.get(f, ROPE_DEFAULTS[f]) for f in ROPE_FIELDS[kind]})
+    return keys
+
+
 def rope_change(model: Mapping, spec: str) -> str | None:
     """A line saying how the config's rope differs from `spec`'s (a context extension:
     continued pretraining at a longer context), or None."""
-    theirs = model_keys(read(spec))
-    changed = []
-    for key in EXTENSIBLE:
-        ours = dict(model[key]) if key == "rope_scaling" else model[key]
-        before, after = _effective(key, theirs[key], theirs), _effective(key, ours, model)
-        if before != after:
-            changed.append(f"model.{key} {before} -> {after}")
+    before, after = _rope_keys(model_keys(read(spec))), _rope_keys(model)
+    changed = [
+        f"model.{k} {before.get(k, '-')} -> {v}" for k, v in after.items() if before.get(k) != v
+    ]
     return f"{', '.join(changed)} (the checkpoint's rope extended)" if changed else None
 
 

@@ -272,7 +272,9 @@ def test_bad_hf_settings_are_one_line(overrides, message):
 
 def test_a_longer_context_may_change_the_rope():
     config = config_lib.load(SPEC, {"model.rope_scaling.factor": "16", "train.seq_len": "256"})
-    assert "model.rope_scaling ('llama3', 8.0, " in hf_config.rope_change(config.model, SPEC)
+    assert hf_config.rope_change(config.model, SPEC) == (
+        "model.rope_scaling.factor 8.0 -> 16.0 (the checkpoint's rope extended)"
+    )
 
 
 @pytest.mark.slow
