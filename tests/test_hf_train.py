@@ -97,7 +97,14 @@ def test_initial_state_is_the_checkpoint_on_every_layout(name):
     assert int(state["step"]) == 0
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+# The default run takes the Seq1F1B pair; `make test-all` every schedule.
+DEFAULT_SCHEDULES = ("seq1f1b", "seq1f1b_interleaved")
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [s if s in DEFAULT_SCHEDULES else pytest.param(s, marks=pytest.mark.slow) for s in SCHEDULES],
+)
 def test_every_schedule_equals_the_reference_on_imported_weights(schedule):
     interleaved = "interleaved" in schedule
     overrides = pipelined(schedule, 2, 2 if interleaved else 1)
@@ -109,7 +116,7 @@ def test_every_schedule_equals_the_reference_on_imported_weights(schedule):
     assert r["ok"], r
 
 
-@pytest.mark.parametrize("tensor", [2, 4])
+@pytest.mark.parametrize("tensor", [pytest.param(2, marks=pytest.mark.slow), 4])
 def test_verify_cli_with_init_from(tmp_path, tensor):
     """`python -m seqpipe.verify --config hf:DIR` with K/V heads split (tensor 2) and
     replicated (tensor 4)."""
@@ -220,6 +227,7 @@ def test_export_of_a_workdir_without_checkpoints_is_one_line(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_export_writes_what_transformers_loads(tmp_path):
     """An export of a checkpoint trained here: transformers' logits equal seqpipe's."""
     transformers = pytest.importorskip("transformers")
@@ -314,3 +322,29 @@ def test_continued_pretraining_end_to_end(tmp_path):
     error = float(np.max(np.abs(ours - theirs)))
     print(f"max |seqpipe - transformers| logit after 20 steps at 256 tokens: {error:.2e}")
     assert error <= 1e-3
+
+
+def test_each_device_block_is_read_alone(monkeypatch):
+    """On 2 stages x 2 tensor devices, every block read from the files is one device's:
+    a layer's heads, MLP columns or vocabulary split in two, never a whole tensor that
+    the mesh splits."""
+    reads = []
+    real = hf.read_block
+
+    def recording(t, tensor_slice, shape, index):
+        block = real(t, tensor_slice, shape, index)
+        reads.append((t.name.split(".")[-2], block.size, int(np.prod(shape))))
+        return block
+
+    monkeypatch.setattr(hf, "read_block", recording)
+    overrides = pipelined("seq1f1b", 2, **{"mesh.tensor": 2})
+    config = config_lib.load(SPEC, {k: str(v) for k, v in overrides.items()})
+    train.init_state(config, sharding.mesh_of(config), optim.make_optimizer(config.train))
+    split = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    split |= {"embed_tokens", "lm_head"}
+    sizes = {}
+    for name, size, whole in reads:
+        sizes.setdefault(name, set()).add(size / whole)
+    assert split <= set(sizes)
+    assert all(sizes[name] == {0.5} for name in split), sizes
+    assert sizes["input_layernorm"] == {1.0}  # norm gains are whole on every device
