@@ -66,6 +66,12 @@ MODELS = {
         dict(num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=1000000.0),
         {},
     ),
+    # Mistral: Llama's layout under its own name, without a sliding window (as v0.3).
+    "mistral_gqa": (
+        "MistralConfig",
+        dict(num_key_value_heads=1, sliding_window=None, rope_theta=1000000.0),
+        {},
+    ),
 }
 
 

@@ -20,7 +20,7 @@ from safetensors import safe_open
 from seqpipe import hf, hf_config, model
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
-MODELS = ("llama_gqa_llama3", "llama_tied_mha", "qwen2_bias")
+MODELS = ("llama_gqa_llama3", "llama_tied_mha", "qwen2_bias", "mistral_gqa")
 LOGIT_ATOL = 1e-3  # max |seqpipe - transformers| over every float32 logit
 LOSS_RTOL = 1e-5
 
