@@ -112,11 +112,8 @@ class Reader:
 
     def __init__(self, directory: Path, shapes: dict):
         self.directory = directory
-        self.files = self._files()
-        self.handles = {}
-        self.slices = {}
-        found = {}
-        for filename in sorted(set(self.files.values())):
+        self.handles, self.slices, found = {}, {}, {}
+        for filename in self._filenames():
             path = directory / filename
             if not path.is_file():
                 raise HFError(f"{path} is missing ({INDEX} names it); download it again")
@@ -125,21 +122,20 @@ class Reader:
             except SafetensorError as e:
                 raise HFError(f"{path} is damaged or truncated ({e}); download it again") from None
             self.handles[filename] = handle
-            for name in handle.keys():
-                found[name] = filename
+            found.update(dict.fromkeys(handle.keys(), filename))
         self._check(found, shapes)
 
-    def _files(self) -> dict[str, str]:
-        """{tensor name: file} from the index; the single file's names come from it."""
+    def _filenames(self) -> list[str]:
+        """The safetensors files: the index's shards, else the single file."""
         index = self.directory / INDEX
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError, TypeError) as e:
+                return sorted(set(weight_map.values()))
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
                 raise HFError(f"{index} is not a safetensors index ({e})") from None
-            return dict(weight_map)
         if (self.directory / SINGLE).is_file():
-            return {"": SINGLE}
+            return [SINGLE]
         raise HFError(f"{self.directory} has neither {SINGLE} nor {INDEX}")
 
     def _check(self, found: dict, shapes: dict) -> None:
@@ -168,10 +164,6 @@ class Reader:
                 f"{self.directory} has tensors seqpipe's model has no place for: "
                 f"{', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''}"
             )
-
-    def dtype(self) -> str:
-        """The numpy name of the (first) weights' dtype."""
-        return DTYPES[next(iter(self.slices.values())).get_dtype()]
 
 
 def _layout(cfg: GPTConfig) -> dict:
