@@ -82,7 +82,11 @@ def tokens(vocab_size: int) -> np.ndarray:
 def build(name: str):
     """The seeded model `name`, float32, every parameter drawn from the seed."""
     config_class, keys, _ = MODELS[name]
-    config = getattr(transformers, config_class)(**{"num_hidden_layers": 2, **TINY, **keys})
+    return seeded(getattr(transformers, config_class)(**{"num_hidden_layers": 2, **TINY, **keys}))
+
+
+def seeded(config):
+    """A float32 model of `config` (eager attention) with every parameter drawn from SEED."""
     config._attn_implementation = "eager"
     torch.manual_seed(SEED)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -350,7 +350,8 @@ def from_hf(spec: str) -> ml_collections.ConfigDict:
     from seqpipe import hf_config  # pure Python
 
     try:
-        keys = hf_config.model_keys(hf_config.read(spec), spec + "/config.json")
+        where = str(hf_config.directory(spec) / "config.json")
+        keys = hf_config.model_keys(hf_config.read(spec), where)
     except hf_config.HFError as e:
         raise ConfigError(str(e)) from None
     config = base_config()

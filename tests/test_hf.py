@@ -279,3 +279,43 @@ def test_live_transformers_loads_an_export(tmp_path, name, rope_keys):
         theirs = loaded(input_ids=torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
     ours = np.asarray(model.forward(params, tokens, cfg))
     assert float(np.max(np.abs(ours - theirs))) <= LOGIT_ATOL
+
+
+ROPES = {
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "yarn": {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 16,
+        "beta_fast": 16.0,
+        "beta_slow": 2.0,
+    },
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 4.0,
+        "low_freq_factor": 2.0,
+        "high_freq_factor": 8.0,
+        "original_max_position_embeddings": 32,
+    },
+}
+
+
+@pytest.mark.parametrize("rope", ROPES)
+def test_live_rope_scalings_equal_transformers(tmp_path, rope):
+    """Each rope scaling seqpipe reads, on a model transformers makes here and now."""
+    transformers = pytest.importorskip("transformers")
+    script = _script()
+    config = transformers.LlamaConfig(
+        **{**script.TINY, "num_hidden_layers": 2}, num_key_value_heads=2, rope_scaling=ROPES[rope]
+    )
+    made = script.seeded(config)
+    made.save_pretrained(tmp_path)
+    tokens = script.tokens(config.vocab_size)
+    logits, loss = script.oracle(made, tokens)
+    cfg, params = hf.load(tmp_path)
+    assert cfg.rope_scaling.type == rope
+    tokens = tokens.astype(np.int32)
+    error = float(np.max(np.abs(np.asarray(model.forward(params, tokens, cfg)) - logits)))
+    print(f"{rope}: max |logit - transformers| {error:.2e}")
+    assert error <= LOGIT_ATOL
+    assert abs(float(model.loss(params, tokens, cfg)) - loss) <= LOSS_RTOL * loss
