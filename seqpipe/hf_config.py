@@ -188,8 +188,8 @@ def mismatch(model: Mapping, spec: str) -> str | None:
             ours = dict(ours)
         if _effective(key, ours, model) != _effective(key, value, theirs):
             return (
-                f"model.{key}={ours!r} but {path} has {value!r}; set "
-                f"--config.model.{key} to match, or start from --config {PREFIX}{directory(spec)}"
+                f"model.{key}={ours!r} but {path} has {value!r}; its weights need "
+                f"model.{key}={value!r}"
             )
     return None
 
