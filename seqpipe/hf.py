@@ -250,9 +250,13 @@ def initial_params(spec: str, cfg: GPTConfig, abstract: model.Params, positions)
         keys = tuple(k.key for k in path)
         t, shape, layers = layout[keys]
         at = None if layers is None else (lambda i: int(positions[i]))
+        blocks = {}  # a block several devices hold (replicated) is read once
 
         def block(index):
-            return _read_leaf(reader, t, shape, x.dtype, index, at, x.shape[0])
+            key = tuple((s.start, s.stop) for s in index)
+            if key not in blocks:
+                blocks[key] = _read_leaf(reader, t, shape, x.dtype, index, at, x.shape[0])
+            return blocks[key]
 
         return jax.make_array_from_callback(x.shape, x.sharding, block)
 
