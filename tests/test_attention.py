@@ -303,6 +303,42 @@ def test_pallas_gpu_lowers_to_verified_triton_modules(monkeypatch):
     assert text.count("__gpu$xla.gpu.triton") == 4
 
 
+def test_grouped_pallas_gpu_lowers_to_verified_triton_modules(monkeypatch):
+    """Llama 3.1 8B's grouping (4 query heads per K/V head), bf16, E = 128, the prefix in a
+    K/V cache: the K/V index maps (h // 4) and the cache reads lower to Triton modules that
+    pass MLIR's verifier."""
+    from jax._src.pallas.triton import lowering
+
+    verified = []
+    lower = lowering.lower_jaxpr_to_triton_module
+
+    def lower_and_verify(*args, **kwargs):
+        result = lower(*args, **kwargs)
+        verified.append(result.module.operation.verify())
+        return result
+
+    monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", lower_and_verify)
+    q = jax.ShapeDtypeStruct((1, 100, 8, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 100, 2, 128), jnp.bfloat16)
+    words = jax.ShapeDtypeStruct((2, 3, 1, 400, 2, 128), jnp.uint16)
+    index = jax.ShapeDtypeStruct((), jnp.int32)
+
+    def cached(words_k, words_v, slot, layer, q, ks, vs, g):
+        cache = kv_cache.Prefix(words_k, words_v, slot, layer)
+        sink = jnp.zeros((1, 350, 2, 128), jnp.bfloat16)
+
+        def fn(q, sk, sv, ks, vs):
+            return gpu_attention.cached_attention(q, cache, sk, sv, ks, vs, 300)
+
+        out, vjp = jax.vjp(fn, q, sink, sink, ks, vs)
+        return (out, *vjp(g))
+
+    traced = jax.jit(cached).trace(words, words, index, index, q, kv, kv, q)
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert verified == [True] * 4
+    assert text.count("__gpu$xla.gpu.triton") == 4
+
+
 def test_pallas_gpu_refuses_odd_widths_in_one_line():
     q = jnp.zeros((1, 4, 1, 24))
     with pytest.raises(ValueError, match="powers of two for the head width"):

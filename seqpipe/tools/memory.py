@@ -69,7 +69,7 @@ def carry_bytes(spec, rows: int) -> dict:
         "grads": b["grads"],
         "loss": b["loss"],
         # B-to-W buffers of a split table: the weight matmuls' inputs and output cotangents
-        # that B leaves its W, per segment, [slots, n, b, L_k] x (8D + 2F) values.
+        # that B leaves its W, per segment, [slots, n, b, L_k] x `model.matmul_shapes` values.
         "weight": b["weight"],
     }
     out["carry"] = sum(out.values())
