@@ -348,3 +348,39 @@ def test_each_device_block_is_read_alone(monkeypatch):
     assert split <= set(sizes)
     assert all(sizes[name] == {0.5} for name in split), sizes
     assert sizes["input_layernorm"] == {1.0}  # norm gains are whole on every device
+
+
+# The config.json of the public checkpoints (their model keys, as published on the Hub).
+PUBLIC = {
+    "llama3_2_1b": {
+        "architectures": ["LlamaForCausalLM"], "head_dim": 64, "hidden_act": "silu",
+        "hidden_size": 2048, "intermediate_size": 8192, "num_attention_heads": 32,
+        "num_hidden_layers": 16, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+        "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "rope_theta": 500000.0, "tie_word_embeddings": True, "vocab_size": 128256,
+    },
+    "llama3_1_8b": {
+        "architectures": ["LlamaForCausalLM"], "hidden_act": "silu", "hidden_size": 4096,
+        "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32,
+        "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+        "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "rope_theta": 500000.0, "tie_word_embeddings": False, "vocab_size": 128256,
+    },
+    "qwen2_5_7b": {
+        "architectures": ["Qwen2ForCausalLM"], "hidden_act": "silu", "hidden_size": 3584,
+        "intermediate_size": 18944, "num_attention_heads": 28, "num_hidden_layers": 28,
+        "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+        "sliding_window": 131072, "use_sliding_window": False, "tie_word_embeddings": False,
+        "vocab_size": 152064,
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", PUBLIC)
+def test_the_shipped_configs_are_the_public_checkpoints(tmp_path, name):
+    """configs/NAME.py takes the public checkpoint with train.init_from: no key differs."""
+    (tmp_path / "config.json").write_text(json.dumps(PUBLIC[name]))
+    config = config_lib.load(name, {"train.init_from": f"hf:{tmp_path}"})
+    assert hf_config.rope_change(config.model, f"hf:{tmp_path}") is None
