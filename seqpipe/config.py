@@ -148,13 +148,13 @@ SCHEMA = {
     "train.stop_at": _COUNT,
     "train.max_bad_steps": _POSITIVE_INT,
     "train.shard_optimizer": Key(str, choices=("auto", "on", "off")),
-    "train.init_from": Key(str),  # "" or hf:DIR: `_validate_init_from`
+    "train.init_from": Key(str),  # "" or hf:DIR: `_validate_hf`
     "checkpoint.every": _COUNT,
     "checkpoint.keep": _COUNT,
     "checkpoint.async_save": Key(bool),
     "data.source": Key(str, choices=SOURCES),
     "data.path": Key(str),
-    "data.tokenizer": Key(str),  # one of TOKENIZERS, hf:DIR or a tokenizer.json: `validate`
+    "data.tokenizer": Key(str),  # one of TOKENIZERS, hf:DIR or a tokenizer.json: `_validate_hf`
     "data.token_dtype": Key(str, choices=("uint16", "uint32")),
     "data.eval_fraction": Key(float, low=0.0, high=1.0, low_open=True, high_open=True),
     "data.cache_dir": Key(str),
@@ -482,20 +482,22 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         "are); leave data.tokenizer=bpe, with data.tokenizer_path to check the ids against a "
         "BPE",
     )
-    _require(
-        d.tokenizer in TOKENIZERS or d.tokenizer.startswith(HF) or d.tokenizer.endswith(".json"),
-        f"data.tokenizer={d.tokenizer!r} is not valid; choose one of {list(TOKENIZERS)}, "
-        "hf:DIR (its tokenizer.json) or a path to a tokenizer.json",
-    )
-    _validate_init_from(config)
+    _validate_hf(config)
     _require(
         d.tokenizer != "byte" or m.vocab_size >= 256,
         f"model.vocab_size={m.vocab_size} is below 256, the byte tokenizer's size",
     )
 
 
-def _validate_init_from(config: ml_collections.ConfigDict) -> None:
-    """train.init_from=hf:DIR names a readable HF model whose every model key is ours."""
+def _validate_hf(config: ml_collections.ConfigDict) -> None:
+    """data.tokenizer names a tokenizer; train.init_from=hf:DIR a readable HF model whose
+    every model key is ours."""
+    kind = config.data.tokenizer
+    _require(
+        kind in TOKENIZERS or kind.startswith(HF) or kind.endswith(".json"),
+        f"data.tokenizer={kind!r} is not valid; choose one of {list(TOKENIZERS)}, "
+        "hf:DIR (its tokenizer.json) or a path to a tokenizer.json",
+    )
     spec = config.train.init_from
     if not spec:
         return
