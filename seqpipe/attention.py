@@ -17,20 +17,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from seqpipe.rope import NO_SCALING, RopeScaling
+from seqpipe.rope import tables as rope_tables
 
-def rope(x_BxQxHxE: jax.Array, offset: int, base: float) -> jax.Array:
-    """Rotary position embedding at absolute positions offset .. offset + Q - 1.
+
+def rope(
+    x_BxQxHxE: jax.Array, offset: int, base: float, scaling: RopeScaling = NO_SCALING
+) -> jax.Array:
+    """Rotary position embedding at absolute positions offset .. offset + Q - 1, the first
+    half of each head paired with the second (HF Llama's `rotate_half`), the frequencies
+    as `scaling` extends them (`seqpipe.rope`).
 
     The angles depend only on static shapes, so they are NumPy constants: a backward
     that keeps residuals never has to store them.
     """
     _, q_len, _, head_dim = x_BxQxHxE.shape
-    half = head_dim // 2
-    inv_freq = 1.0 / (base ** (np.arange(half, dtype=np.float64) / half))
-    pos = np.arange(q_len, dtype=np.float64) + offset
-    angle_QxE2 = pos[:, None] * inv_freq[None, :]
-    sin = np.sin(angle_QxE2).astype(np.float32)[None, :, None, :]
-    cos = np.cos(angle_QxE2).astype(np.float32)[None, :, None, :]
+    pos = np.arange(q_len, dtype=np.int64) + offset
+    cos, sin = (t[None, :, None, :] for t in rope_tables(pos, head_dim, base, scaling))
     x1, x2 = jnp.split(x_BxQxHxE.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
     return out.astype(x_BxQxHxE.dtype)
@@ -113,17 +116,36 @@ def attend_cached(name: str, q_BxQxHxE, prefix, sink_k, sink_v, prefix_len: int,
     return attend(name, q_BxQxHxE, k_prefix, v_prefix, k_seg, v_seg)
 
 
-def _check(q_BxQxHxE, k_prefix_BxPxHxE, v_prefix_BxPxHxE, k_seg_BxQxHxE):
+def _check(q_BxQxHxE, k_prefix_BxPxHxE, v_prefix_BxPxHxE, k_seg_BxQxKxE):
     q_len, prefix_len = q_BxQxHxE.shape[1], k_prefix_BxPxHxE.shape[1]
-    if k_seg_BxQxHxE.shape[1] != q_len or v_prefix_BxPxHxE.shape[1] != prefix_len:
+    if k_seg_BxQxKxE.shape[1] != q_len or v_prefix_BxPxHxE.shape[1] != prefix_len:
         raise ValueError(
-            f"keys cover {prefix_len} prefix + {k_seg_BxQxHxE.shape[1]} segment positions; "
+            f"keys cover {prefix_len} prefix + {k_seg_BxQxKxE.shape[1]} segment positions; "
             f"expected the segment's own {q_len}"
+        )
+    heads, kv_heads = q_BxQxHxE.shape[2], k_seg_BxQxKxE.shape[2]
+    if heads % kv_heads or k_prefix_BxPxHxE.shape[2] != kv_heads:
+        raise ValueError(
+            f"{heads} query heads do not group over {kv_heads} K/V heads "
+            f"(prefix {k_prefix_BxPxHxE.shape[2]})"
         )
 
 
+def grouped(q_BxQxHxE: jax.Array, kv_heads: int) -> jax.Array:
+    """Query heads [b, Q, H, E] as [b, Q, K, H/K, E]: query head h reads K/V head
+    h // (H/K), as HF's `repeat_kv` pairs them, without repeating K/V in memory."""
+    b, q_len, heads, width = q_BxQxHxE.shape
+    return q_BxQxHxE.reshape(b, q_len, kv_heads, heads // kv_heads, width)
+
+
+def ungrouped(x_BxQxKxGxE: jax.Array) -> jax.Array:
+    b, q_len, kv, group, width = x_BxQxKxGxE.shape
+    return x_BxQxKxGxE.reshape(b, q_len, kv * group, width)
+
+
 def _probs(q, k_prefix, k_seg):
-    """Softmax probabilities of the segment's queries over (prefix, own) keys, as two blocks.
+    """Softmax probabilities [b, K, G, Q, *] of the segment's (grouped) queries over
+    (prefix, own) keys, as two blocks.
 
     The diagonal block's mask is an additive NumPy constant (0 on and below, -inf above).
     The row maximum over the own block is finite (the diagonal is never masked), so an
@@ -132,7 +154,7 @@ def _probs(q, k_prefix, k_seg):
     scale = q.shape[-1] ** -0.5
 
     def scores(k):
-        s = jnp.einsum("bqhe,bkhe->bhqk", q, k, preferred_element_type=jnp.float32)
+        s = jnp.einsum("bqhge,bkhe->bhgqk", q, k, preferred_element_type=jnp.float32)
         return s * scale
 
     q_len = q.shape[1]
@@ -147,24 +169,25 @@ def _probs(q, k_prefix, k_seg):
 
 
 def _weighted_values(p_prefix, p_seg, v_prefix, v_seg):
-    return jnp.einsum("bhqk,bkhe->bqhe", p_prefix, v_prefix) + jnp.einsum(
-        "bhqk,bkhe->bqhe", p_seg, v_seg
+    return jnp.einsum("bhgqk,bkhe->bqhge", p_prefix, v_prefix) + jnp.einsum(
+        "bhgqk,bkhe->bqhge", p_seg, v_seg
     )
 
 
 @jax.custom_vjp
 def segment_attention(
     q_BxQxHxE: jax.Array,
-    k_prefix_BxPxHxE: jax.Array,
-    v_prefix_BxPxHxE: jax.Array,
-    k_seg_BxQxHxE: jax.Array,
-    v_seg_BxQxHxE: jax.Array,
+    k_prefix_BxPxKxE: jax.Array,
+    v_prefix_BxPxKxE: jax.Array,
+    k_seg_BxQxKxE: jax.Array,
+    v_seg_BxQxKxE: jax.Array,
 ) -> jax.Array:
     """Softmax attention of a segment's queries over the cached prefix and themselves.
 
     The queries sit at absolute positions [P, P + Q), P = prefix length, and see every
     prefix key plus their own segment's keys up to the diagonal. Shapes are static, so
-    each segment compiles to exactly its causal key range.
+    each segment compiles to exactly its causal key range. H query heads share K K/V
+    heads in groups of H/K (`grouped`; K = H is multi-head attention).
 
     The prefix and the segment's K/V enter as separate blocks, and the backward is
     written by hand, so that what a unit keeps for its backward is its inputs (the
@@ -173,7 +196,7 @@ def segment_attention(
     sliced PV products would keep them twice: the softmax output and the slices.
     """
     return _attention_fwd(
-        q_BxQxHxE, k_prefix_BxPxHxE, v_prefix_BxPxHxE, k_seg_BxQxHxE, v_seg_BxQxHxE
+        q_BxQxHxE, k_prefix_BxPxKxE, v_prefix_BxPxKxE, k_seg_BxQxKxE, v_seg_BxQxKxE
     )[0]
 
 
@@ -182,19 +205,21 @@ def segment_attention(
 @jax.named_scope(NAME_SCOPE)
 def _attention_fwd(q, k_prefix, v_prefix, k_seg, v_seg):
     _check(q, k_prefix, v_prefix, k_seg)
-    p_prefix, p_seg = _probs(q, k_prefix, k_seg)
-    out = _weighted_values(p_prefix, p_seg, v_prefix, v_seg)
+    p_prefix, p_seg = _probs(grouped(q, k_seg.shape[2]), k_prefix, k_seg)
+    out = ungrouped(_weighted_values(p_prefix, p_seg, v_prefix, v_seg))
     return out, (q, k_prefix, v_prefix, k_seg, v_seg, p_prefix, p_seg)
 
 
 @jax.named_scope(NAME_SCOPE)
 def _attention_bwd(residuals, d_out):
-    """The softmax backward per block: dS = P * (dP - rowsum(P * dP)) * scale."""
+    """The softmax backward per block: dS = P * (dP - rowsum(P * dP)) * scale; each K/V
+    head's cotangent sums over the query heads of its group."""
     q, k_prefix, v_prefix, k_seg, v_seg, p_prefix, p_seg = residuals
     f32, scale = jnp.float32, q.shape[-1] ** -0.5
+    q, d_out = grouped(q, k_seg.shape[2]), grouped(d_out, k_seg.shape[2])
 
     def d_probs(v):
-        return jnp.einsum("bqhe,bkhe->bhqk", d_out, v, preferred_element_type=f32)
+        return jnp.einsum("bqhge,bkhe->bhgqk", d_out, v, preferred_element_type=f32)
 
     dp_prefix, dp_seg = d_probs(v_prefix), d_probs(v_seg)
     row = (p_prefix * dp_prefix).sum(-1, keepdims=True, dtype=f32) + (p_seg * dp_seg).sum(
@@ -202,17 +227,17 @@ def _attention_bwd(residuals, d_out):
     )
     ds_prefix = (p_prefix * (dp_prefix - row) * scale).astype(q.dtype)
     ds_seg = (p_seg * (dp_seg - row) * scale).astype(q.dtype)
-    dq = jnp.einsum("bhqk,bkhe->bqhe", ds_prefix, k_prefix) + jnp.einsum(
-        "bhqk,bkhe->bqhe", ds_seg, k_seg
+    dq = jnp.einsum("bhgqk,bkhe->bqhge", ds_prefix, k_prefix) + jnp.einsum(
+        "bhgqk,bkhe->bqhge", ds_seg, k_seg
     )
 
     def d_keys(ds):
-        return jnp.einsum("bhqk,bqhe->bkhe", ds, q)
+        return jnp.einsum("bhgqk,bqhge->bkhe", ds, q)
 
     def d_values(p):
-        return jnp.einsum("bhqk,bqhe->bkhe", p, d_out)
+        return jnp.einsum("bhgqk,bqhge->bkhe", p, d_out)
 
-    return dq, d_keys(ds_prefix), d_values(p_prefix), d_keys(ds_seg), d_values(p_seg)
+    return ungrouped(dq), d_keys(ds_prefix), d_values(p_prefix), d_keys(ds_seg), d_values(p_seg)
 
 
 segment_attention.defvjp(_attention_fwd, _attention_bwd)

@@ -13,8 +13,12 @@ is not a multiple of the block gets a last block that starts earlier (it overlap
 before), and a mask drops the overlap. Overlapping query rows are computed twice, to the
 same values (written twice in the forward, masked out of the backward's sums).
 
-Letters: b rows, Q queries (the segment), P prefix keys, H heads of width E; bq, bk the
-block sizes (capped by the lengths).
+Grouped-query attention: the H query heads are viewed as [K, G] (K K/V heads, G = H/K
+query heads each) and every block product runs per K/V head over its group, so K/V are
+never repeated; dK and dV sum over the group inside the products.
+
+Letters: b rows, Q queries (the segment), P prefix keys, H query heads of width E (as
+[K, G] inside), K K/V heads; bq, bk the block sizes (capped by the lengths).
 """
 
 import functools
@@ -52,8 +56,23 @@ def _slice(x_BxLxHxE, start, size):
 
 
 def _scores(q_b, k_b):
+    """[b, K, G, bq, bk] float32 scores of grouped queries [b, bq, K, G, E]."""
     scale = q_b.shape[-1] ** -0.5
-    return jnp.einsum("bqhe,bkhe->bhqk", q_b, k_b, preferred_element_type=jnp.float32) * scale
+    return jnp.einsum("bqhge,bkhe->bhgqk", q_b, k_b, preferred_element_type=jnp.float32) * scale
+
+
+def _grouped(x_BxQxHxE, kv_heads: int):
+    b, q_len, heads, e = x_BxQxHxE.shape
+    return x_BxQxHxE.reshape(b, q_len, kv_heads, heads // kv_heads, e)
+
+
+def _rows_last(x_BxQxKxG):
+    """[b, Q, K, G] -> [b, K, G, Q] (and back with `_rows_second`)."""
+    return jnp.moveaxis(x_BxQxKxG, 1, 3)
+
+
+def _rows_second(x_BxKxGxQ):
+    return jnp.moveaxis(x_BxKxGxQ, 3, 1)
 
 
 def _own_blocks_seen(qb: _Blocks, kb: _Blocks, i):
@@ -76,8 +95,12 @@ def _reader(k_prefix, v_prefix):
 
 
 def _forward(q, prefix, k_seg, v_seg, block_q, block_k):
+    """(out [b, Q, H, E], log-sum-exp [b, K, G, Q] float32)."""
     read, prefix_len = prefix
-    b, q_len, h, e = q.shape
+    b, q_len, heads, e = q.shape
+    h = k_seg.shape[2]
+    g = heads // h
+    q = _grouped(q, h)
     qb, pb, kb = (
         _Blocks(q_len, block_q),
         _Blocks(prefix_len, block_k),
@@ -96,9 +119,9 @@ def _forward(q, prefix, k_seg, v_seg, block_q, block_k):
             p = jnp.exp(s - m_new[..., None])
             alpha = jnp.exp(m - m_new)
             pv = jnp.einsum(
-                "bhqk,bkhe->bqhe", p.astype(v_j.dtype), v_j, preferred_element_type=jnp.float32
+                "bhgqk,bkhe->bqhge", p.astype(v_j.dtype), v_j, preferred_element_type=jnp.float32
             )
-            acc = acc * jnp.swapaxes(alpha, 1, 2)[..., None] + pv
+            acc = acc * _rows_second(alpha)[..., None] + pv
             return m_new, total * alpha + p.sum(-1), acc
 
         def prefix_block(j, state):
@@ -111,20 +134,21 @@ def _forward(q, prefix, k_seg, v_seg, block_q, block_k):
             return visit(state, k_j, v_j, kb.fresh(j)[None, :] & (cols[None, :] <= rows[:, None]))
 
         state = (
-            jnp.full((b, h, qb.size), -jnp.inf, jnp.float32),
-            jnp.zeros((b, h, qb.size), jnp.float32),
-            jnp.zeros((b, qb.size, h, e), jnp.float32),
+            jnp.full((b, h, g, qb.size), -jnp.inf, jnp.float32),
+            jnp.zeros((b, h, g, qb.size), jnp.float32),
+            jnp.zeros((b, qb.size, h, g, e), jnp.float32),
         )
         if pb.count:  # an empty prefix has no blocks to trace
             state = jax.lax.fori_loop(0, pb.count, prefix_block, state)
         m, total, acc = jax.lax.fori_loop(0, _own_blocks_seen(qb, kb, i), own_block, state)
-        o_i = (acc / jnp.swapaxes(total, 1, 2)[..., None]).astype(out.dtype)
+        o_i = (acc / _rows_second(total)[..., None]).astype(out.dtype)
         out = jax.lax.dynamic_update_slice_in_dim(out, o_i, qb.start(i), axis=1)
-        lse = jax.lax.dynamic_update_slice_in_dim(lse, m + jnp.log(total), qb.start(i), axis=2)
+        lse = jax.lax.dynamic_update_slice_in_dim(lse, m + jnp.log(total), qb.start(i), axis=3)
         return out, lse
 
-    init = (jnp.zeros_like(q), jnp.zeros((b, h, q_len), jnp.float32))
-    return jax.lax.fori_loop(0, qb.count, query_block, init)
+    init = (jnp.zeros_like(q), jnp.zeros((b, h, g, q_len), jnp.float32))
+    out, lse = jax.lax.fori_loop(0, qb.count, query_block, init)
+    return out.reshape(b, q_len, heads, e), lse
 
 
 def _backward(q, prefix, k_seg, v_seg, out, lse, d_out, block_q, block_k, out_len=None):
@@ -137,14 +161,16 @@ def _backward(q, prefix, k_seg, v_seg, out, lse, d_out, block_q, block_k, out_le
     read, prefix_len = prefix
     dtype = q.dtype
     f32 = jnp.float32
-    b, q_len, h, e = q.shape
+    b, q_len, heads, e = q.shape
+    h = k_seg.shape[2]
+    q, out, d_out = (_grouped(x, h) for x in (q, out, d_out))
     qb, pb, kb = (
         _Blocks(q_len, block_q),
         _Blocks(prefix_len, block_k),
         _Blocks(q_len, block_k),
     )
     # D = rowsum(dO * O): the softmax backward's row term, once for all blocks.
-    delta = jnp.swapaxes(jnp.sum(d_out.astype(f32) * out.astype(f32), -1), 1, 2)
+    delta = _rows_last(jnp.sum(d_out.astype(f32) * out.astype(f32), -1))
 
     def key_pass(blocks: _Blocks, read_kv, first_query_block, causal):
         """dK, dV of one key range (float32) and what its blocks add to dq."""
@@ -158,8 +184,8 @@ def _backward(q, prefix, k_seg, v_seg, out, lse, d_out, block_q, block_k, out_le
                 dq, dk_j, dv_j = inner
                 start = qb.start(i)
                 q_i, do_i = _slice(q, start, qb.size), _slice(d_out, start, qb.size)
-                lse_i = jax.lax.dynamic_slice_in_dim(lse, start, qb.size, axis=2)
-                delta_i = jax.lax.dynamic_slice_in_dim(delta, start, qb.size, axis=2)
+                lse_i = jax.lax.dynamic_slice_in_dim(lse, start, qb.size, axis=3)
+                delta_i = jax.lax.dynamic_slice_in_dim(delta, start, qb.size, axis=3)
                 rows = qb.positions(i)
                 # Rows an earlier query block already covered add nothing here.
                 mask = fresh[None, :] & (rows >= i * qb.size)[:, None]
@@ -167,12 +193,12 @@ def _backward(q, prefix, k_seg, v_seg, out, lse, d_out, block_q, block_k, out_le
                     mask &= cols[None, :] <= rows[:, None]
                 p = jnp.where(mask, jnp.exp(_scores(q_i, k_j) - lse_i[..., None]), 0.0)
                 dv_j += jnp.einsum(
-                    "bhqk,bqhe->bkhe", p.astype(q.dtype), do_i, preferred_element_type=f32
+                    "bhgqk,bqhge->bkhe", p.astype(q.dtype), do_i, preferred_element_type=f32
                 )
-                dp = jnp.einsum("bqhe,bkhe->bhqk", do_i, v_j, preferred_element_type=f32)
+                dp = jnp.einsum("bqhge,bkhe->bhgqk", do_i, v_j, preferred_element_type=f32)
                 ds = (p * (dp - delta_i[..., None]) * q.shape[-1] ** -0.5).astype(q.dtype)
-                dk_j += jnp.einsum("bhqk,bqhe->bkhe", ds, q_i, preferred_element_type=f32)
-                dq_i = jnp.einsum("bhqk,bkhe->bqhe", ds, k_j, preferred_element_type=f32)
+                dk_j += jnp.einsum("bhgqk,bqhge->bkhe", ds, q_i, preferred_element_type=f32)
+                dq_i = jnp.einsum("bhgqk,bkhe->bqhge", ds, k_j, preferred_element_type=f32)
                 dq = jax.lax.dynamic_update_slice_in_dim(
                     dq, _slice(dq, start, qb.size) + dq_i, start, axis=1
                 )
@@ -206,7 +232,8 @@ def _backward(q, prefix, k_seg, v_seg, out, lse, d_out, block_q, block_k, out_le
     own_kv = _reader(k_seg, v_seg)[0]
     own = key_pass(kb, own_kv, functools.partial(_first_query_block, qb, kb), causal=True)
     dq, dks, dvs = jax.lax.fori_loop(0, kb.count, own, (dq, dks, dvs))
-    return (dq.astype(dtype), *(kv_cache.from_words(g, dtype) for g in (dkp, dvp, dks, dvs)))
+    dq = dq.reshape(b, q_len, heads, e).astype(dtype)
+    return (dq, *(kv_cache.from_words(g, dtype) for g in (dkp, dvp, dks, dvs)))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))

@@ -73,7 +73,7 @@ def abstract(spec, rows: int, layers_VxN, shared) -> Carry:
 
     msg = sds((rows, spec.msg_len, cfg.d_model), act)
     # Stored as words (`kv_cache.storage_dtype`): updated in place on every backend.
-    kv_shape = (spec.chunk_layers, rows, spec.kv_len, cfg.local_heads, cfg.head_dim)
+    kv_shape = (spec.chunk_layers, rows, spec.kv_len, cfg.local_kv_heads, cfg.head_dim)
     kv = sds(kv_shape, kv_cache.storage_dtype(act))
     like = lambda tree: jax.tree.map(lambda x: sds(x.shape, x.dtype), tree)  # noqa: E731
     if spec.forward_only:  # an evaluation keeps nothing for a backward

@@ -45,7 +45,7 @@ import orbax.checkpoint as ocp
 from ml_collections import ConfigDict
 
 from seqpipe import layout
-from seqpipe.config import ConfigError
+from seqpipe.config import ConfigError, base_config
 
 ITEMS = ("state", "data", "meta")
 # What orbax names a step directory until it is complete (tests/test_faults.py checks it).
@@ -313,7 +313,9 @@ def _read_step(manager, step: int, abstract_state: Any, config: ConfigDict, data
         raise Damaged(f"meta holds {type(meta).__name__}, not a dict")
     expected = metadata(config)
     where = f"the checkpoint at {manager.directory}/{step}"
-    if diff := _differences(meta.get("model", {}), expected["model"], "model"):
+    # A checkpoint saved before a model key existed holds that key's default.
+    saved_model = {**base_config().model.to_dict(), **meta.get("model", {})}
+    if diff := _differences(saved_model, expected["model"], "model"):
         raise ConfigError(
             f"{where} is of a different model ({diff}); use a fresh --workdir or the same model"
         )

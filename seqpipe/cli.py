@@ -72,14 +72,16 @@ def load_or_exit(
     `pipeline.remat=auto` only where `auto_remat` (train.py): the tools measure the policy
     they are named."""
     parser = _Parser(prog=prog)
-    parser.add_argument("--config", required=True, help="config file, or a name in configs/")
+    parser.add_argument(
+        "--config", required=True, help="config file, a name in configs/, or hf:DIR"
+    )
     parser.add_argument("--workdir", default=None, help="output directory (default runs/NAME)")
     if add_flags:
         add_flags(parser)
     args, rest = parser.parse_known_args(argv)
     try:
         config = config_lib.load(args.config, config_lib.parse_overrides(rest))
-        args.workdir = args.workdir or f"runs/{config_lib.resolve_path(args.config).stem}"
+        args.workdir = args.workdir or f"runs/{config_lib.run_name(args.config)}"
     except config_lib.ConfigError as e:
         fail(str(e))
     if config.pipeline.remat == "auto" and not auto_remat:
@@ -220,13 +222,14 @@ def no_tensor_or_exit(config, tool: str) -> None:
 
 
 def run_or_exit(fn: Callable[[], T]) -> T:
-    """Run fn; a config, data, workdir or restore error becomes one line on stderr and exit
-    code 2 (each is raised before any training step)."""
+    """Run fn; a config, data, workdir, restore or HF checkpoint error becomes one line on
+    stderr and exit code 2 (each is raised before any training step)."""
     from seqpipe.checkpoint import RestoreError
     from seqpipe.data import DataError
+    from seqpipe.hf_config import HFError
     from seqpipe.workdir import WorkdirError
 
     try:
         return fn()
-    except (config_lib.ConfigError, DataError, WorkdirError, RestoreError) as e:
+    except (config_lib.ConfigError, DataError, WorkdirError, RestoreError, HFError) as e:
         fail(str(e))

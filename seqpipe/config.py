@@ -21,10 +21,13 @@ PARTITIONS = ("uniform", "flops")
 DTYPES = ("float32", "bfloat16", "float16")
 SOURCES = ("stdlib", "text", "tokens")
 TOKENIZERS = ("bpe", "byte")
+HF = "hf:"  # a HuggingFace model directory (`seqpipe.hf`), as a config, weights or tokenizer
 # `auto`: the least recompute that fits the device (`seqpipe.remat_auto`, train.py).
 REMAT_POLICIES = (*remat.POLICIES, "auto")
 # seqpipe.attention.IMPLEMENTATIONS, named here so that loading a config imports no jax.
 ATTENTION = ("auto", "xla", "blockwise", "splash", "pallas_gpu")
+MLPS = ("gelu", "swiglu")
+ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")  # seqpipe.rope.SCALINGS
 # Keys whose value is a name or an integer: an override is read from its own text (an
 # integer if it is one, else a name), never coerced to the type of the value it replaces,
 # so a file's `inflight=6` can be overridden back to `full`. Their sections are not type-safe.
@@ -91,6 +94,7 @@ def _num(x: float | None) -> str:
 
 _POSITIVE_INT, _COUNT = Key(int, low=1), Key(int, low=0)
 _RATE = Key(float, low=0.0)
+_POSITIVE = Key(float, low=0.0, low_open=True)
 # Every key's type and range, checked before anything else (`validate`); keys with rules
 # of their own (mesh axes: -1 allowed; pipeline.inflight: a name or an integer;
 # train.inject_nan_at: a tuple) are checked there. tests/test_validation.py checks the
@@ -107,6 +111,18 @@ SCHEMA = {
     "model.rope_base": Key(float, low=0.0, low_open=True),
     "model.init_std": Key(float, low=0.0, low_open=True),
     "model.loss_chunk": _COUNT,
+    "model.num_kv_heads": _COUNT,
+    "model.mlp": Key(str, choices=MLPS),
+    "model.tie_embeddings": Key(bool),
+    "model.norm_eps": _POSITIVE,
+    "model.qkv_bias": Key(bool),
+    "model.rope_scaling.type": Key(str, choices=ROPE_SCALINGS),
+    "model.rope_scaling.factor": _POSITIVE,
+    "model.rope_scaling.low_freq_factor": _POSITIVE,
+    "model.rope_scaling.high_freq_factor": _POSITIVE,
+    "model.rope_scaling.original_max_position_embeddings": _POSITIVE_INT,
+    "model.rope_scaling.beta_fast": _POSITIVE,
+    "model.rope_scaling.beta_slow": _POSITIVE,
     "pipeline.schedule": Key(str, choices=SCHEDULES),
     "pipeline.microbatches": _POSITIVE_INT,
     "pipeline.segments": _POSITIVE_INT,
@@ -132,12 +148,13 @@ SCHEMA = {
     "train.stop_at": _COUNT,
     "train.max_bad_steps": _POSITIVE_INT,
     "train.shard_optimizer": Key(str, choices=("auto", "on", "off")),
+    "train.init_from": Key(str),  # "" or hf:DIR: `_validate_hf`
     "checkpoint.every": _COUNT,
     "checkpoint.keep": _COUNT,
     "checkpoint.async_save": Key(bool),
     "data.source": Key(str, choices=SOURCES),
     "data.path": Key(str),
-    "data.tokenizer": Key(str, choices=TOKENIZERS),
+    "data.tokenizer": Key(str),  # one of TOKENIZERS, hf:DIR or a tokenizer.json: `_validate_hf`
     "data.token_dtype": Key(str, choices=("uint16", "uint32")),
     "data.eval_fraction": Key(float, low=0.0, high=1.0, low_open=True, high_open=True),
     "data.cache_dir": Key(str),
@@ -168,6 +185,27 @@ def base_config() -> ml_collections.ConfigDict:
         # Tokens per cross-entropy chunk: the head's float32 logits are never whole
         # (`model.head_loss_sum`); 0: one chunk.
         loss_chunk=8192,
+        # The Llama family (`seqpipe.model`'s docstring has the parameters): K/V heads
+        # (grouped-query attention; 0: num_heads), the MLP ("gelu" or "swiglu"), the head
+        # tied to the embedding, the RMS norms' epsilon, Q/K/V biases (Qwen 2).
+        num_kv_heads=0,
+        mlp="gelu",
+        tie_embeddings=False,
+        norm_eps=1e-6,
+        qkv_bias=False,
+        # How rotary embeddings extend a context (`seqpipe.rope`, as transformers'
+        # rope_type): none, linear (factor), llama3 (factor, low_freq_factor,
+        # high_freq_factor, original_max_position_embeddings), yarn (factor,
+        # original_max_position_embeddings, beta_fast, beta_slow).
+        rope_scaling=dict(
+            type="none",
+            factor=1.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+            beta_fast=32.0,
+            beta_slow=1.0,
+        ),
     )
     # tensor: devices each stage's layers, embedding and head are split over (Megatron-style
     # tensor parallelism with sequence parallelism, `seqpipe.tensor`).
@@ -210,6 +248,9 @@ def base_config() -> ml_collections.ConfigDict:
         # The optimizer state split over mesh.data (ZeRO-1, Megatron's distributed
         # optimizer): "on", "off", or "auto" (on when mesh.data > 1). See `shards_optimizer`.
         shard_optimizer="auto",
+        # hf:DIR: start from a HuggingFace checkpoint's weights (`seqpipe.hf`), whose
+        # config.json must describe this model; a workdir's own checkpoint wins.
+        init_from="",
     )
     # Checkpoints under WORKDIR/checkpoints: every `every` steps (0: only at the end), the
     # newest `keep` kept (0: all), written by a background thread when async_save.
@@ -217,7 +258,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.data = dict(
         source="stdlib",
         path="",
-        tokenizer="bpe",
+        tokenizer="bpe",  # bpe, byte, hf:DIR (its tokenizer.json) or a tokenizer.json
         token_dtype="uint16",
         eval_fraction=0.02,
         cache_dir="",
@@ -303,22 +344,64 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: dict[str, str]
             node[leaf] = _parse_value(key, text, node[leaf])
 
 
+def from_hf(spec: str) -> ml_collections.ConfigDict:
+    """`--config hf:DIR`: the defaults, with the model keys of DIR/config.json, its weights
+    (train.init_from) and its tokenizer when it has one."""
+    from seqpipe import hf_config  # pure Python
+
+    try:
+        where = str(hf_config.directory(spec) / "config.json")
+        keys = hf_config.model_keys(hf_config.read(spec), where)
+    except hf_config.HFError as e:
+        raise ConfigError(str(e)) from None
+    config = base_config()
+    config.model.update(keys)
+    config.train.init_from = spec
+    if (hf_config.directory(spec) / "tokenizer.json").is_file():
+        config.data.tokenizer = spec
+    return config
+
+
+def run_name(name: str) -> str:
+    """A config's name for its default workdir (runs/NAME)."""
+    if name.startswith(HF):
+        return Path(name[len(HF) :]).resolve().name
+    return resolve_path(name).stem
+
+
 def load(name: str, overrides: dict[str, str] | None = None) -> ml_collections.ConfigDict:
-    """Load a config file, apply `a.b=value` overrides, and check the result."""
-    config = load_file(name)
-    base = base_config()
-    for section in config:
-        if section not in base:
-            raise ConfigError(f"config section '{section}' is unknown; valid: {sorted(base)}")
-        for key in config[section]:
-            if key not in base[section]:
-                raise ConfigError(
-                    f"config key {section}.{key} is unknown; valid: {sorted(base[section])}"
-                )
+    """Load a config file (or hf:DIR, `from_hf`), apply `a.b=value` overrides, and check
+    the result."""
+    config = from_hf(name) if name.startswith(HF) else load_file(name)
+    _check_known(config, base_config())
     apply_overrides(config, overrides or {})
     validate(config)
     config.lock()
     return config
+
+
+def _check_known(config, base, prefix: str = "") -> None:
+    """Every section and key of `config` is one of `base`'s (nested sections too)."""
+    for key in config:
+        if key not in base:
+            what = "config section" if not prefix else "config key"
+            raise ConfigError(f"{what} {prefix}{key} is unknown; valid: {sorted(base)}")
+        if isinstance(base[key], ml_collections.ConfigDict):
+            if not isinstance(config[key], ml_collections.ConfigDict):
+                raise ConfigError(
+                    f"config key {prefix}{key} must be a section with keys {sorted(base[key])}"
+                )
+            _check_known(config[key], base[key], f"{prefix}{key}.")
+
+
+def _lookup(config, key: str):
+    """The value at dotted `key`; ConfigError naming it if a file left it out."""
+    node = config
+    for part in key.split("."):
+        if part not in node:
+            raise ConfigError(f"config key {key} is missing; a config starts from base_config()")
+        node = node[part]
+    return node
 
 
 def _require(ok: bool, message: str) -> None:
@@ -332,9 +415,9 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     Without num_devices a mesh axis may still be -1; `resolve` fixes it and checks again."""
     m, mesh, p, t, d = config.model, config.mesh, config.pipeline, config.train, config.data
     for key, rule in SCHEMA.items():  # types and ranges first: later checks rely on them
-        section, leaf = key.split(".")
-        message = rule.error(key, config[section][leaf])
+        message = rule.error(key, _lookup(config, key))
         _require(message is None, message)
+    _validate_llama(m, mesh.tensor)
     _require(
         m.d_model % m.num_heads == 0,
         f"model.num_heads={m.num_heads} must divide model.d_model={m.d_model}",
@@ -399,9 +482,56 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         "are); leave data.tokenizer=bpe, with data.tokenizer_path to check the ids against a "
         "BPE",
     )
+    _validate_hf(config)
     _require(
         d.tokenizer != "byte" or m.vocab_size >= 256,
         f"model.vocab_size={m.vocab_size} is below 256, the byte tokenizer's size",
+    )
+
+
+def _validate_hf(config: ml_collections.ConfigDict) -> None:
+    """data.tokenizer names a tokenizer; train.init_from=hf:DIR a readable HF model whose
+    every model key is ours."""
+    kind = config.data.tokenizer
+    _require(
+        kind in TOKENIZERS or kind.startswith(HF) or kind.endswith(".json"),
+        f"data.tokenizer={kind!r} is not valid; choose one of {list(TOKENIZERS)}, "
+        "hf:DIR (its tokenizer.json) or a path to a tokenizer.json",
+    )
+    spec = config.train.init_from
+    if not spec:
+        return
+    _require(
+        spec.startswith(HF), f"train.init_from={spec!r} is not valid; give hf:DIR (a HF model)"
+    )
+    from seqpipe import hf_config  # pure Python
+
+    try:
+        message = hf_config.mismatch(config.model, spec)
+    except hf_config.HFError as e:
+        raise ConfigError(f"train.init_from={spec}: {e}") from None
+    _require(message is None, f"train.init_from={spec}: {message}")
+
+
+def _validate_llama(m, tensor: int) -> None:
+    """Grouped-query heads, their split over mesh.tensor, and llama3's frequency band."""
+    kv = m.num_kv_heads or m.num_heads
+    _require(
+        m.num_heads % kv == 0,
+        f"model.num_kv_heads={m.num_kv_heads} must divide model.num_heads={m.num_heads} "
+        "(each K/V head serves a group of query heads)",
+    )
+    _require(
+        kv % tensor == 0 or tensor % kv == 0,
+        f"mesh.tensor={tensor} neither divides the {kv} K/V heads (model.num_kv_heads) nor "
+        "is a multiple of them (each device then holds the one its query heads read); "
+        "change one of them",
+    )
+    r = m.rope_scaling
+    _require(
+        r.type != "llama3" or r.high_freq_factor > r.low_freq_factor,
+        f"model.rope_scaling.high_freq_factor={r.high_freq_factor} must exceed "
+        f"model.rope_scaling.low_freq_factor={r.low_freq_factor} for llama3 scaling",
     )
 
 

@@ -199,6 +199,8 @@ def load_tokenizer(config) -> Tokenizer:
         t: Tokenizer = tok.ByteTokenizer()
     elif kind == "bpe":
         t = _load_bpe(config)
+    elif kind.startswith("hf:") or kind.endswith(".json"):
+        t = _load_named(kind)
     else:
         raise DataError(f"data.tokenizer={kind!r} is unknown; use 'bpe' or 'byte'")
     if t.vocab_size > vocab:
@@ -207,6 +209,19 @@ def load_tokenizer(config) -> Tokenizer:
             f"set model.vocab_size >= {t.vocab_size}"
         )
     return t
+
+
+def _load_named(kind: str) -> tok.BpeTokenizer:
+    """data.tokenizer=hf:DIR (DIR/tokenizer.json) or a path to a tokenizer.json."""
+    path = os.path.join(kind[3:], "tokenizer.json") if kind.startswith("hf:") else kind
+    if not os.path.isfile(path):
+        raise DataError(f"data.tokenizer={kind}: {path} does not exist; give a tokenizer.json")
+    try:
+        return tok.BpeTokenizer.from_file(path)
+    except Exception as e:  # HF raises a bare Exception for a file it cannot parse
+        raise DataError(
+            f"data.tokenizer={kind}: {path} is not a tokenizers JSON file ({e})"
+        ) from None
 
 
 def save_tokenizer(t: Tokenizer, workdir: str) -> None:

@@ -28,6 +28,12 @@ masked (zeros past the end), its stores are masked, and past-the-end prefix keys
 masked out of the scores. Past-the-end query rows need no mask in dK, dV: their q, dO,
 lse and D load as zeros, so P is 1 there and dP, D and dO are 0: they add exactly 0.
 
+Grouped-query attention (K K/V heads for H query heads, G = H/K each): the forward and
+dq programs of query head h read K/V head h // G where it lies (their block specs' index
+maps), so K/V are never repeated. The dK/dV programs still run per query head and write
+[b, L, H, E] partial cotangents that XLA sums over each group: a G-times larger transient
+than the K/V heads' cotangents (a kernel looping over the group would avoid it).
+
 `interpret=True` runs the kernels in Pallas interpret mode (any backend; the CPU tests).
 Triton wants power-of-two tiles, at least 16 in every matmul dimension on a GPU: the head
 width E must be a power of two (16 or more on a GPU), and the blocks are powers of two.
@@ -85,6 +91,7 @@ class _Static:
     bq: int
     bk: int
     dtype: np.dtype  # the compute dtype; float32: no TF32 in the matmuls
+    group: int = 1  # query heads per K/V head
 
     @property
     def scale(self) -> float:
@@ -138,7 +145,7 @@ def _prefix_reader(s: _Static, kind: str, refs):
         return _array_reader(refs[:2], s.bk, s.prefix_len), refs[2:]
     where_ref, words_k_ref, words_v_ref = refs[:3]
     slot, layer = where_ref[0], where_ref[1]
-    row, head = pl.program_id(1), pl.program_id(2)
+    row, head = pl.program_id(1), lax.div(pl.program_id(2), s.group)
 
     def read(which, start):
         words = (words_k_ref, words_v_ref)[which]
@@ -303,9 +310,12 @@ def _dq_kernel(q_ref, *refs, s: _Static, prefix: str | None):
 # ------------------------------------------------------------------------------- calls
 
 
-def _seq_spec(length: int, width: int) -> pl.BlockSpec:
-    """A whole [length, E] sequence of one (batch row, head) of a [b, L, H, E] array."""
-    return pl.BlockSpec((None, length, None, width), lambda _, b, h: (b, 0, h, 0))
+def _seq_spec(length: int, width: int, group: int = 1) -> pl.BlockSpec:
+    """A whole [length, E] sequence of one (batch row, head) of a [b, L, H, E] array; with
+    `group` > 1, of K/V head h // group of a [b, L, K, E] one (query head h's)."""
+    if group == 1:
+        return pl.BlockSpec((None, length, None, width), lambda _, b, h: (b, 0, h, 0))
+    return pl.BlockSpec((None, length, None, width), lambda _, b, h: (b, 0, lax.div(h, group), 0))
 
 
 def _row_spec(length: int) -> pl.BlockSpec:
@@ -324,11 +334,12 @@ class _Prefix:
     specs: tuple
 
 
-def _array_prefix(k_prefix, v_prefix) -> _Prefix:
+def _array_prefix(k_prefix, v_prefix, group: int = 1) -> _Prefix:
     length, width = k_prefix.shape[1], k_prefix.shape[-1]
     if not length:
         return _Prefix(None, 0, (), ())
-    return _Prefix("array", length, (k_prefix, v_prefix), (_seq_spec(length, width),) * 2)
+    spec = _seq_spec(length, width, group)
+    return _Prefix("array", length, (k_prefix, v_prefix), (spec, spec))
 
 
 def _cache_prefix(cache, length: int) -> _Prefix:
@@ -341,11 +352,16 @@ def _cache_prefix(cache, length: int) -> _Prefix:
     return _Prefix("cache", length, inputs, (pl.no_block_spec,) * 3)
 
 
-def _statics(q, prefix_len, block):
+def _statics(q, prefix_len, block, group: int = 1):
     _, q_len, _, width = q.shape
     bq, bk = block
     keys = max(prefix_len, q_len)
-    return _Static(q_len, prefix_len, width, _fit(bq, q_len), _fit(bk, keys), np.dtype(q.dtype))
+    fit_q, fit_k = _fit(bq, q_len), _fit(bk, keys)
+    return _Static(q_len, prefix_len, width, fit_q, fit_k, np.dtype(q.dtype), group)
+
+
+def _group(q, k_seg) -> int:
+    return q.shape[2] // k_seg.shape[2]
 
 
 def _call(kernel, grid, in_specs, out_shape, out_specs, blocks: Blocks, width, interpret, name):
@@ -364,12 +380,13 @@ def _call(kernel, grid, in_specs, out_shape, out_specs, blocks: Blocks, width, i
 
 def _forward(q, prefix: _Prefix, k_seg, v_seg, blocks: Blocks, interpret: bool):
     b, q_len, heads, width = q.shape
-    s = _statics(q, prefix.length, blocks.forward)
-    seq = _seq_spec(q_len, width)
+    group = _group(q, k_seg)
+    s = _statics(q, prefix.length, blocks.forward, group)
+    seq, kv_seq = _seq_spec(q_len, width), _seq_spec(q_len, width, group)
     return _call(
         functools.partial(_forward_kernel, s=s, prefix=prefix.kind),
         (pl.cdiv(q_len, s.bq), b, heads),
-        [seq, *prefix.specs, seq, seq],
+        [seq, *prefix.specs, kv_seq, kv_seq],
         [
             jax.ShapeDtypeStruct(q.shape, q.dtype),
             jax.ShapeDtypeStruct((b, heads, q_len), jnp.float32),
@@ -383,18 +400,22 @@ def _forward(q, prefix: _Prefix, k_seg, v_seg, blocks: Blocks, interpret: bool):
 
 
 def _backward(q, prefix: _Prefix, k_seg, v_seg, out, lse, d_out, blocks: Blocks, interpret):
-    """dq, the prefix's dK and dV ([b, P, H, E]; None for an empty prefix), own dK, dV."""
+    """dq, the prefix's dK and dV ([b, P, K, E]; None for an empty prefix), own dK, dV."""
     b, q_len, heads, width = q.shape
+    group, kv_heads = _group(q, k_seg), k_seg.shape[2]
     f32 = jnp.float32
     # D = rowsum(dO * O), the softmax backward's row term: [b, H, Q] float32.
     delta = jnp.einsum("bqhe,bqhe->bhq", d_out.astype(f32), out.astype(f32))
     seq, rows = _seq_spec(q_len, width), _row_spec(q_len)
+    kv_seq = _seq_spec(q_len, width, group)
 
     def dkv(keys, length, key_inputs, key_specs):
-        s = _statics(q, prefix.length, blocks.dkv)
+        s = _statics(q, prefix.length, blocks.dkv, group)
         spec = _seq_spec(length, width)
-        shape = jax.ShapeDtypeStruct((b, length, heads, width), k_seg.dtype)
-        return _call(
+        # Per query head, in float32 when a group sums them (one rounding, as blockwise).
+        dtype = k_seg.dtype if group == 1 else f32
+        shape = jax.ShapeDtypeStruct((b, length, heads, width), dtype)
+        grads = _call(
             functools.partial(_dkv_kernel, s=s, keys=keys),
             (pl.cdiv(length, s.bk), b, heads),
             [seq, *key_specs, seq, rows, rows],
@@ -405,17 +426,22 @@ def _backward(q, prefix: _Prefix, k_seg, v_seg, out, lse, d_out, blocks: Blocks,
             interpret,
             "segment_attention_dkv",
         )(q, *key_inputs, d_out, lse, delta)
+        if group == 1:
+            return grads
+        return tuple(
+            g.reshape(b, length, kv_heads, group, width).sum(3).astype(k_seg.dtype) for g in grads
+        )
 
     dk_prefix = dv_prefix = None
     if prefix.kind is not None:
         dk_prefix, dv_prefix = dkv(prefix.kind, prefix.length, prefix.inputs, prefix.specs)
-    dk_seg, dv_seg = dkv("own", q_len, (k_seg, v_seg), (seq, seq))
+    dk_seg, dv_seg = dkv("own", q_len, (k_seg, v_seg), (kv_seq, kv_seq))
 
-    s = _statics(q, prefix.length, blocks.dq)
+    s = _statics(q, prefix.length, blocks.dq, group)
     dq = _call(
         functools.partial(_dq_kernel, s=s, prefix=prefix.kind),
         (pl.cdiv(q_len, s.bq), b, heads),
-        [seq, *prefix.specs, seq, seq, seq, rows, rows],
+        [seq, *prefix.specs, kv_seq, kv_seq, seq, rows, rows],
         jax.ShapeDtypeStruct(q.shape, q.dtype),
         seq,
         blocks,
@@ -454,13 +480,14 @@ def pallas_gpu_attention(
 
 def _fwd(q, k_prefix, v_prefix, k_seg, v_seg, blocks, interpret):
     _check(q, blocks)
-    out, lse = _forward(q, _array_prefix(k_prefix, v_prefix), k_seg, v_seg, blocks, interpret)
+    prefix = _array_prefix(k_prefix, v_prefix, _group(q, k_seg))
+    out, lse = _forward(q, prefix, k_seg, v_seg, blocks, interpret)
     return out, (q, k_prefix, v_prefix, k_seg, v_seg, out, lse)
 
 
 def _bwd(blocks, interpret, residuals, d_out):
     q, k_prefix, v_prefix, k_seg, v_seg, out, lse = residuals
-    prefix = _array_prefix(k_prefix, v_prefix)
+    prefix = _array_prefix(k_prefix, v_prefix, _group(q, k_seg))
     dq, dkp, dvp, dks, dvs = _backward(q, prefix, k_seg, v_seg, out, lse, d_out, blocks, interpret)
     if dkp is None:
         dkp, dvp = jnp.zeros_like(k_prefix), jnp.zeros_like(v_prefix)
@@ -505,8 +532,8 @@ def _cached_bwd(prefix_len, blocks, interpret, residuals, d_out):
     q, cache, k_seg, v_seg, out, lse, sink_len = residuals
     prefix = _cache_prefix(cache, prefix_len)
     dq, dkp, dvp, dks, dvs = _backward(q, prefix, k_seg, v_seg, out, lse, d_out, blocks, interpret)
-    b, _, heads, width = q.shape
-    sink_shape = (b, sink_len.shape[1], heads, width)
+    b, _, _, width = q.shape
+    sink_shape = (b, sink_len.shape[1], k_seg.shape[2], width)
 
     def to_sink(g):  # the prefix's cotangent, zeros past it
         if g is None:

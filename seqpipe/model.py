@@ -1,9 +1,26 @@
-"""A GPT decoder as pure functions of a params pytree.
+"""A decoder (GPT, or the Llama family) as pure functions of a params pytree.
 
 Layer parameters are stacked with a leading layer axis N so a pipeline can reshape
 them to [S, N/S, ...]. Every layer function works on one sequence *segment* and the
 keys/values of the positions before it, which is the identity Seq1F1B rests on:
 running a sequence segment by segment, carrying the KV prefix, equals running it whole.
+
+The parameters (`init_params`; HF Llama/Qwen 2 names in brackets, HF's [out, in]
+`nn.Linear` weights transposed), with N layers, D = d_model, V vocabulary, H query heads
+and K = num_kv_heads K/V heads of width E = D / H, F = d_ff:
+  embed      [V, D]        (embed_tokens.weight)
+  head       [D, V]        (lm_head.weight.T); absent with tie_embeddings: logits use embed.T
+  final_norm [D]           (norm.weight)
+  layers:    attn_norm, mlp_norm [N, D] (input_layernorm, post_attention_layernorm)
+             wq [N, D, H, E], wk, wv [N, D, K, E], wo [N, H, E, D] (q/k/v/o_proj)
+             with qkv_bias: bq [N, H, E], bk, bv [N, K, E] (q/k/v_proj.bias)
+             mlp gelu: w_in [N, D, F], w_out [N, F, D]
+             mlp swiglu: w_gate [N, D, F] (gate_proj), w_in (up_proj), w_out (down_proj);
+                         the activation is silu(gate) * up
+RMSNorm as HF Llama's: float32 x * rsqrt(mean(x^2) + norm_eps) * weight. Rotary
+embeddings pair each head's first half with its second (`rotate_half`), positions as
+`rope_scaling` extends them (`seqpipe.rope`). Attention scores are scaled by 1/sqrt(E);
+query head h reads K/V head h // (H/K).
 """
 
 import dataclasses
@@ -17,6 +34,7 @@ import numpy as np
 
 from seqpipe import tensor
 from seqpipe.attention import attend, attend_cached, rope
+from seqpipe.rope import NO_SCALING, RopeScaling
 
 Params = dict[str, Any]
 
@@ -39,15 +57,40 @@ class GPTConfig:
     # Devices each layer, the embedding and the head are split over (`seqpipe.tensor`);
     # the pipeline's functions run per device with 1/tensor of the split dimensions.
     tensor: int = 1
+    num_kv_heads: int = 0  # K/V heads (grouped-query attention); 0: num_heads
+    mlp: str = "gelu"  # "gelu" (w_in, w_out) or "swiglu" (w_gate, w_in, w_out)
+    tie_embeddings: bool = False  # the head is embed.T (no "head" parameter)
+    norm_eps: float = 1e-6
+    qkv_bias: bool = False  # biases on the Q, K and V projections (Qwen 2)
+    rope_scaling: RopeScaling = NO_SCALING
+
+    def __post_init__(self):
+        # A config section (a dict or ConfigDict) becomes the hashable dataclass.
+        object.__setattr__(self, "rope_scaling", RopeScaling.from_config(self.rope_scaling))
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.num_heads
 
     @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
     def local_heads(self) -> int:
         """Attention heads on one tensor device."""
         return self.num_heads // self.tensor
+
+    @property
+    def kv_replicated(self) -> bool:
+        """Whether each tensor device holds K/V heads whole (tensor > K/V heads, as
+        Megatron-LM does: each uses the one its query heads read), rather than split."""
+        return self.kv_heads % self.tensor != 0
+
+    @property
+    def local_kv_heads(self) -> int:
+        """K/V heads one tensor device computes (and caches)."""
+        return 1 if self.kv_replicated else self.kv_heads // self.tensor
 
     @classmethod
     def from_config(cls, model_cfg) -> "GPTConfig":
@@ -56,11 +99,13 @@ class GPTConfig:
 
 
 def init_params(cfg: GPTConfig, key: jax.Array) -> Params:
-    """Normal(0, init_std) matrices, output projections scaled by 1/sqrt(2N), unit norms."""
-    n, d, h, e, f, v = (
+    """Normal(0, init_std) matrices, output projections scaled by 1/sqrt(2N), unit norms,
+    zero biases. The first eight draws are GPT's, so its parameters are as they were."""
+    n, d, h, kv, e, f, v = (
         cfg.num_layers,
         cfg.d_model,
         cfg.num_heads,
+        cfg.kv_heads,
         cfg.head_dim,
         cfg.d_ff,
         cfg.vocab_size,
@@ -69,16 +114,17 @@ def init_params(cfg: GPTConfig, key: jax.Array) -> Params:
     std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * n)
     keys = iter(jax.random.split(key, 8))
 
-    def normal(shape, s):
-        return (s * jax.random.normal(next(keys), shape, jnp.float32)).astype(dt)
+    def normal(shape, s, k=None):
+        k = next(keys) if k is None else k
+        return (s * jax.random.normal(k, shape, jnp.float32)).astype(dt)
 
-    return {
+    params = {
         "embed": normal((v, d), std),
         "layers": {
             "attn_norm": jnp.ones((n, d), dt),
             "wq": normal((n, d, h, e), std),
-            "wk": normal((n, d, h, e), std),
-            "wv": normal((n, d, h, e), std),
+            "wk": normal((n, d, kv, e), std),
+            "wv": normal((n, d, kv, e), std),
             "wo": normal((n, h, e, d), out_std),
             "mlp_norm": jnp.ones((n, d), dt),
             "w_in": normal((n, d, f), std),
@@ -87,18 +133,47 @@ def init_params(cfg: GPTConfig, key: jax.Array) -> Params:
         "final_norm": jnp.ones((d,), dt),
         "head": normal((d, v), std),
     }
+    if cfg.mlp == "swiglu":
+        params["layers"]["w_gate"] = normal((n, d, f), std, jax.random.fold_in(key, 8))
+    if cfg.qkv_bias:
+        params["layers"].update(
+            bq=jnp.zeros((n, h, e), dt), bk=jnp.zeros((n, kv, e), dt), bv=jnp.zeros((n, kv, e), dt)
+        )
+    if cfg.tie_embeddings:
+        del params["head"]
+    return params
 
 
 # The dimension tensor parallelism splits, per parameter (as `init_params` shapes them,
 # layers with their leading axis): heads of the QKV (column-parallel) and output
-# (row-parallel) projections, the MLP's hidden columns, the vocabulary of the embedding
-# and the head. Norm gains are whole on every tensor device.
-TENSOR_DIMS = {"wq": 2, "wk": 2, "wv": 2, "wo": 1, "w_in": 2, "w_out": 1, "embed": 0, "head": 1}
+# (row-parallel) projections and of their biases, the MLP's hidden columns, the
+# vocabulary of the embedding and the head. Norm gains are whole on every tensor device;
+# so are the K/V projections where the tensor devices outnumber their heads (`KV_PARAMS`).
+TENSOR_DIMS = {
+    "wq": 2,
+    "wk": 2,
+    "wv": 2,
+    "wo": 1,
+    "bq": 1,
+    "bk": 1,
+    "bv": 1,
+    "w_gate": 2,
+    "w_in": 2,
+    "w_out": 1,
+    "embed": 0,
+    "head": 1,
+}
+KV_PARAMS = ("wk", "wv", "bk", "bv")
 
 
-def tensor_dim(name: str) -> int | None:
-    """The dimension of parameter `name` split over the tensor axis, or None."""
-    return TENSOR_DIMS.get(name)
+def tensor_dim(name: str, shape=None, tensor: int = 1) -> int | None:
+    """The dimension of parameter `name` split over the tensor axis, or None. With its
+    (whole) `shape` and `tensor` devices: None for K/V heads `tensor` does not divide,
+    which every device then holds whole (`GPTConfig.kv_replicated`)."""
+    dim = TENSOR_DIMS.get(name)
+    if dim is not None and name in KV_PARAMS and shape is not None and shape[dim] % tensor:
+        return None
+    return dim
 
 
 def param_shapes(cfg: GPTConfig) -> Params:
@@ -107,7 +182,7 @@ def param_shapes(cfg: GPTConfig) -> Params:
     shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
 
     def local(path, x):
-        dim = tensor_dim(getattr(path[-1], "key", ""))
+        dim = tensor_dim(getattr(path[-1], "key", ""), x.shape, cfg.tensor)
         if dim is None or cfg.tensor == 1:
             return x
         shape = list(x.shape)
@@ -121,24 +196,22 @@ def num_params(params: Params) -> int:
     return sum(x.size for x in jax.tree.leaves(params))
 
 
-@jax.custom_vjp
-def rms_norm(x: jax.Array, weight: jax.Array) -> jax.Array:
-    """x / rms(x) * weight, computed in float32. Its backward keeps x (in its own dtype) and
-    the [..., 1] reciprocal rms, not float32 copies of x and of its normalised values (with
-    every residual kept, those were a third of a long-context layer's stash)."""
-    return _rms_norm_fwd(x, weight)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """x / rms(x) * weight, computed in float32 (rms with `eps` added to the mean square).
+    Its backward keeps x (in its own dtype) and the [..., 1] reciprocal rms, not float32
+    copies of x and of its normalised values (with every residual kept, those were a third
+    of a long-context layer's stash)."""
+    return _rms_norm_fwd(x, weight, eps)[0]
 
 
-_RMS_EPS = 1e-6
-
-
-def _rms_norm_fwd(x, weight):
+def _rms_norm_fwd(x, weight, eps):
     x32 = x.astype(jnp.float32)
-    r = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + _RMS_EPS)
+    r = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return (x32 * r * weight.astype(jnp.float32)).astype(x.dtype), (x, r, weight)
 
 
-def _rms_norm_bwd(saved, dy):
+def _rms_norm_bwd(eps, saved, dy):
     x, r, weight = saved
     n = x.astype(jnp.float32) * r  # the normalised x
     dn = dy.astype(jnp.float32) * weight.astype(jnp.float32)
@@ -151,6 +224,11 @@ rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
 GELU_SCOPE = "gelu"  # marks its equations for `flops.breakdown` (see attention.NAME_SCOPE)
+
+
+def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """silu(gate) * up (HF Llama's MLP activation), in the inputs' dtype."""
+    return jax.nn.silu(gate) * up
 
 
 @jax.custom_jvp
@@ -184,9 +262,24 @@ MATMULS = {
     "wk": ("bqd,dhe->bqhe", "attn_in"),
     "wv": ("bqd,dhe->bqhe", "attn_in"),
     "wo": ("bqhe,hed->bqd", "attn_out"),
+    "w_gate": ("bqd,df->bqf", "mlp_in"),
     "w_in": ("bqd,df->bqf", "mlp_in"),
     "w_out": ("bqf,fd->bqd", "mlp_act"),
 }
+
+
+def _own_kv_head(p: Params, cfg: GPTConfig) -> Params:
+    """A layer's parameters with the K/V projections cut to the head this tensor device's
+    query heads read, where each device holds them whole (`GPTConfig.kv_replicated`).
+    The slice's transpose puts this device's K/V gradient at that head, zeros elsewhere;
+    summed over the devices (`pipeline.reduce`) they make the whole gradient."""
+    if cfg.tensor == 1 or not cfg.kv_replicated:
+        return p
+    head = tensor.index(cfg.tensor) // (cfg.tensor // cfg.kv_heads)
+    cut = {"wk": 1, "wv": 1, "bk": 0, "bv": 0}  # the heads' axis, per layer
+    return {
+        k: jax.lax.dynamic_slice_in_dim(w, head, 1, cut[k]) if k in cut else w for k, w in p.items()
+    }
 
 
 def layer(
@@ -212,7 +305,7 @@ def layer(
     `taps` (a split backward): {matmul: zeros of its output}, added to the outputs so that
     their cotangents are the matmuls' output cotangents; the layer then also returns the
     matmuls' inputs ({MATMULS input name: array})."""
-    p = jax.tree.map(lambda w: w.astype(cfg.dtype), p)
+    p = _own_kv_head(jax.tree.map(lambda w: w.astype(cfg.dtype), p), cfg)
     inputs = {}
 
     t = cfg.tensor
@@ -233,9 +326,12 @@ def layer(
         inputs[MATMULS[names[0]][1]] = h
         return [tap(name, y) for name, y in zip(names, ys, strict=True)]
 
-    q, k_seg, v_seg = column_parallel(("wq", "wk", "wv"), rms_norm(x_BxQxD, p["attn_norm"]))
-    q = rope(q, offset, cfg.rope_base)
-    k_seg = rope(k_seg, offset, cfg.rope_base)
+    h_BxQxD = rms_norm(x_BxQxD, p["attn_norm"], cfg.norm_eps)
+    q, k_seg, v_seg = column_parallel(("wq", "wk", "wv"), h_BxQxD)
+    if cfg.qkv_bias:
+        q, k_seg, v_seg = q + p["bq"], k_seg + p["bk"], v_seg + p["bv"]
+    q = rope(q, offset, cfg.rope_base, cfg.rope_scaling)
+    k_seg = rope(k_seg, offset, cfg.rope_base, cfg.rope_scaling)
     if cache is None:
         attn_BxQxHxE = attend(
             cfg.attention,
@@ -250,8 +346,13 @@ def layer(
             cfg.attention, q, cache, k_prefix_BxPxHxE, v_prefix_BxPxHxE, offset, k_seg, v_seg
         )
     x_BxQxD = x_BxQxD + tensor.scatter(mm("wo", attn_BxQxHxE), t)
-    (ff_BxQxF,) = column_parallel(("w_in",), rms_norm(x_BxQxD, p["mlp_norm"]))
-    ff_BxQxF = gelu(ff_BxQxF)
+    h_BxQxD = rms_norm(x_BxQxD, p["mlp_norm"], cfg.norm_eps)
+    if cfg.mlp == "swiglu":
+        gate_BxQxF, up_BxQxF = column_parallel(("w_gate", "w_in"), h_BxQxD)
+        ff_BxQxF = swiglu(gate_BxQxF, up_BxQxF)
+    else:
+        (ff_BxQxF,) = column_parallel(("w_in",), h_BxQxD)
+        ff_BxQxF = gelu(ff_BxQxF)
     x_BxQxD = x_BxQxD + tensor.scatter(mm("w_out", ff_BxQxF), t)
     if taps is None:
         return x_BxQxD, k_seg, v_seg
@@ -279,22 +380,34 @@ def matmul_shapes(cfg: GPTConfig, lead: tuple[int, ...]) -> tuple[dict, dict]:
     (layers, rows, positions) in front; one tensor device's (its heads and MLP columns,
     the whole segment's positions)."""
     d, h, e, f = cfg.d_model, cfg.local_heads, cfg.head_dim, cfg.d_ff // cfg.tensor
+    kv = cfg.local_kv_heads
     inputs = {"attn_in": (d,), "attn_out": (h, e), "mlp_in": (d,), "mlp_act": (f,)}
-    outputs = {"wq": (h, e), "wk": (h, e), "wv": (h, e), "wo": (d,), "w_in": (f,), "w_out": (d,)}
+    outputs = {"wq": (h, e), "wk": (kv, e), "wv": (kv, e), "wo": (d,), "w_in": (f,), "w_out": (d,)}
+    if cfg.mlp == "swiglu":
+        outputs["w_gate"] = (f,)
     return (
         {k: lead + v for k, v in inputs.items()},
         {k: lead + v for k, v in outputs.items()},
     )
 
 
-def weight_grads(inputs: Params, d_outputs: Params) -> Params:
+def weight_grads(inputs: Params, d_outputs: Params, cfg: GPTConfig) -> Params:
     """The weight matmuls' gradients of a stack of layers (leading axis N), from their
-    inputs and output cotangents: for y = a @ w, dw = a^T dy summed over rows and positions."""
+    inputs and output cotangents: for y = a @ w, dw = a^T dy summed over rows and positions.
+    K/V projections every tensor device holds whole get this device's head's gradient at
+    its place, zeros elsewhere (as `_own_kv_head`'s transpose gives them)."""
     out = {}
-    for name, (spec, input_name) in MATMULS.items():
+    for name in d_outputs:
+        spec, input_name = MATMULS[name]
         a_sub, rest = spec.split(",")
         w_sub, y_sub = rest.split("->")
         out[name] = jnp.einsum(f"n{a_sub},n{y_sub}->n{w_sub}", inputs[input_name], d_outputs[name])
+    if cfg.tensor > 1 and cfg.kv_replicated:
+        head = tensor.index(cfg.tensor) // (cfg.tensor // cfg.kv_heads)
+        for name in ("wk", "wv"):  # [n, D, 1, E] -> [n, D, K, E]
+            g = out[name]
+            whole = jnp.zeros((*g.shape[:2], cfg.kv_heads, *g.shape[3:]), g.dtype)
+            out[name] = jax.lax.dynamic_update_slice_in_dim(whole, g, head, 2)
     return out
 
 
@@ -359,15 +472,21 @@ def layers(
 
 
 def empty_kv(cfg: GPTConfig, num_layers: int, batch: int) -> tuple[jax.Array, jax.Array]:
-    shape = (num_layers, batch, 0, cfg.num_heads, cfg.head_dim)
+    shape = (num_layers, batch, 0, cfg.kv_heads, cfg.head_dim)
     return jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype)
 
 
+def head_weight(params: Params, cfg: GPTConfig) -> jax.Array:
+    """The head's [D, V] weight: `head`, or with tied embeddings the embedding's transpose
+    (its gradient then adds to the embedding's; the pipeline sums the two stages' over
+    `stage` with the other shared weights)."""
+    return params["embed"].T if cfg.tie_embeddings else params["head"]
+
+
 def logits(params: Params, x_BxQxD: jax.Array, cfg: GPTConfig) -> jax.Array:
-    h = rms_norm(x_BxQxD, params["final_norm"].astype(cfg.dtype))
-    return jnp.einsum(
-        "bqd,dv->bqv", h, params["head"].astype(cfg.dtype), preferred_element_type=jnp.float32
-    )
+    h = rms_norm(x_BxQxD, params["final_norm"].astype(cfg.dtype), cfg.norm_eps)
+    w = head_weight(params, cfg).astype(cfg.dtype)
+    return jnp.einsum("bqd,dv->bqv", h, w, preferred_element_type=jnp.float32)
 
 
 def token_loss_sum(logits_BxQxV: jax.Array, targets_BxQ: jax.Array) -> jax.Array:
@@ -381,9 +500,10 @@ def head_loss_sum(params: Params, x_BxQxD: jax.Array, targets_BxQ: jax.Array, cf
     """`token_loss_sum(logits(params, x))`, with the [B, Q, V] float32 logits never whole:
     the tokens go through the head `cfg.loss_chunk` at a time (`chunked_xent`). Under
     tensor parallelism x holds this device's positions, targets the whole segment's."""
-    h_BxQxD = rms_norm(x_BxQxD, params["final_norm"].astype(cfg.dtype))
+    h_BxQxD = rms_norm(x_BxQxD, params["final_norm"].astype(cfg.dtype), cfg.norm_eps)
     h_BxQxD = tensor.gather(h_BxQxD, cfg.tensor)
-    return chunked_xent(h_BxQxD, params["head"], targets_BxQ, cfg.dtype, cfg.loss_chunk, cfg.tensor)
+    w_DxV = head_weight(params, cfg)
+    return chunked_xent(h_BxQxD, w_DxV, targets_BxQ, cfg.dtype, cfg.loss_chunk, cfg.tensor)
 
 
 def _chunks(h_BxQxD, targets_BxQ, chunk: int):
@@ -537,6 +657,13 @@ def flops_per_token(cfg: GPTConfig, seq_len: int) -> float:
     The attention term counts the full L x L score matrix as PaLM does; causal
     attention needs half of it, which `seqpipe.partition` accounts for separately.
     """
-    n, d, f, v = cfg.num_layers, cfg.d_model, cfg.d_ff, cfg.vocab_size
-    matmul_params = n * (4 * d * d + 2 * d * f) + d * v
-    return 6.0 * matmul_params + 12.0 * n * d * seq_len
+    n, d, v = cfg.num_layers, cfg.d_model, cfg.vocab_size
+    return 6.0 * (n * layer_matmul_params(cfg) + d * v) + 12.0 * n * d * seq_len
+
+
+def layer_matmul_params(cfg: GPTConfig) -> int:
+    """Weights of one layer's matmuls: Q and O (D x D each), K and V (D x K*E each),
+    two MLP matrices (three with swiglu); biases and norm gains are not matmuls."""
+    d, kv_width = cfg.d_model, cfg.kv_heads * cfg.head_dim
+    mlp = 3 if cfg.mlp == "swiglu" else 2
+    return 2 * d * d + 2 * d * kv_width + mlp * d * cfg.d_ff

@@ -23,15 +23,23 @@ class PartitionError(ValueError):
 
 
 def _dense_and_attn(
-    d_model: int, num_heads: int, d_ff: int, vocab_size: int, num_layers: int | None
+    d_model: int,
+    num_heads: int,
+    d_ff: int,
+    vocab_size: int,
+    num_layers: int | None,
+    num_kv_heads: int = 0,
+    mlp: str = "gelu",
 ) -> tuple[float, int]:
     """Per-token and per-(query, key) coefficients of the per-layer cost model
     (docs/schedules.md, Partition).
 
     A segment of length s ending at position P costs a*s + c*(s*P - s*s/2) per layer, with
-    a = 8*h*h + 4*h*F (attention projections, MLP; n*d = h) and c = (4*d + 3)*n (scores,
-    weighted sum, softmax). The head's 4*h*V per token runs once per model, so it is
-    spread over `num_layers` when given and left out otherwise.
+    a = 4*h*h + 4*h*k*d + 2*m*h*F (Q and O projections, K and V projections of the k
+    K/V heads, the m MLP matrices: 2, 3 with swiglu; n*d = h; with k = n and m = 2 GPT's
+    8*h*h + 4*h*F) and c = (4*d + 3)*n (scores, weighted sum, softmax). The head's 4*h*V
+    per token runs once per model, so it is spread over `num_layers` when given and left
+    out otherwise.
     """
     for name, value in (
         ("d_model", d_model),
@@ -44,7 +52,9 @@ def _dense_and_attn(
     if d_model % num_heads:
         raise PartitionError(f"d_model {d_model} is not a multiple of num_heads {num_heads}")
     head_dim = d_model // num_heads
-    dense = 8 * d_model * d_model + 4 * d_model * d_ff
+    kv_width = (num_kv_heads or num_heads) * head_dim
+    matrices = 3 if mlp == "swiglu" else 2
+    dense = 4 * d_model * d_model + 4 * d_model * kv_width + 2 * matrices * d_model * d_ff
     if num_layers is not None:
         if num_layers < 1:
             raise PartitionError(f"num_layers must be >= 1, got {num_layers}")
@@ -60,7 +70,10 @@ def _prefix_cost(pos: float, dense: int, attn: int) -> float:
 def model_dims(model, with_layers: bool = True) -> dict[str, int]:
     """The model shape the cost model reads, from `config.model` or a `GPTConfig`."""
     names = ("d_model", "num_heads", "d_ff", "vocab_size") + ("num_layers",) * with_layers
-    return {name: getattr(model, name) for name in names}
+    dims = {name: getattr(model, name) for name in names}
+    # The Llama family's (`model.num_kv_heads`, `model.mlp`); GPT's where a model has none.
+    dims.update(num_kv_heads=getattr(model, "num_kv_heads", 0), mlp=getattr(model, "mlp", "gelu"))
+    return dims
 
 
 def segment_lengths(
@@ -74,6 +87,8 @@ def segment_lengths(
     vocab_size: int | None = None,
     num_layers: int | None = None,
     multiple: int = 1,
+    num_kv_heads: int = 0,
+    mlp: str = "gelu",
 ) -> tuple[int, ...]:
     """Lengths of `segments` contiguous segments summing to `seq_len`.
 
@@ -100,7 +115,9 @@ def segment_lengths(
     if kind == "uniform":
         base, extra = divmod(blocks, segments)
         return tuple((base + (i < extra)) * multiple for i in range(segments))
-    dense, attn = _dense_and_attn(d_model, num_heads, d_ff, vocab_size, num_layers)
+    dense, attn = _dense_and_attn(
+        d_model, num_heads, d_ff, vocab_size, num_layers, num_kv_heads, mlp
+    )
     total = _prefix_cost(seq_len, dense, attn)
     bounds = [0]
     for j in range(1, segments):
@@ -121,11 +138,15 @@ def segment_flops(
     d_ff: int,
     vocab_size: int,
     num_layers: int | None = None,
+    num_kv_heads: int = 0,
+    mlp: str = "gelu",
 ) -> tuple[float, ...]:
     """Each segment's share (summing to 1) of one micro-batch's cost, per the model above."""
     if not lengths or min(lengths) < 1:
         raise PartitionError(f"segment lengths must be positive, got {tuple(lengths)}")
-    dense, attn = _dense_and_attn(d_model, num_heads, d_ff, vocab_size, num_layers)
+    dense, attn = _dense_and_attn(
+        d_model, num_heads, d_ff, vocab_size, num_layers, num_kv_heads, mlp
+    )
     ends = [0]
     for n in lengths:
         ends.append(ends[-1] + n)
@@ -147,6 +168,8 @@ def chunk_costs(
     vocab_size: int,
     num_layers: int,
     layers_per_chunk: Sequence[int] | None = None,
+    num_kv_heads: int = 0,
+    mlp: str = "gelu",
 ) -> dict[str, tuple[float, ...]]:
     """Work beyond the layers per global chunk, as `schedule.stats(chunk_costs=...)` takes,
     and with `layers_per_chunk` (an uneven split) each chunk's layer count ("layers").
@@ -159,7 +182,7 @@ def chunk_costs(
     """
     if chunks < 1 or seq_len < 1:
         raise PartitionError(f"chunks and seq_len must be >= 1, got {chunks}, {seq_len}")
-    dense, attn = _dense_and_attn(d_model, num_heads, d_ff, vocab_size, None)
+    dense, attn = _dense_and_attn(d_model, num_heads, d_ff, vocab_size, None, num_kv_heads, mlp)
     if num_layers is None or num_layers < 1:
         raise PartitionError(f"num_layers must be >= 1, got {num_layers}")
     per_token = num_layers / chunks * _prefix_cost(seq_len, dense, attn) / seq_len
@@ -188,6 +211,8 @@ def stage_layers(
     num_heads: int | None = None,
     d_ff: int | None = None,
     vocab_size: int | None = None,
+    num_kv_heads: int = 0,
+    mlp: str = "gelu",
 ) -> tuple[int, ...]:
     """Layers of each global chunk (stage r's c-th chunk is chunk c * stages + r).
 
@@ -210,7 +235,9 @@ def stage_layers(
             f"an uneven layer split ({split!r}) needs virtual stages = 1, got {virtual}"
         )
     if split == "flops":
-        return _balanced_layers(num_layers, stages, seq_len, d_model, num_heads, d_ff, vocab_size)
+        return _balanced_layers(
+            num_layers, stages, seq_len, d_model, num_heads, d_ff, vocab_size, num_kv_heads, mlp
+        )
     try:
         depths = tuple(int(x) for x in split.split(","))
     except ValueError:
@@ -226,12 +253,14 @@ def stage_layers(
     return depths
 
 
-def _balanced_layers(num_layers, stages, seq_len, d_model, num_heads, d_ff, vocab_size):
+def _balanced_layers(
+    num_layers, stages, seq_len, d_model, num_heads, d_ff, vocab_size, num_kv_heads, mlp
+):
     if num_layers < stages:
         raise PartitionError(f"{num_layers} layers cannot fill {stages} stages")
     if seq_len is None or seq_len < 1:
         raise PartitionError(f"the 'flops' layer split needs a positive seq_len, got {seq_len}")
-    dense, attn = _dense_and_attn(d_model, num_heads, d_ff, vocab_size, None)
+    dense, attn = _dense_and_attn(d_model, num_heads, d_ff, vocab_size, None, num_kv_heads, mlp)
     layer = _prefix_cost(seq_len, dense, attn) / seq_len  # one layer's forward per token
     extra = [0.0] * stages  # forward and backward beyond the layers, in layer-forwards
     extra[-1] += 3 * 2 * d_model * vocab_size / layer

@@ -29,7 +29,7 @@ from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 from jax.sharding import PartitionSpec as P
 
 from seqpipe import carry as carry_lib
-from seqpipe import kv_cache, sharding, units
+from seqpipe import kv_cache, model, sharding, units
 from seqpipe.carry import Carry, put_slot, write_slot
 from seqpipe.model import Params
 from seqpipe.sharding import DATA, STAGE, TENSOR
@@ -73,7 +73,7 @@ class Context:
         cfg, spec, act = self.spec.cfg, self.spec, jnp.dtype(self.spec.cfg.dtype)
         if kind == "message":
             return jnp.zeros((self.rows, spec.msg_len, cfg.d_model), act)
-        shape = (spec.chunk_layers, self.rows, spec.kv_len, cfg.local_heads, cfg.head_dim)
+        shape = (spec.chunk_layers, self.rows, spec.kv_len, cfg.local_kv_heads, cfg.head_dim)
         return jnp.zeros(shape, act)
 
     @property
@@ -421,7 +421,7 @@ _LAYERS = jax.tree_util.DictKey("layers")
 
 
 def reduce(
-    final: Carry, scatter: bool = False, tensor: int = 1
+    final: Carry, scatter: bool = False, tensor: int = 1, kv_replicated: bool = False
 ) -> tuple[jax.Array, Params, Params] | jax.Array:
     """The step's only collectives over `stage` and `data`, after the loop: the mean
     loss, and unless this was an evaluation the stage's gradients and the shared ones.
@@ -431,14 +431,22 @@ def reduce(
     half the bytes of an all-reduce (leaves that do not split are all-reduced).
 
     With `tensor` > 1 the gradients of the weights whole on every tensor device (norm
-    gains), each of which saw only this device's positions, are summed over `tensor`."""
+    gains), each of which saw only this device's positions, are summed over `tensor`; so
+    are those of K/V projections held whole (`kv_replicated`), each device's holding its
+    query heads' share of its K/V head's gradient."""
     loss = jax.lax.pmean(jax.lax.psum(final.loss, STAGE), DATA)
     if not final.grads:
         return loss
     data = jax.lax.axis_size(DATA) if scatter else 1
 
+    def whole(path, shape):  # a local gradient's shape as among the parameters
+        dim = sharding.tensor_split_dim(path, shape)
+        if dim is None or (kv_replicated and path[-1].key in model.KV_PARAMS):
+            return shape
+        return (*shape[:dim], shape[dim] * tensor, *shape[dim + 1 :])
+
     def mean(g, path, shape, lead: int):  # `shape`: as among the parameters
-        if tensor > 1 and sharding.tensor_split_dim(path, shape) is None:
+        if tensor > 1 and sharding.tensor_split_dim(path, shape, tensor) is None:
             g = jax.lax.psum(g, TENSOR)
         dim = sharding.data_split_dim(path, shape, data, tensor)
         if dim is None:
@@ -446,10 +454,11 @@ def reduce(
         return jax.lax.psum_scatter(g, DATA, scatter_dimension=dim + lead, tiled=True) / data
 
     def shared(path, g):
-        return mean(g, path, g.shape, 0)
+        return mean(g, path, whole(path, g.shape), 0)
 
     def layer(path, g):  # [V, n, ...] here, [N, ...] among the parameters
-        return mean(g, (_LAYERS, *path), (None, *g.shape[2:]), 1)
+        path = (_LAYERS, *path)
+        return mean(g, path, whole(path, (None, *g.shape[2:])), 1)
 
     grads_shared = jax.tree_util.tree_map_with_path(
         shared, jax.lax.psum(final.grads["shared"], STAGE)
@@ -496,7 +505,7 @@ def stage_step(
         jax.lax.axis_index(STAGE),
     )
     final, _ = jax.lax.scan(lambda c, row: (tick(ctx, inp, c, row), None), init, program_rows(spec))
-    return reduce(final, scatter, spec.tensor)
+    return reduce(final, scatter, spec.tensor, spec.cfg.kv_replicated)
 
 
 def param_specs(params: Params, tensor: int, data: int = 1) -> Params:

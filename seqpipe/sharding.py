@@ -67,12 +67,16 @@ def in_optimizer(path) -> bool:
     return bool(path) and getattr(path[0], "key", None) == "opt_state"
 
 
-def tensor_split_dim(path, shape: Sequence[int]) -> int | None:
-    """The dimension of a parameter-shaped leaf that `tensor` splits (`model.TENSOR_DIMS`,
-    found by the leaf's name), or None: norm gains, scalars."""
+def tensor_split_dim(path, shape: Sequence[int], tensor: int = 1) -> int | None:
+    """The dimension of a parameter-shaped leaf (of the whole parameter's `shape`) that
+    `tensor` splits (`model.tensor_dim`, found by the leaf's name), or None: norm gains,
+    scalars, and K/V projections with fewer heads than `tensor` (held whole)."""
     keys = [getattr(k, "key", None) for k in path]
-    dim = model.tensor_dim(keys[-1]) if keys and isinstance(keys[-1], str) else None
-    return dim if dim is not None and dim < len(shape) else None
+    name = keys[-1] if keys and isinstance(keys[-1], str) else None
+    dim = model.TENSOR_DIMS.get(name) if name else None
+    if dim is None or dim >= len(shape):
+        return None
+    return model.tensor_dim(name, shape, tensor)
 
 
 def data_split_dim(path, shape: Sequence[int], data: int, tensor: int = 1) -> int | None:
@@ -85,7 +89,7 @@ def data_split_dim(path, shape: Sequence[int], data: int, tensor: int = 1) -> in
     if data == 1:
         return None
     first = 1 if in_layers(path) else 0
-    taken = tensor_split_dim(path, shape) if tensor > 1 else None
+    taken = tensor_split_dim(path, shape, tensor) if tensor > 1 else None
     dims = [d for d in range(first, len(shape)) if shape[d] % data == 0 and d != taken]
     return max(dims, key=lambda d: shape[d], default=None)
 
@@ -95,7 +99,7 @@ def leaf_spec(path, shape: Sequence[int], data: int = 1, tensor: int = 1) -> P:
     `tensor` > 1 the heads, MLP columns or vocabulary over `tensor` (`tensor_split_dim`),
     and with `data` > 1 the dimension `data_split_dim` picks over `data` as well."""
     parts = [STAGE if in_layers(path) else None] + [None] * (len(shape) - 1)
-    tdim = tensor_split_dim(path, shape) if tensor > 1 else None
+    tdim = tensor_split_dim(path, shape, tensor) if tensor > 1 else None
     if tdim is not None:
         parts[tdim] = TENSOR
     dim = data_split_dim(path, shape, data, tensor)

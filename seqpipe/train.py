@@ -106,9 +106,27 @@ def init_state(
     config: ConfigDict, mesh: jax.sharding.Mesh, tx: optax.GradientTransformation
 ) -> State:
     """Parameters and optimizer state, created directly in their shardings."""
-    shardings = jax.tree.map(lambda s: s.sharding, abstract_state(config, mesh, tx))
+    abstract = abstract_state(config, mesh, tx)
+    shardings = jax.tree.map(lambda s: s.sharding, abstract)
+    if config.train.get("init_from"):
+        return _imported_state(config, abstract, shardings, tx)
     init = jax.jit(_init_fn(config, tx), out_shardings=shardings)
     return init(jax.random.key(config.train.seed))
+
+
+def _imported_state(config: ConfigDict, abstract: State, shardings, tx) -> State:
+    """The state at step 0 with train.init_from's weights (`seqpipe.hf`), each device's
+    block read from the files, and fresh optimizer moments."""
+    from seqpipe import hf
+
+    cfg = GPTConfig.from_config(config.model)
+    positions = layout.of_config(config).positions()
+    params = hf.initial_params(config.train.init_from, cfg, abstract["params"], positions)
+
+    def init(params):
+        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+
+    return jax.jit(init, out_shardings=shardings, donate_argnums=0)(params)
 
 
 def make_train_step(
@@ -311,6 +329,10 @@ class Trainer:
         rows = data.local_rows(config, self.mesh)
         # The data is checked before the workdir is touched: a refusal leaves nothing.
         train_tokens, eval_tokens, tokenizer = data.read_corpus(config)
+        if t.get("init_from"):  # its files' names, shapes and dtypes, as the data
+            from seqpipe import hf
+
+            hf.check(t.init_from, GPTConfig.from_config(config.model))
         self.data_id = data.identity(train_tokens)  # what the checkpoints' data position counts
         self.lock = workdir_lib.Lock(workdir, jax.process_index())  # one run per workdir
         self.manager = None
@@ -339,6 +361,16 @@ class Trainer:
         self.log = MetricsLog(workdir, t.steps, enabled=main, start_step=self.start)
         if restored:
             self.log.print(f"resumed from {checkpoint.directory(workdir)}/{self.start}")
+            if t.get("init_from"):
+                self.log.print(
+                    f"train.init_from={t.init_from} is not read: {workdir} holds its own "
+                    f"checkpoint (step {self.start}), which the run resumes"
+                )
+        elif t.get("init_from"):
+            from seqpipe import hf_config
+
+            change = hf_config.rope_change(config.model, t.init_from)
+            self.log.print(f"initialised from {t.init_from}" + (f"; {change}" if change else ""))
         self.bad = BadSteps()
         self.records: list[dict] = []
 

@@ -380,7 +380,7 @@ class SegmentUnit:
 
     def weight(self, pack):
         """W: the weight matmuls' gradients of the chunk from what its B left (`pull`)."""
-        return model.weight_grads(*pack)
+        return model.weight_grads(*pack, self.spec.cfg)
 
     def weight_avals(self, rows: int) -> tuple:
         """What B leaves for W ([n, b, L_k, ...] per matmul input and output cotangent)."""
@@ -484,7 +484,7 @@ class SegmentUnit:
         """Zeros that take one layer's prefix dK, dV where the prefix is read from the cache
         ([b, P, H, E]; their values are never read)."""
         cfg = self.spec.cfg
-        shape = (rows, self.spec.offsets[self.seg], cfg.local_heads, cfg.head_dim)
+        shape = (rows, self.spec.offsets[self.seg], cfg.local_kv_heads, cfg.head_dim)
         sink = jnp.zeros(shape, cfg.dtype)
         return sink, sink
 
@@ -698,14 +698,14 @@ class SegmentUnit:
         chunk = jax.tree.map(lambda x: sds((self.n,) + x.shape[1:], x.dtype), shapes["layers"])
         shared = {k: x for k, x in shapes.items() if k != "layers"}
         x_in = sds((rows, spec.msg_len, cfg.d_model), act)
-        prefix = sds((self.n, rows, spec.offsets[self.seg], cfg.local_heads, cfg.head_dim), act)
+        prefix = sds((self.n, rows, spec.offsets[self.seg], cfg.local_kv_heads, cfg.head_dim), act)
         tokens = sds((rows, spec.lengths[self.seg]), jnp.int32)
         return chunk, shared, x_in, prefix, prefix, tokens, tokens
 
     def kv_avals(self, rows: int) -> jax.ShapeDtypeStruct:
         """The segment's own K (or V), or its cotangent: [n, b, L_k, H, E]."""
         cfg = self.spec.cfg
-        shape = (self.n, rows, self.spec.lengths[self.seg], cfg.local_heads, cfg.head_dim)
+        shape = (self.n, rows, self.spec.lengths[self.seg], cfg.local_kv_heads, cfg.head_dim)
         return jax.ShapeDtypeStruct(shape, cfg.dtype)
 
     def head_dy_aval(self, rows: int) -> jax.ShapeDtypeStruct:
@@ -726,7 +726,7 @@ class SegmentUnit:
         cache's (`cache`, a `kv_cache.Prefix`; default: the executor's, of one slot) among
         them."""
         spec, cfg = self.spec, self.spec.cfg
-        words = (1, self.n, rows, spec.kv_len, cfg.local_heads, cfg.head_dim)
+        words = (1, self.n, rows, spec.kv_len, cfg.local_kv_heads, cfg.head_dim)
         words = words if cache is None else cache.words_k.shape
         key = (spec.cfg, spec.remat, spec.lengths, self.seg, self.n, rows, self.split, words)
         key += (jax.sharding.get_abstract_mesh(),)

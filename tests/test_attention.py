@@ -17,10 +17,15 @@ KERNEL_TOL = 1e-6  # pallas_gpu in interpret mode, float32: measured within 5.4e
 NAMES = ("out", "dq", "dk_prefix", "dv_prefix", "dk_own", "dv_own")
 
 
-def sequence(length, b=2, h=3, e=8, seed=0):
-    """q, k, v and an output cotangent of a whole sequence, [b, L, H, E] each."""
+def sequence(length, b=2, h=3, e=8, seed=0, kv=None):
+    """q, k, v and an output cotangent of a whole sequence, [b, L, H, E] each (K/V with
+    `kv` heads: grouped-query attention)."""
     keys = jax.random.split(jax.random.key(seed), 4)
-    return [jax.random.normal(key, (b, length, h, e), jnp.float32) for key in keys]
+    heads = (h, kv or h, kv or h, h)
+    return [
+        jax.random.normal(key, (b, length, n, e), jnp.float32)
+        for key, n in zip(keys, heads, strict=True)
+    ]
 
 
 @functools.cache
@@ -58,6 +63,27 @@ small_blocks = functools.partial(blockwise.blockwise_attention, block_q=4, block
 
 def test_blockwise_matches_xla_on_every_segment_of_eight():
     check_segments(small_blocks, LENGTHS)
+
+
+def repeated_kv(q, kp, vp, ks, vs):
+    """Grouped-query attention as multi-head attention on K/V heads repeated per group
+    (HF's `repeat_kv`): the oracle of xla's grouped path, which never repeats them."""
+    group = q.shape[2] // ks.shape[2]
+    kp, vp, ks, vs = (jnp.repeat(x, group, axis=2) for x in (kp, vp, ks, vs))
+    return segment_attention(q, kp, vp, ks, vs)
+
+
+@pytest.mark.parametrize("kv", [1, 2])
+def test_grouped_xla_equals_repeated_kv_heads(kv):
+    """Four query heads on two K/V heads (GQA) and on one (MQA): xla's grouped einsums
+    equal multi-head attention on repeated K/V, whose K/V cotangents sum over each group."""
+    check_segments(repeated_kv, (5, 7), h=4, kv=kv)
+
+
+@pytest.mark.parametrize("kv", [1, 2])
+def test_grouped_blockwise_matches_xla(kv):
+    check_segments(small_blocks, (4, 1, 6, 9), h=4, kv=kv)
+    check_segments(cached_small_blocks, (5, 7), h=4, kv=kv)
 
 
 def _in_cache(kp, vp, dtype):
@@ -149,6 +175,12 @@ def test_splash_in_interpret_mode_matches_xla():
     check_segments(functools.partial(splash.splash_attention, interpret=True), (130, 6), h=2)
 
 
+def test_grouped_splash_in_interpret_mode_matches_xla():
+    """Four query heads on two K/V heads, which splash's MQA kernel takes per K/V head."""
+    fn = functools.partial(splash.splash_attention, interpret=True)
+    check_segments(fn, (130, 6), first=1, h=4, kv=2)
+
+
 # Tiles smaller than the segments, query and key blocks of different sizes both ways
 # round (the diagonal crossing differs), every length off every block: the prefix (5)
 # and the segments (5, 7) leave a partial last block in each kernel.
@@ -161,6 +193,13 @@ def test_pallas_gpu_in_interpret_mode_matches_xla():
     tolerance is 1e-6, not the 1e-5 of blockwise."""
     fn = functools.partial(gpu_attention.pallas_gpu_attention, blocks=TINY_TILES, interpret=True)
     check_segments(fn, (5, 7), tol=KERNEL_TOL)
+
+
+@pytest.mark.parametrize("kv", [1, 2])
+def test_grouped_pallas_gpu_in_interpret_mode_matches_xla(kv):
+    fn = functools.partial(gpu_attention.pallas_gpu_attention, blocks=TINY_TILES, interpret=True)
+    check_segments(fn, (5, 7), tol=KERNEL_TOL, h=4, kv=kv)
+    check_segments(cached_tiny_tiles, (5, 7), first=1, tol=KERNEL_TOL, h=4, kv=kv)
 
 
 def test_pallas_gpu_with_default_tiles_in_interpret_mode():
@@ -261,6 +300,42 @@ def test_pallas_gpu_lowers_to_verified_triton_modules(monkeypatch):
     traced = jax.jit(cached).trace(words, words, index, index, q, q, q, q)
     text = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert verified == [True] * 8
+    assert text.count("__gpu$xla.gpu.triton") == 4
+
+
+def test_grouped_pallas_gpu_lowers_to_verified_triton_modules(monkeypatch):
+    """Llama 3.1 8B's grouping (4 query heads per K/V head), bf16, E = 128, the prefix in a
+    K/V cache: the K/V index maps (h // 4) and the cache reads lower to Triton modules that
+    pass MLIR's verifier."""
+    from jax._src.pallas.triton import lowering
+
+    verified = []
+    lower = lowering.lower_jaxpr_to_triton_module
+
+    def lower_and_verify(*args, **kwargs):
+        result = lower(*args, **kwargs)
+        verified.append(result.module.operation.verify())
+        return result
+
+    monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", lower_and_verify)
+    q = jax.ShapeDtypeStruct((1, 100, 8, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 100, 2, 128), jnp.bfloat16)
+    words = jax.ShapeDtypeStruct((2, 3, 1, 400, 2, 128), jnp.uint16)
+    index = jax.ShapeDtypeStruct((), jnp.int32)
+
+    def cached(words_k, words_v, slot, layer, q, ks, vs, g):
+        cache = kv_cache.Prefix(words_k, words_v, slot, layer)
+        sink = jnp.zeros((1, 350, 2, 128), jnp.bfloat16)
+
+        def fn(q, sk, sv, ks, vs):
+            return gpu_attention.cached_attention(q, cache, sk, sv, ks, vs, 300)
+
+        out, vjp = jax.vjp(fn, q, sink, sink, ks, vs)
+        return (out, *vjp(g))
+
+    traced = jax.jit(cached).trace(words, words, index, index, q, kv, kv, q)
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert verified == [True] * 4
     assert text.count("__gpu$xla.gpu.triton") == 4
 
 

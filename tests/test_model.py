@@ -209,3 +209,17 @@ def test_rms_norm_backward_is_autodiffs():
         np.testing.assert_allclose(np.float32(ours), np.float32(want), rtol=tol, atol=tol)
         for a, b in zip(ours_vjp(dy.astype(dtype)), want_vjp(dy.astype(dtype)), strict=True):
             np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=tol, atol=tol * 10)
+
+
+@pytest.mark.parametrize(
+    "name, billions",
+    # The public checkpoints' parameter counts (transformers' num_parameters()): Llama 3.2
+    # 1B ties its head, Qwen 2.5 has Q/K/V biases.
+    [("llama3_2_1b", 1.235814400), ("llama3_1_8b", 8.030261248), ("qwen2_5_7b", 7.615616512)],
+)
+def test_public_model_configs_have_their_parameter_counts(name, billions):
+    from seqpipe import config as config_lib
+
+    cfg = GPTConfig.from_config(config_lib.load(name).model)
+    shapes = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
+    assert model.num_params(shapes) == round(billions * 1e9)

@@ -3,8 +3,10 @@ against the un-pipelined reference on meshes with tensor in {2, 4}; the compiled
 collectives (over `tensor` inside the units, none over `data` in the tick loop); configs
 that cannot split refused in one line; a run resumed across (data, stage, tensor) meshes.
 
-The default run takes an all-pairs sample of schedule x mesh x segments x remat;
-`make test-all` runs the whole product.
+The default run takes an all-pairs sample of schedule x mesh x segments x remat x model;
+`make test-all` runs the whole product. The Llama-family model (`test_pipeline.LLAMA`)
+has 2 K/V heads: split over tensor=2, replicated (each device the one its query heads
+read) over tensor=4.
 """
 
 import subprocess
@@ -14,7 +16,7 @@ import jax
 import numpy as np
 import pytest
 from pairwise import all_pairs, full_product
-from test_pipeline import SEQ_LEN, check_against_reference, make_config, microbatch_count
+from test_pipeline import MODELS, SEQ_LEN, check_against_reference, make_config, microbatch_count
 from test_train import PIPELINED, REPO, subprocess_env, tiny_args, tiny_config
 
 from seqpipe import config as config_lib
@@ -27,15 +29,15 @@ MESHES = ((1, 2, 2), (2, 2, 2), (1, 4, 2), (1, 2, 4), (1, 1, 2))
 SEGMENTS = (1, 2, 3, 4)
 REMAT = ("full", "none", "dots", "layer", "full_layer")
 SAMPLED_REMAT = ("full", "none", "dots")  # `layer` and `full_layer` under make test-all
-FACTORS = (SCHEDULES, MESHES, SEGMENTS, REMAT)
+FACTORS = (SCHEDULES, MESHES, SEGMENTS, REMAT, MODELS)
 
 
-def tensor_config(schedule, mesh, segments, remat):
+def tensor_config(schedule, mesh, segments, remat, arch="gpt"):
     """The pipeline tests' model with 4 heads, so that 4 tensor devices get one each."""
     data, stage, t = mesh
     interleaved = schedule_lib.GENERATORS[schedule].interleaved
     virtual = 2 if interleaved else 1
-    c = make_config(schedule, (data, stage), segments, "uniform", "more", virtual)
+    c = make_config(schedule, (data, stage), segments, "uniform", "more", virtual, arch=arch)
     c.model.update(num_heads=4, d_ff=32, vocab_size=64, d_model=32)
     c.mesh.tensor = t
     c.pipeline.remat = remat
@@ -43,20 +45,23 @@ def tensor_config(schedule, mesh, segments, remat):
     return c
 
 
-def valid(schedule, mesh, segments, remat) -> bool:
+def valid(schedule, mesh, segments, remat, arch="gpt") -> bool:
     interleaved = schedule_lib.GENERATORS[schedule].interleaved
     return microbatch_count("more", mesh[1], 2 if interleaved else 1) >= 1
 
 
 def case_id(case):
-    schedule, (d, s, t), k, remat = case
-    return f"{schedule}-{d}x{s}x{t}-K{k}-{remat}"
+    schedule, (d, s, t), k, remat, *arch = case
+    return "-".join([f"{schedule}-{d}x{s}x{t}-K{k}-{remat}", *arch])
 
 
 # The sample: three meshes, K in (1, 3, 4) (K = 3 splits unequally) and three policies,
 # so that the schedule's pairs with each set its size (21); the rest under make test-all.
-SAMPLE = all_pairs((SCHEDULES, MESHES[:2] + MESHES[3:4], (1, 3, 4), SAMPLED_REMAT), valid)
+SAMPLE = all_pairs((SCHEDULES, MESHES[:2] + MESHES[3:4], (1, 3, 4), SAMPLED_REMAT, MODELS), valid)
 SAMPLE.append(("seq1f1b", (1, 2, 2), 3, "full_layer"))  # the per-layer recompute of `full`
+# Replicated K/V heads (4 devices, 2 heads) under a split backward (W's gradients placed
+# at the device's head) and with every residual kept.
+SAMPLE += [("seq_zb_h1", (1, 2, 4), 3, "full", "llama"), ("seq1f1b", (1, 2, 4), 4, "none", "llama")]
 FULL = [c for c in full_product(FACTORS, valid) if c not in SAMPLE]
 
 
@@ -137,6 +142,17 @@ def test_a_model_that_does_not_split_is_refused_in_one_line(key, value, message)
     with pytest.raises(config_lib.ConfigError, match=message) as e:
         config_lib.validate(c, num_devices=8)
     assert "\n" not in str(e.value)
+
+
+def test_kv_heads_that_neither_split_nor_replicate_are_refused_in_one_line():
+    """6 K/V heads on 4 tensor devices: 4 does not divide 6, nor is it a multiple of it."""
+    c = tensor_config("seq1f1b", (1, 2, 4), 2, "full")
+    c.model.update(d_model=48, num_heads=12, num_kv_heads=6)
+    with pytest.raises(config_lib.ConfigError, match="mesh.tensor=4 neither divides the 6") as e:
+        config_lib.validate(c, num_devices=8)
+    assert "\n" not in str(e.value)
+    c.model.num_kv_heads = 2  # replicated: each device holds the K/V head it reads
+    config_lib.validate(c, num_devices=8)
 
 
 def test_mesh_products_count_the_tensor_axis():

@@ -179,8 +179,19 @@ def test_the_global_batch_is_checked_again_once_data_is_resolved():
 
 def test_the_schema_covers_every_key():
     """Every key of base_config has a type and range in SCHEMA, or a rule of its own."""
+    import ml_collections
+
+    def leaves(node, prefix=""):  # dotted keys, nested sections (model.rope_scaling) too
+        for key, value in node.items():
+            if isinstance(value, ml_collections.ConfigDict) and prefix:
+                yield from leaves(value, f"{prefix}{key}.")
+            elif isinstance(value, ml_collections.ConfigDict):
+                yield from leaves(value, f"{key}.")
+            else:
+                yield f"{prefix}{key}"
+
     base = config_lib.base_config()
-    keys = {f"{section}.{key}" for section in base for key in base[section]}
+    keys = set(leaves(base))
     assert set(config_lib.SCHEMA) | set(config_lib.OWN_RULES) == keys
     assert not set(config_lib.SCHEMA) & set(config_lib.OWN_RULES)
     config_lib.validate(base)  # the defaults pass their own table
@@ -205,12 +216,15 @@ def _bad_values(rule) -> list:
 
 @pytest.mark.parametrize("key", sorted(config_lib.SCHEMA))
 def test_every_key_is_checked_for_type_and_range(key):
-    section, leaf = key.split(".")
+    *sections, leaf = key.split(".")
     for value in _bad_values(config_lib.SCHEMA[key]):
         c = config_lib.base_config()
         c.pipeline.update(schedule="none")
-        with c[section].ignore_type():
-            c[section][leaf] = value
+        node = c
+        for section in sections:
+            node = node[section]
+        with node.ignore_type():
+            node[leaf] = value
         with pytest.raises(config_lib.ConfigError) as info:
             config_lib.validate(c)
         message = str(info.value)

@@ -47,11 +47,11 @@ from seqpipe.model import GPTConfig
 
 def analytic_forward(cfg: GPTConfig, lengths, rows: int) -> dict:
     """Forward FLOPs of one micro-batch of `rows` sequences cut into `lengths` segments."""
-    d, f, v, n = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.num_layers
+    d, v, n = cfg.d_model, cfg.vocab_size, cfg.num_layers
     dense = attention = 0
     offset = 0
     for s in lengths:
-        dense += 2 * rows * s * (4 * d * d + 2 * d * f) * n
+        dense += 2 * rows * s * model.layer_matmul_params(cfg) * n
         attention += 2 * (2 * rows * s * (offset + s) * d) * n
         offset += s
     head = 2 * rows * sum(lengths) * d * v

@@ -69,7 +69,7 @@ def carry_bytes(spec, rows: int) -> dict:
         "grads": b["grads"],
         "loss": b["loss"],
         # B-to-W buffers of a split table: the weight matmuls' inputs and output cotangents
-        # that B leaves its W, per segment, [slots, n, b, L_k] x (8D + 2F) values.
+        # that B leaves its W, per segment, [slots, n, b, L_k] x `model.matmul_shapes` values.
         "weight": b["weight"],
     }
     out["carry"] = sum(out.values())
@@ -79,7 +79,7 @@ def carry_bytes(spec, rows: int) -> dict:
     import jax.numpy as jnp
 
     cfg, prog = spec.cfg, spec.program
-    shape = (spec.chunk_layers, rows, spec.offsets[-1], cfg.num_heads, cfg.head_dim)
+    shape = (spec.chunk_layers, rows, spec.offsets[-1], cfg.local_kv_heads, cfg.head_dim)
     per_slot = _nbytes(shape, jnp.dtype(cfg.dtype))
     out["kv_needed"] = 2 * prog.num_kv * per_slot
     out["dkv_needed"] = 2 * prog.num_dkv * per_slot
@@ -252,7 +252,7 @@ def step_memory(config, unit: bool = True) -> dict:
     n = cfg.num_layers // (spec.stages * spec.virtual)
     big = [
         (max(prog.num_stash, 1), rows, max(spec.lengths), cfg.d_model),
-        (max(prog.num_kv, 1), n, rows, spec.kv_len, cfg.num_heads, cfg.head_dim),
+        (max(prog.num_kv, 1), n, rows, spec.kv_len, cfg.local_kv_heads, cfg.head_dim),
     ]
     out["loop_copies"] = loop_copies(compiled.as_text(), big)
     if unit:

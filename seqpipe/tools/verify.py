@@ -51,7 +51,12 @@ def compare(config, tokens_BxL1, mesh) -> dict:
         config.model.dtype = "float32"
         config.model.param_dtype = "float32"
     spec = pipeline.make_spec(config)
-    params = model.init_params(spec.cfg, jax.random.key(config.train.seed))
+    if config.train.init_from:  # a HF checkpoint's weights (`seqpipe.hf`), in float32
+        from seqpipe import hf
+
+        params = hf.load(config.train.init_from.removeprefix("hf:"))[1]
+    else:
+        params = model.init_params(spec.cfg, jax.random.key(config.train.seed))
     ref_loss, ref_grads = jax.jit(reference.loss_and_grads, static_argnums=2)(
         params, tokens_BxL1, spec.cfg
     )
@@ -86,7 +91,8 @@ def main(argv: list[str]) -> int:
     train_tokens, _ = cli.run_or_exit(lambda: data.load_tokens(config, ""))
     rows = cli.run_or_exit(lambda: data.local_rows(config, mesh))
     batch = next(data.train_iterator(config, train_tokens, rows))["tokens"]
-    r = compare(config, data.to_global(batch, mesh, config.train.global_batch_size), mesh)
+    tokens = data.to_global(batch, mesh, config.train.global_batch_size)
+    r = cli.run_or_exit(lambda: compare(config, tokens, mesh))
     print(
         f"schedule {config.pipeline.schedule}  loss {r['loss']:.6f} (reference "
         f"{r['reference_loss']:.6f}, rel err {r['loss_rel_err']:.1e} <= {LOSS_RTOL:.0e})  "

@@ -1,0 +1,167 @@
+"""Make the HuggingFace oracle fixtures under tests/fixtures/hf with transformers itself.
+
+    .venv/bin/pip install torch==2.13.0 transformers safetensors   # a CPU torch
+    .venv/bin/python scripts/make_hf_fixtures.py [--out tests/fixtures/hf]
+
+Each fixture is a tiny seeded model saved by `save_pretrained` (config.json and safetensors)
+with transformers' float32 logits and loss on fixed tokens (`oracle.npz`, `oracle.json`).
+Every parameter is redrawn from the seed, norm gains and biases included: HF's default
+initialisation (gains 1, biases 0) would let a converter that drops them pass.
+
+seqpipe's tests read these files without torch (tests/test_hf.py); when transformers is
+importable they also rebuild the oracle live with `oracle` below.
+"""
+
+import argparse
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+
+SEED = 34
+BATCH, LENGTH = 2, 40  # the token window is [BATCH, LENGTH + 1]
+TINY = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=48,
+    num_attention_heads=4,
+    max_position_embeddings=64,
+)
+
+# name: (config class, config keys beyond TINY, save_pretrained options)
+MODELS = {
+    # GQA (4 query heads share 2 K/V heads) and llama3 rope scaling, whose original
+    # context (16) is shorter than the tokens, so that dropping the scaling shows; sharded;
+    # four layers, for the pipeline schedules on two and four stages.
+    "llama_gqa_llama3": (
+        "LlamaConfig",
+        dict(
+            num_hidden_layers=4,
+            num_key_value_heads=2,
+            rms_norm_eps=1e-5,
+            rope_theta=500000.0,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=16,
+            ),
+        ),
+        dict(max_shard_size="80KB"),
+    ),
+    # Plain multi-head attention and one matrix for the embedding and the head.
+    "llama_tied_mha": (
+        "LlamaConfig",
+        dict(num_key_value_heads=4, tie_word_embeddings=True, rope_theta=10000.0),
+        {},
+    ),
+    # Qwen 2: biases on the Q, K and V projections, theta 1e6, eps 1e-6.
+    "qwen2_bias": (
+        "Qwen2Config",
+        dict(num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=1000000.0),
+        {},
+    ),
+    # Mistral: Llama's layout under its own name, without a sliding window (as v0.3).
+    "mistral_gqa": (
+        "MistralConfig",
+        dict(num_key_value_heads=1, sliding_window=None, rope_theta=1000000.0),
+        {},
+    ),
+}
+
+
+def tokens(vocab_size: int) -> np.ndarray:
+    return np.random.default_rng(SEED).integers(0, vocab_size, (BATCH, LENGTH + 1), np.int64)
+
+
+def build(name: str):
+    """The seeded model `name`, float32, every parameter drawn from the seed."""
+    config_class, keys, _ = MODELS[name]
+    return seeded(getattr(transformers, config_class)(**{"num_hidden_layers": 2, **TINY, **keys}))
+
+
+def seeded(config):
+    """A float32 model of `config` (eager attention) with every parameter drawn from SEED."""
+    config._attn_implementation = "eager"
+    torch.manual_seed(SEED)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(SEED)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():  # a tied head is the embedding: drawn once
+            if pname.endswith("norm.weight"):
+                value = 0.5 + torch.rand(p.shape, generator=gen)  # gains in [0.5, 1.5)
+            elif pname.endswith(".bias"):
+                value = 0.5 * torch.randn(p.shape, generator=gen)
+            elif "embed_tokens" in pname:
+                value = 0.3 * torch.randn(p.shape, generator=gen)
+            else:  # [out, in]
+                value = torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5
+            p.copy_(value)
+    return model.eval()
+
+
+def oracle(model, ids: np.ndarray) -> tuple[np.ndarray, float]:
+    """transformers' float32 logits of every position of `ids` and its mean next-token loss."""
+    with torch.no_grad():
+        x = torch.from_numpy(ids)
+        out = model(input_ids=x, labels=x, use_cache=False)
+    return out.logits.float().numpy(), float(out.loss)
+
+
+def write(name: str, out: Path) -> None:
+    model = build(name)
+    target = out / name
+    shutil.rmtree(target, ignore_errors=True)
+    model.save_pretrained(target, **MODELS[name][2])
+    tokenizer(model.config.vocab_size).save(str(target / "tokenizer.json"))
+    ids = tokens(model.config.vocab_size)
+    logits, loss = oracle(model, ids)
+    np.savez_compressed(target / "oracle.npz", tokens=ids.astype(np.int32), logits=logits)
+    meta = {
+        "loss": loss,
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "attention": "eager",
+        "seed": SEED,
+    }
+    (target / "oracle.json").write_text(json.dumps(meta, indent=1) + "\n")
+    spread = float(logits.std())
+    print(f"{name}: loss {loss:.6f}, logit std {spread:.3f}, files {sorted(os.listdir(target))}")
+
+
+def tokenizer(vocab_size: int):
+    """A character-level BPE (no merges; sentencepiece-style word marks, as Llama 2's)
+    with `vocab_size` symbols: `--config hf:DIR` tokenizes with it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    symbols = ["<unk>", "<|endoftext|>", "\u2581"] + [chr(c) for c in range(33, 126)]
+    vocab = {s: i for i, s in enumerate(symbols[:vocab_size])}
+    t = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.Metaspace()
+    t.decoder = decoders.Metaspace()
+    t.add_special_tokens(["<unk>", "<|endoftext|>"])
+    return t
+
+
+def bf16_copy(out: Path) -> None:
+    """qwen2_bias with its weights in bfloat16: the round trip keeps a dtype numpy lacks."""
+    model = build("qwen2_bias").to(torch.bfloat16)
+    target = out / "qwen2_bias_bf16"
+    shutil.rmtree(target, ignore_errors=True)
+    model.save_pretrained(target)
+    print(f"qwen2_bias_bf16: files {sorted(os.listdir(target))}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=str(Path(__file__).parent.parent / "tests/fixtures/hf"))
+    out = Path(parser.parse_args().out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in MODELS:
+        write(name, out)
+    bf16_copy(out)

@@ -1,0 +1,112 @@
+"""A run's checkpoint as a HuggingFace model directory.
+
+    python -m seqpipe.hf export --workdir W [--step N] [--dtype bfloat16] --out DIR
+
+Writes config.json (rope settings in transformers 5's and 4.x's keys), the weights as
+safetensors (shards of at most 5 GB with their index above that) and the run's
+tokenizer.json when it has one; `transformers.AutoModelForCausalLM.from_pretrained(DIR)`
+loads it. DIR appears only once complete; bad input is one line, exit 2, nothing written.
+"""
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+from seqpipe import cli
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        self.exit(
+            2,
+            f"error: {message}; usage: python -m seqpipe.hf export --workdir W [--step N] "
+            "[--dtype D] --out DIR\n",
+        )
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = _Parser(prog="python -m seqpipe.hf")
+    parser.add_argument("command", choices=("export",))
+    parser.add_argument("--workdir", required=True, help="the run's directory")
+    parser.add_argument("--step", type=int, default=None, help="its checkpoint (default newest)")
+    parser.add_argument("--dtype", choices=DTYPES, default=None, help="default: the run's")
+    parser.add_argument("--out", required=True, help="a new directory")
+    return parser.parse_args(argv)
+
+
+def pick_step(workdir: str, step: int | None) -> Path:
+    """The step directory to export; HFError naming what there is if it is not there."""
+    from seqpipe import checkpoint
+    from seqpipe.hf_config import HFError
+
+    directory = checkpoint.directory(workdir)
+    steps = checkpoint.complete_steps(directory) if directory.is_dir() else []
+    if not steps:
+        raise HFError(f"--workdir {workdir} holds no checkpoint ({directory} has none)")
+    chosen = max(steps) if step is None else step
+    if chosen not in steps:
+        raise HFError(f"--step {step}: {directory} holds steps {sorted(steps)}")
+    return directory / str(chosen)
+
+
+def restore_params(step_dir: Path):
+    """(model config, run meta, parameters on this process's first device) of a step."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    from seqpipe import model
+    from seqpipe.model import GPTConfig
+
+    meta = ocp.JsonCheckpointHandler().restore(step_dir / "meta", args=ocp.args.JsonRestore())
+    cfg = GPTConfig.from_config(meta["model"])
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shapes = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
+    item = {"params": jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), shapes)}
+    restore_args = ocp.checkpoint_utils.construct_restore_args(
+        item, jax.tree.map(lambda _: device, item)
+    )
+    handler = ocp.PyTreeCheckpointHandler()
+    try:
+        args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
+        state = handler.restore(step_dir / "state", args=args)
+    finally:
+        handler.close()
+    return cfg, meta, state["params"]
+
+
+def export(workdir: str, step: int | None, out: str, dtype: str | None) -> Path:
+    from seqpipe import hf
+
+    step_dir = pick_step(workdir, step)
+    target = Path(out)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise hf.HFError(f"--out {target} exists and is not empty; give a new directory")
+    cfg, meta, params = restore_params(step_dir)
+    seq_len = int(meta.get("data", {}).get("seq_len", 0))
+    tokenizer = Path(workdir) / "tokenizer.json"
+
+    def fill(scratch: Path) -> None:
+        hf.save(scratch, cfg, params, dtype, context=seq_len)
+        if tokenizer.is_file():
+            shutil.copyfile(tokenizer, scratch / "tokenizer.json")
+
+    hf.write_new(out, fill)
+    return step_dir
+
+
+def main(argv: list[str]) -> int:
+    args = parse(argv)
+    cli.quiet_libtpu()
+    from seqpipe.hf_config import HFError
+
+    try:
+        step_dir = export(args.workdir, args.step, args.out, args.dtype)
+    except HFError as e:
+        cli.fail(str(e))
+    files = sorted(p.name for p in Path(args.out).iterdir())
+    print(f"exported {step_dir} to {args.out}: {', '.join(files)}")
+    print(json.dumps({"out": args.out, "files": files}))
+    return 0

@@ -1,0 +1,321 @@
+"""HuggingFace checkpoints against transformers, an oracle no one here wrote.
+
+The fixtures (tests/fixtures/hf, made by scripts/make_hf_fixtures.py with transformers
+5.25) are tiny seeded models with every parameter drawn from the seed, and transformers'
+float32 logits and loss on fixed tokens. These tests need neither torch nor transformers;
+the `live` ones run transformers itself when it is importable.
+"""
+
+import dataclasses
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+from seqpipe import hf, hf_config, model
+
+FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+MODELS = ("llama_gqa_llama3", "llama_tied_mha", "qwen2_bias", "mistral_gqa")
+LOGIT_ATOL = 1e-3  # max |seqpipe - transformers| over every float32 logit
+LOSS_RTOL = 1e-5
+
+
+def oracle(name: str):
+    arrays = np.load(FIXTURES / name / "oracle.npz")
+    loss = json.loads((FIXTURES / name / "oracle.json").read_text())["loss"]
+    return arrays["tokens"], arrays["logits"], loss
+
+
+def logit_error(cfg, params, name: str) -> float:
+    tokens, logits, _ = oracle(name)
+    return float(np.max(np.abs(np.asarray(model.forward(params, tokens, cfg)) - logits)))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_logits_and_loss_equal_transformers(name):
+    cfg, params = hf.load(FIXTURES / name)
+    tokens, _, expected_loss = oracle(name)
+    error = logit_error(cfg, params, name)
+    loss = float(model.loss(params, tokens, cfg))
+    print(
+        f"{name}: max |logit - transformers| {error:.2e}, loss rel err "
+        f"{abs(loss - expected_loss) / expected_loss:.1e}"
+    )
+    assert error <= LOGIT_ATOL
+    assert abs(loss - expected_loss) <= LOSS_RTOL * expected_loss
+
+
+def _interleave_rotary(params):
+    """What a converter for an interleaved rotary layout leaves: each q and k head's
+    columns permuted so pairs (i, i + E/2) sit side by side, as MaxText stores them."""
+    e = params["layers"]["wq"].shape[-1]
+    perm = np.stack([np.arange(e // 2), np.arange(e // 2, e)], axis=1).reshape(-1)
+    layers = dict(params["layers"], wq=params["layers"]["wq"][..., perm])
+    layers["wk"] = params["layers"]["wk"][..., perm]
+    return dict(params, layers=layers)
+
+
+def _ones(params, *names):
+    layers = {k: (np.ones_like(v) if k in names else v) for k, v in params["layers"].items()}
+    return dict(params, layers=layers, final_norm=np.ones_like(params["final_norm"]))
+
+
+def _no_bias(params):
+    layers = {k: (np.zeros_like(v) if k[0] == "b" else v) for k, v in params["layers"].items()}
+    return dict(params, layers=layers)
+
+
+# What a broken converter would hand the model: each must fail the check.
+CORRUPTIONS = {
+    "norm gains dropped": ("llama_gqa_llama3", lambda c, p: (c, _ones(p, "attn_norm", "mlp_norm"))),
+    "q/k/v biases dropped": ("qwen2_bias", lambda c, p: (c, _no_bias(p))),
+    "interleaved rotary": ("llama_gqa_llama3", lambda c, p: (c, _interleave_rotary(p))),
+    "rope scaling dropped": (
+        "llama_gqa_llama3",
+        lambda c, p: (dataclasses.replace(c, rope_scaling=type(c.rope_scaling)()), p),
+    ),
+    "K/V heads swapped": (
+        "llama_gqa_llama3",
+        lambda c, p: (c, dict(p, layers=dict(p["layers"], wk=p["layers"]["wk"][:, :, ::-1]))),
+    ),
+}
+
+
+@pytest.mark.parametrize("corruption", CORRUPTIONS)
+def test_a_broken_conversion_fails_the_check(corruption):
+    name, corrupt = CORRUPTIONS[corruption]
+    cfg, params = corrupt(*hf.load(FIXTURES / name))
+    error = logit_error(cfg, params, name)
+    print(f"{corruption}: max |logit - transformers| {error:.2f}")
+    assert error > 100 * LOGIT_ATOL
+
+
+def tensors(directory: Path) -> dict:
+    """{name: (dtype, shape, bytes)} of every tensor in a HF directory's files."""
+    out = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(path), framework="numpy") as f:
+            for name in f.keys():
+                s = f.get_slice(name)
+                out[name] = (s.get_dtype(), tuple(s.get_shape()), f.get_tensor(name).tobytes())
+    return out
+
+
+@pytest.mark.parametrize(
+    "name, dtype, save_dtype",
+    [
+        *[(m, "float32", None) for m in MODELS],
+        ("qwen2_bias_bf16", "bfloat16", None),
+        ("qwen2_bias_bf16", "float32", "bfloat16"),  # upcast to train, back to publish
+    ],
+)
+def test_save_gives_back_every_tensor_bit_for_bit(tmp_path, name, dtype, save_dtype):
+    cfg, params = hf.load(FIXTURES / name, dtype)
+    hf.save(tmp_path, cfg, params, save_dtype)
+    original, saved = tensors(FIXTURES / name), tensors(tmp_path)
+    assert sorted(saved) == sorted(original)
+    for key, (kind, shape, data) in original.items():
+        assert saved[key][:2] == (kind, shape), key
+        assert saved[key][2] == data, key
+    config = json.loads((tmp_path / "config.json").read_text())
+    before = hf_config.model_keys(hf_config.read(str(FIXTURES / name)))
+    assert hf_config.model_keys(config) == before
+
+
+def test_shards_above_the_limit_with_an_index(tmp_path, monkeypatch):
+    cfg, params = hf.load(FIXTURES / "llama_gqa_llama3")
+    monkeypatch.setattr(hf, "SHARD_BYTES", 30_000)
+    hf.save(tmp_path, cfg, params)
+    index = json.loads((tmp_path / hf.INDEX).read_text())
+    files = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    assert len(files) > 2 and sorted(set(index["weight_map"].values())) == files
+    assert index["metadata"]["total_size"] == sum(
+        np.prod(s[1]) * 4 for s in tensors(tmp_path).values()
+    )
+    for p in tmp_path.glob("*.safetensors"):
+        assert p.stat().st_size < 30_000 + 10_000  # one tensor may go over; none here
+    _, again = hf.load(tmp_path)
+    jax.tree.map(np.testing.assert_array_equal, again, params)
+
+
+def _rewrite_config(tmp_path, name, edit) -> Path:
+    target = tmp_path / name
+    shutil.copytree(FIXTURES / name, target)
+    config = json.loads((target / "config.json").read_text())
+    edit(config)
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+def _legacy_rope(config: dict) -> None:
+    """The config as transformers 4.x wrote it: rope_theta and rope_scaling only."""
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = rope if rope["rope_type"] != "default" else None
+
+
+def test_reads_the_older_rope_keys(tmp_path):
+    older = _rewrite_config(tmp_path, "llama_gqa_llama3", _legacy_rope)
+    keys = hf_config.model_keys(hf_config.read(str(older)))
+    assert keys == hf_config.model_keys(hf_config.read(str(FIXTURES / "llama_gqa_llama3")))
+    assert keys["rope_scaling"]["type"] == "llama3" and keys["rope_base"] == 500000.0
+
+
+def test_writes_both_rope_forms_each_read_alone():
+    keys = hf_config.model_keys(hf_config.read(str(FIXTURES / "llama_gqa_llama3")))
+    written = hf_config.hf_config(keys, "float32")
+    newer = {k: v for k, v in written.items() if k not in ("rope_theta", "rope_scaling")}
+    older = {k: v for k, v in written.items() if k != "rope_parameters"}
+    assert older["rope_scaling"]["rope_type"] == "llama3" and older["rope_theta"] == 500000.0
+    assert hf_config.model_keys(newer) == keys == hf_config.model_keys(older)
+
+
+BAD = {
+    "no config.json": (lambda d: (d / "config.json").unlink(), "has no config.json"),
+    "unsupported architecture": (
+        lambda d: _edit(d, architectures=["GPT2LMHeadModel"]),
+        "architecture GPT2LMHeadModel is not supported; seqpipe reads LlamaForCausalLM, "
+        "MistralForCausalLM, Qwen2ForCausalLM",
+    ),
+    "shape disagrees with config": (
+        lambda d: _edit(d, intermediate_size=64),
+        "tensor model.layers.0.mlp.gate_proj.weight is [48, 32] but config.json makes it [64, 32]",
+    ),
+    "missing shard": (
+        lambda d: (d / "model-00002-of-00002.safetensors").unlink(),
+        "model-00002-of-00002.safetensors is missing",
+    ),
+    "truncated shard": (
+        lambda d: _truncate(d / "model-00001-of-00002.safetensors"),
+        "model-00001-of-00002.safetensors is damaged or truncated",
+    ),
+    "unreadable dtype": (lambda d: _quantize(d), "is I8, which seqpipe cannot read"),
+}
+
+
+def _edit(directory: Path, **keys) -> None:
+    config = json.loads((directory / "config.json").read_text())
+    config.update(keys)
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+def _truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 1000])
+
+
+def _quantize(directory: Path) -> None:
+    """One tensor stored as int8, as a quantized checkpoint has them."""
+    from safetensors.numpy import save_file
+
+    path = directory / "model-00001-of-00002.safetensors"
+    with safe_open(str(path), framework="numpy") as f:
+        arrays = {k: f.get_tensor(k) for k in f.keys()}
+    name = "model.layers.0.mlp.up_proj.weight"
+    arrays[name] = (arrays[name] * 100).astype(np.int8)
+    save_file(arrays, str(path), metadata={"format": "pt"})
+
+
+def bad_copy(tmp_path, case: str) -> Path:
+    target = tmp_path / "model"
+    shutil.copytree(FIXTURES / "llama_gqa_llama3", target)
+    BAD[case][0](target)
+    return target
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_input_is_one_line(tmp_path, case):
+    with pytest.raises(hf_config.HFError) as e:
+        hf.load(bad_copy(tmp_path, case))
+    assert BAD[case][1] in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location(
+        "make_hf_fixtures", Path(__file__).parent.parent / "scripts" / "make_hf_fixtures.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_live_transformers_computes_the_fixtures(name):
+    """The committed oracle is what transformers computes now, from the script's seed."""
+    pytest.importorskip("transformers")
+    script = _script()
+    model_ = script.build(name)
+    tokens, logits, loss = oracle(name)
+    live_logits, live_loss = script.oracle(model_, tokens.astype(np.int64))
+    np.testing.assert_allclose(live_logits, logits, atol=1e-5)
+    assert abs(live_loss - loss) <= 1e-6 * loss
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("rope_keys", ["both", "older only"])
+def test_live_transformers_loads_an_export(tmp_path, name, rope_keys):
+    """transformers loads what `save` writes (with both rope forms, or only the older
+    ones transformers 4.x reads), and its logits equal seqpipe's."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    cfg, params = hf.load(FIXTURES / name)
+    hf.save(tmp_path, cfg, params)
+    if rope_keys == "older only":
+        _edit_file = json.loads((tmp_path / "config.json").read_text())
+        _edit_file.pop("rope_parameters")
+        (tmp_path / "config.json").write_text(json.dumps(_edit_file))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    tokens, _, _ = oracle(name)
+    with torch.no_grad():
+        theirs = loaded(input_ids=torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
+    ours = np.asarray(model.forward(params, tokens, cfg))
+    assert float(np.max(np.abs(ours - theirs))) <= LOGIT_ATOL
+
+
+ROPES = {
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "yarn": {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 16,
+        "beta_fast": 16.0,
+        "beta_slow": 2.0,
+    },
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 4.0,
+        "low_freq_factor": 2.0,
+        "high_freq_factor": 8.0,
+        "original_max_position_embeddings": 32,
+    },
+}
+
+
+@pytest.mark.parametrize("rope", ROPES)
+def test_live_rope_scalings_equal_transformers(tmp_path, rope):
+    """Each rope scaling seqpipe reads, on a model transformers makes here and now."""
+    transformers = pytest.importorskip("transformers")
+    script = _script()
+    config = transformers.LlamaConfig(
+        **{**script.TINY, "num_hidden_layers": 2}, num_key_value_heads=2, rope_scaling=ROPES[rope]
+    )
+    made = script.seeded(config)
+    made.save_pretrained(tmp_path)
+    tokens = script.tokens(config.vocab_size)
+    logits, loss = script.oracle(made, tokens)
+    cfg, params = hf.load(tmp_path)
+    assert cfg.rope_scaling.type == rope
+    tokens = tokens.astype(np.int32)
+    error = float(np.max(np.abs(np.asarray(model.forward(params, tokens, cfg)) - logits)))
+    print(f"{rope}: max |logit - transformers| {error:.2e}")
+    assert error <= LOGIT_ATOL
+    assert abs(float(model.loss(params, tokens, cfg)) - loss) <= LOSS_RTOL * loss

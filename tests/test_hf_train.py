@@ -1,0 +1,386 @@
+"""HuggingFace checkpoints in the trainer: `--config hf:DIR`, `train.init_from`, every
+schedule on imported weights, export that transformers loads, and bad input in one line."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+from seqpipe import config as config_lib
+from seqpipe import hf, hf_config, layout, model, optim, sharding, train
+from seqpipe.schedule import SCHEDULES
+from seqpipe.tools import verify
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURES = REPO / "tests" / "fixtures" / "hf"
+GQA = FIXTURES / "llama_gqa_llama3"  # 4 layers, 4 query heads on 2 K/V heads, llama3 rope
+SPEC = f"hf:{GQA}"
+
+
+def corpus(tmp_path) -> Path:
+    """Real text: seqpipe's own model source."""
+    path = tmp_path / "corpus.txt"
+    path.write_text((REPO / "seqpipe" / "model.py").read_text())
+    return path
+
+
+def run_args(tmp_path, **overrides) -> list[str]:
+    base = {
+        "data.source": "text",
+        "data.path": str(corpus(tmp_path)),
+        "data.cache_dir": str(tmp_path / "cache"),
+        "train.seq_len": "32",
+        "train.global_batch_size": "4",
+        "train.steps": "2",
+        "train.log_every": "1",
+        "checkpoint.async_save": "false",
+    }
+    base.update({k: str(v) for k, v in overrides.items()})
+    return [f"--config.{k}={v}" for k, v in base.items()]
+
+
+def run(args: list[str], module: str | None = None, timeout=300):
+    """train.py (or `module`) in a fresh process, which fakes the CPU devices its mesh needs."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    command = [sys.executable, *(["-m", module] if module else ["train.py"]), *args]
+    return subprocess.run(
+        command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def pipelined(schedule: str, stages: int, virtual: int = 1, **more) -> dict:
+    return {
+        "pipeline.schedule": schedule,
+        "mesh.stage": stages,
+        "mesh.data": 1,
+        "pipeline.virtual_stages": virtual,
+        "pipeline.microbatches": 2 * stages if virtual > 1 else stages,
+        "pipeline.segments": 2,
+        "train.global_batch_size": 2 * stages,
+        "train.seq_len": 32,
+        **more,
+    }
+
+
+LAYOUTS = {
+    "2x4 seq1f1b": {**pipelined("seq1f1b", 4), "mesh.data": 2, "train.global_batch_size": 16},
+    "3 stages, padded": pipelined("1f1b", 3, **{"pipeline.layers_per_stage": "2,1,1"}),
+    "interleaved": pipelined("seq1f1b_interleaved", 2, 2),
+    "tensor 2: K/V split": pipelined("seq1f1b", 2, **{"mesh.tensor": 2}),
+    "tensor 4: K/V replicated": pipelined("seq1f1b", 2, **{"mesh.tensor": 4}),
+}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_initial_state_is_the_checkpoint_on_every_layout(name):
+    """init_from reads each device's block into the train state's stage order and
+    shardings: back in canonical order it is the checkpoint, exactly."""
+    config = config_lib.load(SPEC, {k: str(v) for k, v in LAYOUTS[name].items()})
+    mesh = sharding.mesh_of(config)
+    tx = optim.make_optimizer(config.train)
+    state = train.init_state(config, mesh, tx)
+    expected = hf.load(GQA)[1]
+    params = layout.to_canonical(state["params"], layout.of_config(config))
+    jax.tree.map(np.testing.assert_array_equal, params, expected)
+    abstract = train.abstract_state(config, mesh, tx)
+    same = jax.tree.map(
+        lambda x, s: x.sharding.is_equivalent_to(s.sharding, x.ndim), state, abstract
+    )
+    assert all(jax.tree.leaves(same))
+    assert int(state["step"]) == 0
+
+
+# The default run takes the Seq1F1B pair; `make test-all` every schedule.
+DEFAULT_SCHEDULES = ("seq1f1b", "seq1f1b_interleaved")
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [s if s in DEFAULT_SCHEDULES else pytest.param(s, marks=pytest.mark.slow) for s in SCHEDULES],
+)
+def test_every_schedule_equals_the_reference_on_imported_weights(schedule):
+    interleaved = "interleaved" in schedule
+    overrides = pipelined(schedule, 2, 2 if interleaved else 1)
+    config = config_lib.load(SPEC, {k: str(v) for k, v in overrides.items()})
+    mesh = sharding.mesh_of(config)
+    tokens = np.random.default_rng(0).integers(0, 96, (4 if interleaved else 2, 33))
+    tokens = np.asarray(tokens, np.int32)
+    r = verify.compare(config, tokens, mesh)
+    assert r["ok"], r
+
+
+@pytest.mark.parametrize("tensor", [pytest.param(2, marks=pytest.mark.slow), 4])
+def test_verify_cli_with_init_from(tmp_path, tensor):
+    """`python -m seqpipe.verify --config hf:DIR` with K/V heads split (tensor 2) and
+    replicated (tensor 4)."""
+    overrides = pipelined("seq1f1b", 2, **{"mesh.tensor": tensor})
+    result = run(["--config", SPEC, *run_args(tmp_path, **overrides)], "seqpipe.verify")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().endswith("OK"), result.stdout
+
+
+def test_train_export_and_resume(tmp_path):
+    """`train.py --config hf:DIR` trains from the checkpoint's weights with its tokenizer;
+    export writes a HF directory of the trained weights; a second run on the workdir
+    resumes its own checkpoint and says init_from is not read."""
+    work = tmp_path / "run"
+    args = ["--config", SPEC, "--workdir", str(work), *run_args(tmp_path)]
+    first = run(args)
+    assert first.returncode == 0, first.stderr
+    assert f"initialised from {SPEC}" in first.stdout
+    assert (work / "tokenizer.json").read_text() == (GQA / "tokenizer.json").read_text()
+    out = tmp_path / "export"
+    exported = run(["export", "--workdir", str(work), "--out", str(out)], "seqpipe.hf")
+    assert exported.returncode == 0, exported.stderr
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+    ]
+    for bad, message in [
+        (
+            ["--step", "7", "--out", str(tmp_path / "o")],
+            f"--step 7: {work}/checkpoints holds steps [2]",
+        ),
+        (["--out", str(out)], f"--out {out} exists and is not empty"),
+    ]:
+        refused = run(["export", "--workdir", str(work), *bad], "seqpipe.hf")
+        assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+        assert message in refused.stderr
+    assert not (tmp_path / "o").exists()
+    cfg, params = hf.load(out)
+    _, original = hf.load(GQA)
+    moved = jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))), params, original)
+    assert all(d > 0 for d in jax.tree.leaves(moved))  # two steps changed every tensor
+    config = json.loads((out / "config.json").read_text())
+    assert config["rope_parameters"]["rope_type"] == "llama3"
+    assert config["rope_scaling"]["rope_type"] == "llama3" and config["rope_theta"] == 500000.0
+    again = run([*args, "--config.train.steps=3"])
+    assert again.returncode == 0, again.stderr
+    assert (
+        f"train.init_from={SPEC} is not read: {work} holds its own checkpoint (step 2), "
+        "which the run resumes"
+    ) in again.stdout
+
+
+def test_a_model_key_that_differs_from_config_json_is_one_line(tmp_path):
+    result = run(
+        ["--config", "tiny", f"--config.train.init_from={SPEC}", "--workdir", str(tmp_path / "w")]
+    )
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1
+    assert f"train.init_from={SPEC}: model.vocab_size=2048 but {GQA}/config.json has 96" in (
+        result.stderr
+    )
+    assert not (tmp_path / "w").exists()
+
+
+def _copy(tmp_path) -> Path:
+    import shutil
+
+    target = tmp_path / "model"
+    shutil.copytree(GQA, target)
+    return target
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_is_one_line(tmp_path):
+    from tokenizers import Tokenizer, models
+
+    target = _copy(tmp_path)
+    vocab = {chr(0x100 + i): i for i in range(200)}
+    Tokenizer(models.BPE(vocab=vocab, merges=[])).save(str(target / "tokenizer.json"))
+    result = run(
+        ["--config", f"hf:{target}", "--workdir", str(tmp_path / "w"), *run_args(tmp_path)],
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "error: tokenizer has 200 symbols but model.vocab_size=96; set model.vocab_size >= 200"
+    )
+    assert not (tmp_path / "w").exists()
+
+
+def test_a_truncated_shard_stops_the_run_in_one_line(tmp_path):
+    target = _copy(tmp_path)
+    shard = target / "model-00002-of-00002.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    result = run(
+        ["--config", f"hf:{target}", "--workdir", str(tmp_path / "w"), *run_args(tmp_path)],
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1
+    assert f"{shard} is damaged or truncated" in result.stderr
+    assert not (tmp_path / "w").exists()
+
+
+def test_export_of_a_workdir_without_checkpoints_is_one_line(tmp_path):
+    out = tmp_path / "out"
+    result = run(["export", "--workdir", str(tmp_path), "--out", str(out)], "seqpipe.hf")
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "holds no checkpoint" in result.stderr
+    assert not out.exists()
+
+
+@pytest.mark.slow
+def test_export_writes_what_transformers_loads(tmp_path):
+    """An export of a checkpoint trained here: transformers' logits equal seqpipe's."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    work, out = tmp_path / "run", tmp_path / "export"
+    assert run(["--config", SPEC, "--workdir", str(work), *run_args(tmp_path)]).returncode == 0
+    exported = run(["export", "--workdir", str(work), "--out", str(out)], "seqpipe.hf")
+    assert exported.returncode == 0, exported.stderr
+    cfg, params = hf.load(out)
+    tokens = np.random.default_rng(1).integers(0, 96, (2, 48))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = loaded(input_ids=torch.from_numpy(tokens)).logits.numpy()
+    ours = np.asarray(model.forward(params, np.asarray(tokens, np.int32), cfg))
+    assert float(np.max(np.abs(ours - theirs))) <= 1e-3
+    with safe_open(str(out / "model.safetensors"), framework="numpy") as f:
+        assert "lm_head.weight" in f.keys()
+
+
+def test_config_from_an_hf_directory():
+    """`--config hf:DIR`: its model keys, its weights and its tokenizer; defaults else."""
+    config = config_lib.load(SPEC, {"train.seq_len": "64"})
+    keys = hf_config.model_keys(hf_config.read(SPEC))
+    assert {k: config.model[k] for k in keys if k != "rope_scaling"} == {
+        k: v for k, v in keys.items() if k != "rope_scaling"
+    }
+    assert config.model.rope_scaling.to_dict() == {
+        **config_lib.base_config().model.rope_scaling.to_dict(),
+        **keys["rope_scaling"],
+    }
+    assert (config.train.init_from, config.data.tokenizer) == (SPEC, SPEC)
+    assert config.train.seq_len == 64 and config.train.steps == config_lib.base_config().train.steps
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"model.num_kv_heads": "4"}, f"model.num_kv_heads=4 but {GQA}/config.json has 2"),
+        ({"data.tokenizer": "gpt2"}, "data.tokenizer='gpt2' is not valid"),
+        ({"train.init_from": str(GQA)}, "is not valid; give hf:DIR"),
+        ({"train.init_from": "hf:/nonexistent"}, "/nonexistent has no config.json"),
+    ],
+)
+def test_bad_hf_settings_are_one_line(overrides, message):
+    with pytest.raises(config_lib.ConfigError) as e:
+        config_lib.load(SPEC, overrides)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_longer_context_may_change_the_rope():
+    config = config_lib.load(SPEC, {"model.rope_scaling.factor": "16", "train.seq_len": "256"})
+    assert hf_config.rope_change(config.model, SPEC) == (
+        "model.rope_scaling.factor 8.0 -> 16.0 (the checkpoint's rope extended)"
+    )
+
+
+@pytest.mark.slow
+def test_continued_pretraining_end_to_end(tmp_path):
+    """Import the GQA Llama (llama3 rope, trained context 16 x 8), train 20 steps of
+    seq1f1b on a 2 x 4 mesh at 256 tokens with the rope factor doubled, export: the
+    export loads in transformers, whose logits equal seqpipe's at 256 tokens."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("".join(p.read_text() for p in sorted((REPO / "seqpipe").glob("*.py"))))
+    work, out = tmp_path / "run", tmp_path / "export"
+    args = [
+        "--config", SPEC, "--workdir", str(work),
+        *run_args(tmp_path, **{
+            "data.path": str(text), "mesh.data": 2, "mesh.stage": 4,
+            "pipeline.schedule": "seq1f1b", "pipeline.microbatches": 4,
+            "pipeline.segments": 4, "train.seq_len": 256, "train.global_batch_size": 16,
+            "train.steps": 20, "train.log_every": 5, "train.warmup_steps": 2,
+            "train.learning_rate": 1e-3, "model.rope_scaling.factor": 16,
+        }),
+    ]  # fmt: skip
+    trained = run(args, timeout=1200)
+    print(trained.stdout)
+    assert trained.returncode == 0, trained.stderr
+    exported = run(["export", "--workdir", str(work), "--out", str(out)], "seqpipe.hf")
+    assert exported.returncode == 0, exported.stderr
+    print(exported.stdout)
+    cfg, params = hf.load(out)
+    assert cfg.rope_scaling.factor == 16.0
+    tokens = np.random.default_rng(2).integers(0, 96, (2, 256))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = loaded(input_ids=torch.from_numpy(tokens)).logits.numpy()
+    ours = np.asarray(model.forward(params, np.asarray(tokens, np.int32), cfg))
+    error = float(np.max(np.abs(ours - theirs)))
+    print(f"max |seqpipe - transformers| logit after 20 steps at 256 tokens: {error:.2e}")
+    assert error <= 1e-3
+
+
+def test_each_device_block_is_read_alone(monkeypatch):
+    """On 2 stages x 2 tensor devices, every block read from the files is one device's:
+    a layer's heads, MLP columns or vocabulary split in two, never a whole tensor that
+    the mesh splits."""
+    reads = []
+    real = hf.read_block
+
+    def recording(t, tensor_slice, shape, index):
+        block = real(t, tensor_slice, shape, index)
+        reads.append((t.name.split(".")[-2], block.size, int(np.prod(shape))))
+        return block
+
+    monkeypatch.setattr(hf, "read_block", recording)
+    overrides = pipelined("seq1f1b", 2, **{"mesh.tensor": 2})
+    config = config_lib.load(SPEC, {k: str(v) for k, v in overrides.items()})
+    train.init_state(config, sharding.mesh_of(config), optim.make_optimizer(config.train))
+    split = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    split |= {"embed_tokens", "lm_head"}
+    sizes = {}
+    for name, size, whole in reads:
+        sizes.setdefault(name, set()).add(size / whole)
+    assert split <= set(sizes)
+    assert all(sizes[name] == {0.5} for name in split), sizes
+    assert sizes["input_layernorm"] == {1.0}  # norm gains are whole on every device
+
+
+# The config.json of the public checkpoints (their model keys, as published on the Hub).
+PUBLIC = {
+    "llama3_2_1b": {
+        "architectures": ["LlamaForCausalLM"], "head_dim": 64, "hidden_act": "silu",
+        "hidden_size": 2048, "intermediate_size": 8192, "num_attention_heads": 32,
+        "num_hidden_layers": 16, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+        "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "rope_theta": 500000.0, "tie_word_embeddings": True, "vocab_size": 128256,
+    },
+    "llama3_1_8b": {
+        "architectures": ["LlamaForCausalLM"], "hidden_act": "silu", "hidden_size": 4096,
+        "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32,
+        "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+        "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "rope_theta": 500000.0, "tie_word_embeddings": False, "vocab_size": 128256,
+    },
+    "qwen2_5_7b": {
+        "architectures": ["Qwen2ForCausalLM"], "hidden_act": "silu", "hidden_size": 3584,
+        "intermediate_size": 18944, "num_attention_heads": 28, "num_hidden_layers": 28,
+        "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+        "sliding_window": 131072, "use_sliding_window": False, "tie_word_embeddings": False,
+        "vocab_size": 152064,
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", PUBLIC)
+def test_the_shipped_configs_are_the_public_checkpoints(tmp_path, name):
+    """configs/NAME.py takes the public checkpoint with train.init_from: no key differs."""
+    (tmp_path / "config.json").write_text(json.dumps(PUBLIC[name]))
+    config = config_lib.load(name, {"train.init_from": f"hf:{tmp_path}"})
+    assert hf_config.rope_change(config.model, f"hf:{tmp_path}") is None
