@@ -228,13 +228,43 @@ def _fingerprint(files: list[str], *extra: Any) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def _read_docs(files: list[str]) -> list[str]:
-    # A few stdlib files are not valid UTF-8; replacing beats skipping real text.
-    docs = [_read_bytes(f).decode("utf-8", errors="replace") for f in files]
+def _read_docs(files: list[str], config) -> list[str]:
+    """The files' text. Invalid UTF-8 is replaced by U+FFFD and counted: said in one line,
+    refused past `data.max_invalid_utf8` of the corpus's bytes."""
+    docs, invalid, size = [], {}, 0
+    for f in files:
+        raw = _read_bytes(f)
+        size += len(raw)
+        try:
+            docs.append(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            doc = raw.decode("utf-8", errors="replace")
+            invalid[f] = doc.count("\ufffd") - raw.count("\ufffd".encode())
+            docs.append(doc)
     docs = [d for d in docs if d]
     if not docs:
         raise DataError(f"the corpus ({len(files)} files) is empty; add text to data.path")
+    if invalid:
+        _check_utf8(invalid, size, config.data.get("max_invalid_utf8", 0.001))
     return docs
+
+
+def _check_utf8(invalid: dict[str, int], size: int, limit: float) -> None:
+    count, worst = sum(invalid.values()), max(invalid, key=invalid.get)
+    what = (
+        f"{count} invalid UTF-8 sequences in {len(invalid)} of the corpus's files "
+        f"({count / size:.2%} of {size} bytes; most in {worst}: {invalid[worst]})"
+    )
+    if count > limit * size:
+        raise DataError(
+            f"{what}: more than data.max_invalid_utf8={limit}; convert the files to UTF-8, "
+            "leave out the ones that are not text, or raise data.max_invalid_utf8 to train "
+            "on them with each replaced by U+FFFD"
+        )
+    line = f"{what}: each replaced by U+FFFD (data.max_invalid_utf8={limit})"
+    if line not in _SAID:  # the BPE and the token stream read the files twice
+        _SAID.add(line)
+        print(line, file=sys.stderr)
 
 
 def _cache_dir(config) -> str:
@@ -386,7 +416,7 @@ def _load_bpe(config) -> tok.BpeTokenizer:
             _damaged(path, e)
     _check_writable(cache)
     docs, total = [], 0
-    for d in _read_docs(files):
+    for d in _read_docs(files, config):
         if total >= BPE_TRAIN_MAX_CHARS:
             break
         docs.append(d)
@@ -418,7 +448,7 @@ def _encode_corpus(config, t: Tokenizer) -> np.ndarray:
             _damaged(path, e)
     _check_writable(cache)
     dtype = np.uint16 if t.vocab_size <= 2**16 else np.uint32
-    docs = _read_docs(files)
+    docs = _read_docs(files, config)
     if isinstance(t, tok.ByteTokenizer):
         # Bytes are their own ids: skip the Python lists.
         stream = np.frombuffer("".join(docs).encode("utf-8"), np.uint8).astype(dtype)

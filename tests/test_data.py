@@ -435,3 +435,28 @@ def test_a_symlink_loop_under_a_glob_reads_each_real_file_once(tmp_path):
     config = make_config(tmp_path, path=str(corpus / "**"), tokenizer="byte")
     train, held_out = _load_within(config)
     assert train.size + held_out.size == len("first " * 40 + "third " * 40 + "second " * 40)
+
+
+def test_invalid_utf8_is_counted_in_one_line_and_refused_past_the_threshold(tmp_path, capsys):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "good.txt").write_text("plain text " * 2000)  # 22,000 bytes
+    (corpus / "some.txt").write_bytes(b"caf\xe9 " * 4 + b"ok " * 100)  # 4 invalid bytes
+    config = make_config(tmp_path, path=str(corpus), tokenizer="byte")
+    train, held_out = data.load_tokens(config, "")
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("4 invalid UTF-8 sequences in 1 of the corpus's files"), line
+    assert f"most in {corpus / 'some.txt'}: 4" in line and "replaced by U+FFFD" in line
+    # Each becomes U+FFFD, three bytes: the stream says what was read.
+    assert train.size + held_out.size == 22000 + 4 * 7 + 300
+    # 30,000 Latin-1 bytes are not UTF-8 text: refused, and nothing cached.
+    (corpus / "latin1.txt").write_bytes("é".encode("latin-1") * 30000)
+    config = make_config(
+        tmp_path, path=str(corpus), tokenizer="byte", cache_dir=str(tmp_path / "c2")
+    )
+    with pytest.raises(data.DataError, match=r"30004 invalid UTF-8 .* data.max_invalid_utf8=0.001"):
+        data.load_tokens(config, "")
+    assert not list((tmp_path / "c2").glob("tokens-*"))
+    config.data.max_invalid_utf8 = 1.0  # taken as it is, when asked
+    train, held_out = data.load_tokens(config, "")
+    assert "30004 invalid UTF-8 sequences in 2 of the corpus's files" in capsys.readouterr().err
