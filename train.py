@@ -54,7 +54,7 @@ def main(argv: list[str]) -> int:
         xla_flags.apply()  # GPU only, before the backend starts; the user's flags win
         cli.init_distributed(args)  # imports jax: only after the device count is set
     else:
-        config = cli.resolve_or_exit(config, target.chips)
+        config = cli.resolve_or_exit(config, target.chips, target)
     from seqpipe import train
 
     if args.compile_only:

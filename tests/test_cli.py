@@ -35,7 +35,21 @@ def run(args, cwd):
         (["--config", "tiny", "--topology", "v5p-16"], "needs --compile_only"),
         (
             ["--config", "tiny", "--compile_only", "--topology", "v5p-8"],
-            "mesh.data * mesh.stage = 8 but 4 devices are visible",
+            "mesh.data * mesh.stage = 8 but --topology v5p-8: 4 chips (v5p:2x2x1, megacore) "
+            "has 4 chips;",
+        ),
+        (
+            [
+                "--config",
+                "tiny",
+                "--compile_only",
+                "--topology",
+                "h100-8",
+                "--config.mesh.data=3",
+                "--config.mesh.stage=-1",
+                "--config.train.global_batch_size=24",
+            ],
+            "mesh.data=3 does not divide the 8 GPUs of --topology h100-8: 8 GPUs (NVIDIA H100",
         ),
         (
             ["--config", "tiny", "--config.data.source=text", "--config.data.path=/no/such"],
