@@ -93,6 +93,37 @@ def test_different_model_is_refused(tmp_path):
     assert snapshot() == before
 
 
+def test_keys_that_hold_no_parameter_and_the_optimizer_may_change_on_resume_in_one_line(
+    tmp_path, capfd
+):
+    """model.attention, model.loss_chunk (how the step computes) and the optimizer's
+    settings go on changed; one line names each change."""
+    train.run(tiny_config(**{"train.stop_at": "1"}), str(tmp_path))
+    capfd.readouterr()
+    changed = {
+        "model.attention": "blockwise",
+        "model.loss_chunk": "32",
+        "train.learning_rate": "0.001",
+        "train.b1": "0.8",
+        "train.weight_decay": "0.05",
+    }
+    records = train.run(tiny_config(**changed, **{"train.stop_at": "2"}), str(tmp_path))
+    assert [r["step"] for r in records] == [2]
+    notes = [x for x in capfd.readouterr().err.splitlines() if x.startswith("note:")]
+    assert len(notes) == 1, notes
+    for part in (
+        "model.attention='auto' saved, 'blockwise' now",
+        "model.loss_chunk=8192 saved, 32 now",
+        "train.learning_rate=0.003 saved, 0.001 now",
+        "train.b1=0.9 saved, 0.8 now",
+        "train.weight_decay=0.1 saved, 0.05 now",
+    ):
+        assert part in notes[0], notes[0]
+    # Unchanged since: no line.
+    train.run(tiny_config(**changed, **{"train.stop_at": "3"}), str(tmp_path))
+    assert "note:" not in capfd.readouterr().err
+
+
 def _restore(workdir, config, data, stage):
     mesh = sharding.make_mesh(data, stage)
     tx = optim.make_optimizer(config.train)
