@@ -237,3 +237,22 @@ def test_background_errors_are_one_console_line_each_and_their_tracebacks_in_the
     text = (tmp_path / "train.log").read_text()
     assert "in writer" in text and "in callback" in text, text
     assert "RuntimeError: Event loop is closed" in text, text
+
+
+def test_python_warnings_are_one_line_and_a_donation_warning_goes_to_the_file_only(
+    tmp_path, capsys
+):
+    import warnings
+
+    capture = logs.Capture()
+    try:
+        capture.open(tmp_path)
+        warnings.warn("Some donated buffers were not usable: float32[6,16].\nSee ...", stacklevel=1)
+        warnings.warn("a warning of another kind\nwith a second line", stacklevel=1)
+    finally:
+        capture.close()
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("WARNING:py.warnings:") and "a warning of another kind" in line
+    assert line.endswith(f"(the rest in {tmp_path / 'train.log'})"), line
+    text = (tmp_path / "train.log").read_text()
+    assert "INFO py.warnings" in text and "donated buffers were not usable" in text, text
