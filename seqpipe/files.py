@@ -19,6 +19,18 @@ import tempfile
 from collections.abc import Callable
 from typing import BinaryIO
 
+# The temporaries being written now: a signal that ends the process at once
+# (`seqpipe.signals`) removes them, so nothing is left half-written.
+_temporaries: set[str] = set()
+
+
+def remove_temporaries() -> None:
+    for tmp in list(_temporaries):
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+
 
 def _umask() -> int:
     mask = os.umask(0)
@@ -48,6 +60,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> 
         return
     directory, name = os.path.split(path)
     fd, tmp = tempfile.mkstemp(dir=directory or ".", prefix=f".{name}.", suffix=".tmp")
+    _temporaries.add(tmp)
     try:
         # mkstemp makes the file 0600; a cache shared between users needs what a plain
         # open() would have given.
@@ -61,6 +74,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> 
         except OSError:
             pass
         raise
+    finally:
+        _temporaries.discard(tmp)
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
