@@ -210,10 +210,12 @@ def init_distributed(args: argparse.Namespace) -> None:
 
     # CPU collectives across processes need gloo; other backends ignore this.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    from seqpipe import peers
+
     if all(given):
-        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+        peers.initialize(args.coordinator, args.num_processes, args.process_id)
     else:
-        jax.distributed.initialize()
+        peers.initialize()
 
 
 def no_tensor_or_exit(config, tool: str) -> None:

@@ -33,6 +33,7 @@ from seqpipe import (
     model,
     optim,
     partition,
+    peers,
     pipeline,
     reference,
     remat,
@@ -303,6 +304,7 @@ class Trainer:
     def __init__(self, config: ConfigDict, workdir: str):
         self.config, self.workdir = config, workdir
         workdir_lib.check(workdir)  # a file, or read-only: refused before any work
+        peers.watch(checkpoint.directory(workdir))  # what a lost process's line names
         # Third-party logs: warnings on the console, all in the workdir's log once it is ours.
         self.logs = logs.Capture()
         try:
@@ -523,6 +525,11 @@ class Trainer:
         """A failed checkpoint or metrics write stops training with one line saying why."""
         try:
             yield
+        except jax.errors.JaxRuntimeError as e:
+            if not peers.is_lost_peer(e):
+                raise
+            # Nothing is closed: a save or a shutdown would wait for the lost process.
+            peers.exit_at_once(peers.lost_message(str(e)))
         except checkpoint.SaveError as e:
             raise TrainingError(str(e)) from None
         except MetricsError as e:
