@@ -6,10 +6,15 @@
 --coordinator HOST:PORT --num_processes N --process_id I    one process of N
 """
 
-import json
-import sys
+from seqpipe import signals
 
-from seqpipe import cli, xla_flags
+if __name__ == "__main__":
+    signals.install()  # first: a signal at any moment of the start-up is one line
+
+import json  # noqa: E402
+import sys  # noqa: E402
+
+from seqpipe import cli, xla_flags  # noqa: E402
 
 
 def _mesh_text(mesh: dict) -> str:
@@ -54,7 +59,7 @@ def main(argv: list[str]) -> int:
         xla_flags.apply()  # GPU only, before the backend starts; the user's flags win
         cli.init_distributed(args)  # imports jax: only after the device count is set
     else:
-        config = cli.resolve_or_exit(config, target.chips)
+        config = cli.resolve_or_exit(config, target.chips, target)
     from seqpipe import train
 
     if args.compile_only:
@@ -81,21 +86,16 @@ def main(argv: list[str]) -> int:
         print(summary(result, target))
         print(json.dumps(result))
         return 0 if result.get("fits", True) else 1
+    from seqpipe import checkpoint
+
+    kept = f"the checkpoints in {checkpoint.directory(args.workdir)} are as they were"
+    signals.set_context("before training", f"{kept}; run again to resume")
     try:
         cli.run_or_exit(lambda: train.run(config, args.workdir))
     except train.TrainingError as e:
         # Every file is closed by now; what orbax's threads print on the way out would bury
         # the one line that says what to do.
         cli.fail(str(e), code=1, at_once=True)
-    except KeyboardInterrupt:  # Ctrl-C before the training loop catches it: no traceback
-        from seqpipe import checkpoint
-
-        cli.fail(
-            f"stopped by Ctrl-C before training; the checkpoints in "
-            f"{checkpoint.directory(args.workdir)} are as they were; run again to resume",
-            code=130,
-            at_once=True,
-        )
     return 0
 
 

@@ -106,12 +106,45 @@ def make_manager(workdir: str | Path, config: ConfigDict) -> ocp.CheckpointManag
     return ocp.CheckpointManager(directory(workdir), options=options, item_names=ITEMS)
 
 
+# Model keys no parameter depends on: how the step computes, not what it learns. A
+# checkpoint goes on under other values (blockwise on GPUs, splash on a TPU), said in a line.
+NO_PARAMETER = ("attention", "loss_chunk", "dtype")
+# The optimizer's settings: a resumed run may change them, and is told in a line.
+OPTIMIZER = (
+    "learning_rate",
+    "min_lr_ratio",
+    "warmup_steps",
+    "weight_decay",
+    "grad_clip",
+    "b1",
+    "b2",
+)
+
+
 def metadata(config: ConfigDict) -> dict:
-    """What must match between a checkpoint and the run that restores it: the model, and
-    what fixes the order of the batches (the saved iterator position counts batches)."""
+    """What must match between a checkpoint and the run that restores it: the model (but
+    `NO_PARAMETER`), and what fixes the order of the batches (the saved iterator position
+    counts batches); and what may change, but is said: `NO_PARAMETER`, `OPTIMIZER`."""
     t = config.train
     data = {"global_batch_size": t.global_batch_size, "seq_len": t.seq_len, "seed": t.seed}
-    return {"model": config.model.to_dict(), "data": data, "source": config.data.source}
+    optimizer = {k: t[k] for k in OPTIMIZER if k in t}
+    return {
+        "model": config.model.to_dict(),
+        "data": data,
+        "source": config.data.source,
+        "optimizer": optimizer,
+    }
+
+
+def _changes(meta: dict, expected: dict) -> str:
+    """The keys a checkpoint may be resumed with changed, as `key=saved -> now` (checkpoints
+    from before the optimizer was saved: its keys unchecked)."""
+    model = {k: v for k, v in meta.get("model", {}).items() if k in NO_PARAMETER}
+    now = {k: expected["model"].get(k) for k in model}
+    diffs = [_differences(model, now, "model")]
+    if "optimizer" in meta:
+        diffs.append(_differences(meta["optimizer"], expected["optimizer"], "train"))
+    return ", ".join(d for d in diffs if d)
 
 
 def save(
@@ -315,7 +348,8 @@ def _read_step(manager, step: int, abstract_state: Any, config: ConfigDict, data
     where = f"the checkpoint at {manager.directory}/{step}"
     # A checkpoint saved before a model key existed holds that key's default.
     saved_model = {**base_config().model.to_dict(), **meta.get("model", {})}
-    if diff := _differences(saved_model, expected["model"], "model"):
+    holds = lambda model: {k: v for k, v in model.items() if k not in NO_PARAMETER}
+    if diff := _differences(holds(saved_model), holds(expected["model"]), "model"):
         raise ConfigError(
             f"{where} is of a different model ({diff}); use a fresh --workdir or the same model"
         )
@@ -325,6 +359,13 @@ def _read_step(manager, step: int, abstract_state: Any, config: ConfigDict, data
             "position does not carry over; use the same values or a fresh --workdir"
         )
     note = _data_change(meta, config, data_id, where)
+    if changed := _changes(meta, expected):
+        print(
+            f"note: {where} was trained with other settings, which hold no parameter; going "
+            f"on with the new ones: {changed}",
+            file=sys.stderr,
+            flush=True,
+        )
     target = layout.canonical_abstract(abstract_state, layout.of_config(config))
     handler = ocp.StandardCheckpointHandler()
     try:

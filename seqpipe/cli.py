@@ -99,11 +99,11 @@ def load_or_exit(
     return config, args
 
 
-def resolve_or_exit(config, num_devices: int | None = None):
+def resolve_or_exit(config, num_devices: int | None = None, target=None):
     """The config with its mesh fitted to num_devices; a split that cannot fit is one line,
-    exit 2. Without num_devices (the tools, which take the first devices their mesh needs)
-    a mesh with no -1 is left as it is, and -1 takes all the devices jax sees (importing
-    jax)."""
+    exit 2, naming `target` (the --topology compiled for) when there is one. Without
+    num_devices (the tools, which take the first devices their mesh needs) a mesh with no
+    -1 is left as it is, and -1 takes all the devices jax sees (importing jax)."""
     if num_devices is None:
         if -1 not in (config.mesh.data, config.mesh.stage):
             return config
@@ -113,7 +113,15 @@ def resolve_or_exit(config, num_devices: int | None = None):
     try:
         return config_lib.resolve(config, num_devices)
     except config_lib.ConfigError as e:
-        fail(str(e))
+        if target is None:
+            fail(str(e))
+        # The devices are the slice's (or GPU system's) chips, not this machine's.
+        n, where = num_devices, f"--topology {target.headline()}"
+        fail(
+            str(e)
+            .replace(f"{n} devices are visible", f"{where} has {n} {target.unit}s")
+            .replace(f"the {n} visible devices", f"the {n} {target.unit}s of {where}")
+        )
 
 
 def target_or_exit(args: argparse.Namespace):
@@ -204,10 +212,12 @@ def init_distributed(args: argparse.Namespace) -> None:
 
     # CPU collectives across processes need gloo; other backends ignore this.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    from seqpipe import peers
+
     if all(given):
-        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+        peers.initialize(args.coordinator, args.num_processes, args.process_id)
     else:
-        jax.distributed.initialize()
+        peers.initialize()
 
 
 def no_tensor_or_exit(config, tool: str) -> None:

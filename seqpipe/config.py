@@ -160,6 +160,7 @@ SCHEMA = {
     "data.cache_dir": Key(str),
     "data.tokenizer_path": Key(str),
     "data.allow_source_change": Key(bool),
+    "data.max_invalid_utf8": Key(float, low=0.0, high=1.0),
     "mesh.tensor": _POSITIVE_INT,
 }
 OWN_RULES = ("mesh.data", "mesh.stage", "pipeline.inflight", "train.inject_nan_at")
@@ -266,6 +267,9 @@ def base_config() -> ml_collections.ConfigDict:
         # Resume a checkpoint trained on other data (another source, path or content):
         # its weights and optimizer state go on, the new data is read from its start.
         allow_source_change=False,
+        # Invalid UTF-8 in a text corpus is replaced by U+FFFD and counted; past this
+        # fraction of the corpus's bytes the corpus is refused (it is not text).
+        max_invalid_utf8=0.001,
     )
     return c
 

@@ -27,11 +27,13 @@ span hosts), and `to_global` assembles the global batch from those parts.
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import hashlib
 import json
 import math
 import os
+import stat
 import sys
 import sysconfig
 from collections.abc import Callable, Iterator
@@ -51,6 +53,10 @@ from seqpipe.tokenizer import Tokenizer
 BPE_TRAIN_MAX_CHARS = 64 * 2**20
 # Package dirs under the stdlib that hold tests or third-party code, not library text.
 _STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+
+
+# Lines said once per process, however often the corpus is listed.
+_SAID: set[str] = set()
 
 
 class DataError(ValueError):
@@ -88,7 +94,12 @@ def _is_text(path: str) -> bool:
 def _text_files(path: str) -> list[str]:
     if not path:
         raise DataError("data.source=text needs data.path: a file, a directory or a glob")
-    if os.path.isfile(path):
+    if os.path.exists(path) and not os.path.isdir(path):
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a pipe would block the read forever
+            raise DataError(
+                f"data.path={path!r} is {_kind(path)}, not a regular file; point data.path "
+                "at text files"
+            )
         if not _is_text(path):  # what the directory walk skips, named alone
             raise DataError(
                 f"data.path={path!r} is a binary file, not text; for token ids use "
@@ -96,18 +107,109 @@ def _text_files(path: str) -> list[str]:
             )
         return [path]
     if os.path.isdir(path):
-        files = []
-        for d, dirs, names in os.walk(path):
-            dirs[:] = [x for x in dirs if not x.startswith(".")]
-            files += [os.path.join(d, n) for n in names if not n.startswith(".")]
-        files = [f for f in files if _is_text(f)]
+        found = _walk(path, lambda parts: True, follow_links=False)
+    elif "**" in path:
+        found = _recursive_glob(path)
     else:
-        files = [f for f in glob.glob(path, recursive=True) if os.path.isfile(f)]
+        found = glob.glob(path)  # no recursion: no link can loop
+    files = _regular_files(path, found)
+    if os.path.isdir(path):
+        files = [f for f in files if _is_text(f)]
     if not files:
         raise DataError(
             f"data.path={path!r} matches no text files; point it at a file, dir or glob"
         )
-    return sorted(files)
+    return files
+
+
+def _walk(root: str, keep: Callable[[list[str]], bool], follow_links: bool) -> list[str]:
+    """Paths under root (hidden names left out) whose parts below root `keep` accepts.
+    Each real directory is walked once: a link back to one already walked (a loop, or a
+    second way in) is not followed again."""
+    seen, found = set(), []
+    for d, dirs, names in os.walk(root, followlinks=follow_links):
+        st = os.stat(d)
+        if (st.st_dev, st.st_ino) in seen:
+            dirs[:] = []
+            continue
+        seen.add((st.st_dev, st.st_ino))
+        dirs[:] = sorted(x for x in dirs if not x.startswith("."))
+        rel = os.path.relpath(d, root).split(os.sep) if d != root else []
+        found += [
+            os.path.join(d, n) for n in sorted(names) if not n.startswith(".") and keep([*rel, n])
+        ]
+    return found
+
+
+def _recursive_glob(pattern: str) -> list[str]:
+    """glob.glob(pattern, recursive=True) without following a directory link twice (a
+    link in DIR to DIR made glob read DIR's files 41 times)."""
+    parts = pattern.split(os.sep)
+    fixed = next(i for i, p in enumerate(parts) if glob.has_magic(p))
+    root = os.sep.join(parts[:fixed]) or (os.sep if pattern.startswith(os.sep) else ".")
+    if not os.path.isdir(root):
+        return []
+    found = _walk(root, lambda names: _glob_match(parts[fixed:], names), follow_links=True)
+    return [os.path.relpath(f) for f in found] if root == "." else found
+
+
+def _glob_match(pattern: list[str], names: list[str]) -> bool:
+    """Whether path parts `names` match glob parts `pattern` ("**": any number of parts)."""
+    if not pattern:
+        return not names
+    if pattern[0] == "**":
+        return any(_glob_match(pattern[1:], names[i:]) for i in range(len(names) + 1))
+    return (
+        bool(names)
+        and fnmatch.fnmatchcase(names[0], pattern[0])
+        and _glob_match(pattern[1:], names[1:])
+    )
+
+
+def _kind(path: str) -> str:
+    """What a path that is not a regular file is, in words."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return "a dangling link"
+    kinds = [
+        (stat.S_ISFIFO, "a named pipe"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISDIR, "a directory"),
+    ]
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
+
+
+def _regular_files(path: str, found: list[str]) -> list[str]:
+    """The regular files among `found`, each real file once (the first spelling, sorted);
+    anything else (pipes, devices, sockets: a read could block forever) is never opened,
+    and skipped with one line on stderr; directories are left out silently."""
+    files, real_seen, skipped = [], set(), []
+    for f in sorted(found):
+        try:
+            st = os.stat(f)
+        except OSError:
+            skipped.append(f)
+            continue
+        if stat.S_ISDIR(st.st_mode):
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            skipped.append(f)
+        elif (st.st_dev, st.st_ino) not in real_seen:
+            real_seen.add((st.st_dev, st.st_ino))
+            files.append(f)
+    line = (
+        f"data.path={path!r}: skipped {len(skipped)} path(s) that are not regular files "
+        f"({skipped[0]} is {_kind(skipped[0])})"
+        if skipped
+        else None
+    )
+    if line and line not in _SAID:  # the BPE and the token stream list the files twice
+        _SAID.add(line)
+        print(line, file=sys.stderr)
+    return files
 
 
 def _corpus_files(config) -> list[str]:
@@ -126,13 +228,43 @@ def _fingerprint(files: list[str], *extra: Any) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def _read_docs(files: list[str]) -> list[str]:
-    # A few stdlib files are not valid UTF-8; replacing beats skipping real text.
-    docs = [_read_bytes(f).decode("utf-8", errors="replace") for f in files]
+def _read_docs(files: list[str], config) -> list[str]:
+    """The files' text. Invalid UTF-8 is replaced by U+FFFD and counted: said in one line,
+    refused past `data.max_invalid_utf8` of the corpus's bytes."""
+    docs, invalid, size = [], {}, 0
+    for f in files:
+        raw = _read_bytes(f)
+        size += len(raw)
+        try:
+            docs.append(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            doc = raw.decode("utf-8", errors="replace")
+            invalid[f] = doc.count("\ufffd") - raw.count("\ufffd".encode())
+            docs.append(doc)
     docs = [d for d in docs if d]
     if not docs:
         raise DataError(f"the corpus ({len(files)} files) is empty; add text to data.path")
+    if invalid:
+        _check_utf8(invalid, size, config.data.get("max_invalid_utf8", 0.001))
     return docs
+
+
+def _check_utf8(invalid: dict[str, int], size: int, limit: float) -> None:
+    count, worst = sum(invalid.values()), max(invalid, key=invalid.get)
+    what = (
+        f"{count} invalid UTF-8 sequences in {len(invalid)} of the corpus's files "
+        f"({count / size:.2%} of {size} bytes; most in {worst}: {invalid[worst]})"
+    )
+    if count > limit * size:
+        raise DataError(
+            f"{what}: more than data.max_invalid_utf8={limit}; convert the files to UTF-8, "
+            "leave out the ones that are not text, or raise data.max_invalid_utf8 to train "
+            "on them with each replaced by U+FFFD"
+        )
+    line = f"{what}: each replaced by U+FFFD (data.max_invalid_utf8={limit})"
+    if line not in _SAID:  # the BPE and the token stream read the files twice
+        _SAID.add(line)
+        print(line, file=sys.stderr)
 
 
 def _cache_dir(config) -> str:
@@ -299,7 +431,7 @@ def _load_bpe(config) -> tok.BpeTokenizer:
             _damaged(path, e)
     _check_writable(cache)
     docs, total = [], 0
-    for d in _read_docs(files):
+    for d in _read_docs(files, config):
         if total >= BPE_TRAIN_MAX_CHARS:
             break
         docs.append(d)
@@ -331,7 +463,7 @@ def _encode_corpus(config, t: Tokenizer) -> np.ndarray:
             _damaged(path, e)
     _check_writable(cache)
     dtype = np.uint16 if t.vocab_size <= 2**16 else np.uint32
-    docs = _read_docs(files)
+    docs = _read_docs(files, config)
     if isinstance(t, tok.ByteTokenizer):
         # Bytes are their own ids: skip the Python lists.
         stream = np.frombuffer("".join(docs).encode("utf-8"), np.uint8).astype(dtype)

@@ -117,10 +117,6 @@ def to_canonical(tree, placement: Placement):
     return _map_layers(_canonical_leaf, tree, placement)
 
 
-def _jitted_leaves(leaf_fn, leaves, placement: Placement):
-    return [leaf_fn(w, placement) for w in leaves]
-
-
 def _resized(sharding, length: int):
     """A layer leaf's sharding at another length (padding added or dropped): split over
     `stage` in blocks where the length divides, else its layer axis whole on every stage
@@ -147,28 +143,27 @@ def canonical_abstract(tree, placement: Placement):
 
 
 def on_arrays(fn, tree, placement: Placement, donate: bool = False):
-    """`fn` (`to_canonical` or `to_stage_order`) on a tree of arrays, jitted, a layer
-    leaf keeping its sharding where its new length allows (`_resized`): for checkpoints,
-    not the step (the layers cross stages here). Only the layer leaves are copied; with
-    `donate`, their old buffers are given up."""
+    """`fn` (`to_canonical` or `to_stage_order`) on a tree of arrays, a leaf at a time,
+    jitted, a layer leaf keeping its sharding where its new length allows (`_resized`): for
+    checkpoints, not the step (the layers cross stages here). Only the layer leaves are
+    copied; with `donate`, each old one is deleted as soon as its copy is made, so at most
+    one leaf is held twice. (XLA's donation cannot serve: a stack padded or unpadded has
+    another shape, so the old buffers stayed alive, with a warning.)"""
     if placement.trivial:
         return tree
     leaf_fn = {to_canonical: _canonical_leaf, to_stage_order: _stage_leaf}[fn]
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    picked = [i for i, (path, _) in enumerate(flat) if in_layers(path)]
     leaves = [x for _, x in flat]
     length = (
         sum(placement.layers_per_chunk)
         if fn is to_canonical
         else placement.stages * placement.virtual * placement.depth
     )
-    jitted = jax.jit(
-        _jitted_leaves,
-        static_argnums=(0, 2),
-        out_shardings=[_resized(leaves[i].sharding, length) for i in picked],
-        donate_argnums=(1,) if donate else (),
-    )
-    moved = jitted(leaf_fn, [leaves[i] for i in picked], placement)
-    for i, w in zip(picked, moved, strict=True):
-        leaves[i] = w
+    for i, (path, old) in enumerate(flat):
+        if not in_layers(path):
+            continue
+        move = jax.jit(leaf_fn, static_argnums=1, out_shardings=_resized(old.sharding, length))
+        leaves[i] = move(old, placement)
+        if donate:
+            old.delete()
     return jax.tree_util.tree_unflatten(treedef, leaves)

@@ -6,6 +6,9 @@ orbax logs a few lines per save and restore at info level, and a failed save (a 
 used to bury the one line that matters under two thousand. Python's `logging` carries all
 of them (absl's logger included), so one capture on the root logger takes them all.
 
+Python's warnings (jax's) are captured the same way, one line each; jax's "donated buffers
+were not usable" goes to the file only.
+
 An exception that ends a background thread (tensorboardX's writer on a full disk), or one
 Python can only report as "Exception ignored" (orbax's asyncio callbacks on a closed event
 loop after a failed save), is logged the same way: an error line on the console and its
@@ -126,6 +129,9 @@ class Capture:
         absl.logging.set_verbosity(absl.logging.INFO)  # absl's logger filters on its own
         self._hooks = (threading.excepthook, sys.unraisablehook)
         threading.excepthook, sys.unraisablehook = _log_thread_exception, _log_unraisable
+        # Python's warnings too (jax's are three lines each): one line on the console.
+        logging.captureWarnings(True)
+        logging.getLogger("py.warnings").addFilter(_donation_as_info)
 
     def open(self, workdir: str | os.PathLike, process_index: int = 0) -> None:
         path = log_path(workdir, process_index)
@@ -143,6 +149,17 @@ class Capture:
         root.setLevel(level)
         self._absl.set_verbosity(verbosity)
         threading.excepthook, sys.unraisablehook = self._hooks
+        logging.captureWarnings(False)
+        logging.getLogger("py.warnings").removeFilter(_donation_as_info)
+
+
+def _donation_as_info(record: logging.LogRecord) -> bool:
+    """jax's "Some donated buffers were not usable", at info level: in the log file, off
+    the console. It says XLA could not reuse an argument's memory for an output (another
+    shape); the run is as right, and the one that did it (a restore) frees them itself."""
+    if "donated buffers were not usable" in record.getMessage():
+        record.levelno, record.levelname = logging.INFO, "INFO"
+    return True
 
 
 def _log_thread_exception(args) -> None:

@@ -33,12 +33,14 @@ from seqpipe import (
     model,
     optim,
     partition,
+    peers,
     pipeline,
     reference,
     remat,
     remat_auto,
     schedule,
     sharding,
+    signals,
 )
 from seqpipe import config as config_lib
 from seqpipe import spec as spec_lib
@@ -243,9 +245,14 @@ class StopRequest:
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        # Past the loop the start-up handlers are back: a signal ends the process at once.
+        signals.set_context("while finishing", self.kept)
 
     def _handle(self, signum, frame):
-        if signum == signal.SIGINT and self.signal_name == "SIGINT":
+        # Two Ctrl-Cs during one long call into C (the first compilation) reach Python as
+        # one call of this handler; the wakeup pipe counts each.
+        sigints = signals.count_sigints()
+        if signum == signal.SIGINT and (self.signal_name == "SIGINT" or sigints >= 2):
             # The second Ctrl-C: out now, in one line. An exception would unwind through
             # whatever runs (an orbax save, which logs it with a traceback); a save it cuts
             # is removed at the next start, and the kernel drops the workdir's lock.
@@ -315,6 +322,7 @@ class Trainer:
     def __init__(self, config: ConfigDict, workdir: str):
         self.config, self.workdir = config, workdir
         workdir_lib.check(workdir)  # a file, or read-only: refused before any work
+        peers.watch(checkpoint.directory(workdir))  # what a lost process's line names
         # Third-party logs: warnings on the console, all in the workdir's log once it is ours.
         self.logs = logs.Capture()
         try:
@@ -412,21 +420,16 @@ class Trainer:
             for step in range(self.start + 1, self.end + 1):
                 batch = data.to_global(next(self.batches)["tokens"], self.mesh, t.global_batch_size)
                 self.state, metrics = step_fn(self.state, batch)
-                evaluate = bool(self.eval_set) and (step % t.eval_every == 0 or step == self.end)
-                eval_losses = (
-                    [eval_fn(self.state["params"], b) for b in self.eval_set] if evaluate else None
-                )
                 if pending:
                     self._finished(pending[0], pending[1])
                     self._report(*pending)
-                pending = (step, metrics, eval_losses)
+                pending = (step, metrics, None)
                 stopping = stop.requested(step)
+                evaluate = bool(self.eval_set) and (step % t.eval_every == 0 or step == self.end)
                 every = config.checkpoint.every
-                if step == self.end or stopping or (every and step % every == 0):
-                    self._finished(step, metrics)
-                    self._report(*pending, force=True)
+                if step == self.end or stopping or evaluate or (every and step % every == 0):
                     pending = None
-                    self._save(step)
+                    self._checkpoint(step, metrics, eval_fn if evaluate else None)
                 if stopping:
                     self.log.print(
                         f"stopped by {stop.signal_name} at step {step}; checkpoint saved in "
@@ -434,6 +437,38 @@ class Trainer:
                     )
                     break
         return self.records
+
+    def _checkpoint(self, step: int, metrics: dict, eval_fn: Callable | None) -> None:
+        """Wait for `step`, save it, then evaluate it (with an `eval_fn`) and log it. Saved
+        before the evaluation: however that ends, the run has lost no step. Too many bad
+        steps in a row stop the run here, without saving."""
+        self._finished(step, metrics)
+        if self.bad.in_row >= self.config.train.max_bad_steps:
+            self._report(step, metrics, None, force=True)  # raises
+        self._save(step)
+        eval_losses = self._evaluate(eval_fn, step) if eval_fn else None
+        self._report(step, metrics, eval_losses, force=True)
+
+    def _evaluate(self, eval_fn: Callable, step: int) -> list | None:
+        """The eval losses of the current parameters, at most two batches in flight (as the
+        steps: dispatching a hundred at once stalled XLA's CPU collectives until it
+        aborted); None, with a line, if the backend fails: training goes on."""
+        losses = []
+        try:
+            for i, batch in enumerate(self.eval_set):
+                losses.append(eval_fn(self.state["params"], batch))
+                if i:
+                    jax.block_until_ready(losses[i - 1])
+            return jax.block_until_ready(losses)
+        except jax.errors.JaxRuntimeError as e:
+            reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            print(
+                f"warning: the evaluation at step {step} failed ({reason}); step {step} is "
+                f"saved in {checkpoint.directory(self.workdir)}, training goes on",
+                file=sys.stderr,
+                flush=True,
+            )
+            return None
 
     def _finished(self, step: int, metrics: dict) -> None:
         """Wait for `step` (dispatched before the one now running) and count a skip."""
@@ -522,6 +557,11 @@ class Trainer:
         """A failed checkpoint or metrics write stops training with one line saying why."""
         try:
             yield
+        except jax.errors.JaxRuntimeError as e:
+            if not peers.is_lost_peer(e):
+                raise
+            # Nothing is closed: a save or a shutdown would wait for the lost process.
+            peers.exit_at_once(peers.lost_message(str(e)))
         except checkpoint.SaveError as e:
             raise TrainingError(str(e)) from None
         except MetricsError as e:

@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 from test_train import PIPELINED, REPO, read_event_protos, subprocess_env, tiny_args, tiny_config
 
 from seqpipe import checkpoint, layout, optim, sharding, train
+from seqpipe import config as config_lib
 from seqpipe.config import ConfigError
 from seqpipe.data import DataError
 
@@ -91,6 +92,37 @@ def test_different_model_is_refused(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("\n") == 1 and "different model" in proc.stderr
     assert snapshot() == before
+
+
+def test_keys_that_hold_no_parameter_and_the_optimizer_may_change_on_resume_in_one_line(
+    tmp_path, capfd
+):
+    """model.attention, model.loss_chunk (how the step computes) and the optimizer's
+    settings go on changed; one line names each change."""
+    train.run(tiny_config(**{"train.stop_at": "1"}), str(tmp_path))
+    capfd.readouterr()
+    changed = {
+        "model.attention": "blockwise",
+        "model.loss_chunk": "32",
+        "train.learning_rate": "0.001",
+        "train.b1": "0.8",
+        "train.weight_decay": "0.05",
+    }
+    records = train.run(tiny_config(**changed, **{"train.stop_at": "2"}), str(tmp_path))
+    assert [r["step"] for r in records] == [2]
+    notes = [x for x in capfd.readouterr().err.splitlines() if x.startswith("note:")]
+    assert len(notes) == 1, notes
+    for part in (
+        "model.attention='auto' saved, 'blockwise' now",
+        "model.loss_chunk=8192 saved, 32 now",
+        "train.learning_rate=0.003 saved, 0.001 now",
+        "train.b1=0.9 saved, 0.8 now",
+        "train.weight_decay=0.1 saved, 0.05 now",
+    ):
+        assert part in notes[0], notes[0]
+    # Unchanged since: no line.
+    train.run(tiny_config(**changed, **{"train.stop_at": "3"}), str(tmp_path))
+    assert "note:" not in capfd.readouterr().err
 
 
 def _restore(workdir, config, data, stage):
@@ -275,3 +307,40 @@ def test_an_uneven_split_saves_canonically_and_resumes_under_any_split(tmp_path)
         np.testing.assert_allclose(
             [r[key] for r in resumed], [r[key] for r in straight[2:]], rtol=1e-5
         )
+
+
+def test_a_restored_uneven_split_holds_its_layers_once_and_warns_nothing(tmp_path):
+    """Six layers as 2, 2, 1, 1: the checkpoint's six canonical layers become the state's
+    4 x 2 in stage order. XLA cannot donate a stack to one of another shape: the old
+    buffers stayed alive while the restore lasted, with jax's three-line warning on the
+    console. Each is now deleted as soon as its copy is made."""
+    import gc
+    import warnings
+
+    six = {**PIPELINED, "model.num_layers": "6", "pipeline.layers_per_stage": "2,2,1,1"}
+    train.run(tiny_config(**six, **{"train.stop_at": "1"}), str(tmp_path))
+    config = config_lib.resolve(tiny_config(**six), 8)
+    mesh, tx = sharding.mesh_of(config), optim.make_optimizer(config.train)
+    manager = checkpoint.make_manager(tmp_path, config)
+    gc.collect()
+    before = sum(x.nbytes for x in jax.live_arrays())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step, state, _ = checkpoint.restore_latest(
+            manager, train.abstract_state(config, mesh, tx), config
+        )
+    manager.close()
+    assert step == 1
+    assert not [w for w in caught if "donated" in str(w.message)], caught
+    gc.collect()
+    assert sum(x.nbytes for x in jax.live_arrays()) - before == sum(
+        x.nbytes for x in jax.tree.leaves(state)
+    )
+    # The move itself: the canonical leaves given up are gone, the rest kept.
+    placement = layout.of_config(config)
+    canonical = layout.on_arrays(layout.to_canonical, state, placement)
+    flat = jax.tree_util.tree_leaves_with_path(canonical)
+    moved = layout.on_arrays(layout.to_stage_order, canonical, placement, donate=True)
+    for path, leaf in flat:
+        assert leaf.is_deleted() == sharding.in_layers(path), jax.tree_util.keystr(path)
+    chex.assert_trees_all_equal(moved, state)

@@ -35,7 +35,21 @@ def run(args, cwd):
         (["--config", "tiny", "--topology", "v5p-16"], "needs --compile_only"),
         (
             ["--config", "tiny", "--compile_only", "--topology", "v5p-8"],
-            "mesh.data * mesh.stage = 8 but 4 devices are visible",
+            "mesh.data * mesh.stage = 8 but --topology v5p-8: 4 chips (v5p:2x2x1, megacore) "
+            "has 4 chips;",
+        ),
+        (
+            [
+                "--config",
+                "tiny",
+                "--compile_only",
+                "--topology",
+                "h100-8",
+                "--config.mesh.data=3",
+                "--config.mesh.stage=-1",
+                "--config.train.global_batch_size=24",
+            ],
+            "mesh.data=3 does not divide the 8 GPUs of --topology h100-8: 8 GPUs (NVIDIA H100",
         ),
         (
             ["--config", "tiny", "--config.data.source=text", "--config.data.path=/no/such"],
@@ -338,3 +352,24 @@ def test_inflight_overrides_either_way_between_a_name_and_an_integer(
     config, _ = cli.load_or_exit(argv, "train.py")
     assert config.pipeline.inflight == expected
     assert type(config.pipeline.inflight) is type(expected)
+
+
+def test_a_lost_peer_line_names_the_process_and_the_newest_checkpoint(tmp_path):
+    """What a survivor says when a collective fails for a lost peer (the gloo error)."""
+    from seqpipe import checkpoint, peers
+
+    ckpt = checkpoint.directory(tmp_path)
+    (ckpt / "4").mkdir(parents=True)
+    (ckpt / "6.orbax-checkpoint-tmp-1").mkdir()  # a save cut short: not intact
+    peers._context.update(process=0, processes=2)
+    peers.watch(ckpt)
+    try:
+        error = RuntimeError("INTERNAL: Gloo ReduceScatter failed: Connection closed by peer")
+        assert peers.is_lost_peer(error)
+        assert not peers.is_lost_peer(RuntimeError("RESOURCE_EXHAUSTED: out of memory"))
+        line = peers.lost_message(str(error))
+        assert line.startswith("lost process 1 of the run (INTERNAL: Gloo ReduceScatter"), line
+        assert f"the newest intact checkpoint is step 4 in {ckpt}" in line
+        assert peers.lost_message("Task 3 heartbeat timeout").startswith("lost process 3 ")
+    finally:
+        peers._context.update(process=0, processes=1, checkpoints=None)

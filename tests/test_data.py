@@ -341,3 +341,122 @@ def test_bpe_on_the_whole_stdlib(tmp_path, vocab_size):
     train, held_out = data.load_tokens(config, "")
     assert train.size + held_out.size > 2_000_000
     assert tok.decode(train[:2000]).startswith(open(data._stdlib_files()[0]).read()[:500])
+
+
+# ---------------------------------------------------------------- special files and links
+
+
+def _within(fn, seconds=60):
+    """fn() in a thread that may block (a pipe opened for reading waits for a writer
+    forever; glob follows two links to their own directory 2^40 ways): its result, or
+    AssertionError after `seconds`."""
+    import threading
+
+    result = {}
+
+    def call():
+        try:
+            result["value"] = fn()
+        except Exception as e:
+            result["error"] = e
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still running after {seconds} s"
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+def _load_within(config, seconds=60):
+    return _within(lambda: data.load_tokens(config, ""), seconds)
+
+
+def _unblock(fifo):
+    """Give a reader stuck on `fifo` its end of file, so a failed test leaves no thread."""
+    try:
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:
+        pass  # no reader: nothing to unblock
+
+
+@pytest.mark.parametrize("spelling", ["dir", "glob"])
+def test_a_named_pipe_in_a_text_corpus_is_skipped_in_one_line_never_opened(
+    tmp_path, capsys, spelling
+):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("real text " * 50)
+    fifo = corpus / "pipe.txt"
+    os.mkfifo(fifo)
+    path = str(corpus) if spelling == "dir" else str(corpus / "*.txt")
+    try:
+        train, held_out = _load_within(make_config(tmp_path, path=path, tokenizer="byte"))
+    finally:
+        _unblock(fifo)
+    assert bytes(np.concatenate([train, held_out]).astype(np.uint8)).decode() == "real text " * 50
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "skipped 1 path(s) that are not regular files" in line, line
+    assert f"{fifo} is a named pipe" in line, line
+
+
+def test_a_named_pipe_or_device_as_data_path_is_refused_in_one_line(tmp_path):
+    fifo = tmp_path / "pipe.txt"
+    os.mkfifo(fifo)
+    try:
+        with pytest.raises(data.DataError, match="is a named pipe, not a regular file"):
+            _load_within(make_config(tmp_path, path=str(fifo), tokenizer="byte"))
+    finally:
+        _unblock(fifo)
+    with pytest.raises(data.DataError, match="is a character device, not a regular file"):
+        _load_within(make_config(tmp_path, path="/dev/zero", tokenizer="byte"))
+
+
+def test_a_symlink_loop_under_a_glob_reads_each_real_file_once(tmp_path):
+    corpus = tmp_path / "corpus"
+    (corpus / "sub").mkdir(parents=True)
+    (corpus / "a.txt").write_text("first " * 40)
+    (corpus / "sub" / "b.txt").write_text("second " * 40)
+    (corpus / "loop").symlink_to(".")  # DIR/loop -> DIR
+    (corpus / "back").symlink_to("../corpus")  # two loops at once: 2^40 paths to glob
+    (corpus / "sub" / "up").symlink_to("..")  # a loop one level down
+    (corpus / "same.txt").symlink_to("a.txt")  # a second name for a real file
+    tmp_path.joinpath("elsewhere").mkdir()
+    tmp_path.joinpath("elsewhere", "c.txt").write_text("third " * 40)
+    (corpus / "out").symlink_to(tmp_path / "elsewhere")  # a link that does not loop
+    for pattern in ("**", "**/*.txt"):
+        files = _within(lambda p=pattern: data._text_files(str(corpus / p)))
+        assert files == [
+            str(corpus / "a.txt"),
+            str(corpus / "out/c.txt"),
+            str(corpus / "sub/b.txt"),
+        ]
+    config = make_config(tmp_path, path=str(corpus / "**"), tokenizer="byte")
+    train, held_out = _load_within(config)
+    assert train.size + held_out.size == len("first " * 40 + "third " * 40 + "second " * 40)
+
+
+def test_invalid_utf8_is_counted_in_one_line_and_refused_past_the_threshold(tmp_path, capsys):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "good.txt").write_text("plain text " * 2000)  # 22,000 bytes
+    (corpus / "some.txt").write_bytes(b"caf\xe9 " * 4 + b"ok " * 100)  # 4 invalid bytes
+    config = make_config(tmp_path, path=str(corpus), tokenizer="byte")
+    train, held_out = data.load_tokens(config, "")
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("4 invalid UTF-8 sequences in 1 of the corpus's files"), line
+    assert f"most in {corpus / 'some.txt'}: 4" in line and "replaced by U+FFFD" in line
+    # Each becomes U+FFFD, three bytes: the stream says what was read.
+    assert train.size + held_out.size == 22000 + 4 * 7 + 300
+    # 30,000 Latin-1 bytes are not UTF-8 text: refused, and nothing cached.
+    (corpus / "latin1.txt").write_bytes("é".encode("latin-1") * 30000)
+    config = make_config(
+        tmp_path, path=str(corpus), tokenizer="byte", cache_dir=str(tmp_path / "c2")
+    )
+    with pytest.raises(data.DataError, match=r"30004 invalid UTF-8 .* data.max_invalid_utf8=0.001"):
+        data.load_tokens(config, "")
+    assert not list((tmp_path / "c2").glob("tokens-*"))
+    config.data.max_invalid_utf8 = 1.0  # taken as it is, when asked
+    train, held_out = data.load_tokens(config, "")
+    assert "30004 invalid UTF-8 sequences in 2 of the corpus's files" in capsys.readouterr().err

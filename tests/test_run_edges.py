@@ -2,6 +2,8 @@
 every line and not opened for nothing, another data source refused on resume, a second
 Ctrl-C in one line."""
 
+import json
+import math
 import signal
 import subprocess
 import sys
@@ -12,7 +14,8 @@ import pytest
 from hostile import run_train
 from test_train import REPO, read_events, subprocess_env, tiny_args, tiny_config
 
-from seqpipe import checkpoint, data, logs, metrics, train
+from seqpipe import checkpoint, data, logs, metrics, optim, sharding, train
+from seqpipe import config as config_lib
 from seqpipe.config import ConfigError
 
 
@@ -237,3 +240,198 @@ def test_background_errors_are_one_console_line_each_and_their_tracebacks_in_the
     text = (tmp_path / "train.log").read_text()
     assert "in writer" in text and "in callback" in text, text
     assert "RuntimeError: Event loop is closed" in text, text
+
+
+def test_python_warnings_are_one_line_and_a_donation_warning_goes_to_the_file_only(
+    tmp_path, capsys
+):
+    import warnings
+
+    capture = logs.Capture()
+    try:
+        capture.open(tmp_path)
+        warnings.warn("Some donated buffers were not usable: float32[6,16].\nSee ...", stacklevel=1)
+        warnings.warn("a warning of another kind\nwith a second line", stacklevel=1)
+    finally:
+        capture.close()
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("WARNING:py.warnings:") and "a warning of another kind" in line
+    assert line.endswith(f"(the rest in {tmp_path / 'train.log'})"), line
+    text = (tmp_path / "train.log").read_text()
+    assert "INFO py.warnings" in text and "donated buffers were not usable" in text, text
+
+
+# ---------------------------------------------------------------- evaluation
+
+
+@pytest.mark.parametrize("layout", ["8x1", "2x4 pipelined"])
+def test_an_evaluation_of_a_hundred_batches_finishes(tmp_path, layout):
+    """train.eval_batches=100 on 8 fake CPU devices: every batch was dispatched at once,
+    and XLA's CPU collectives stalled until it aborted the process (SIGABRT, exit 134,
+    the steps since the last checkpoint lost). At most two are in flight now."""
+    from test_train import PIPELINED
+
+    overrides = {
+        "train.steps": "2",
+        "train.eval_every": "2",
+        "train.eval_batches": "100",
+        "checkpoint.every": "0",
+        **(PIPELINED if layout != "8x1" else {}),
+    }
+    proc = run_train(tmp_path, timeout=600, **overrides)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not proc.stderr.strip(), proc.stderr[-3000:]
+    last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["step"] == 2 and math.isfinite(last["eval_loss"])
+    # The mean over the 100 batches, as one would compute it by hand.
+    config = tiny_config(**overrides)
+    config = config_lib.resolve(config, 8)
+    mesh = sharding.mesh_of(config)
+    _, held_out, _ = data.read_corpus(config)
+    batches = data.eval_batches(config, held_out, 100, slice(None))
+    state = _restore_params(tmp_path, config, mesh)
+    eval_fn = train.make_eval_fn(config, mesh)
+    losses = [float(eval_fn(state, data.to_global(b, mesh, 8))) for b in batches]
+    assert last["eval_loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-5)
+
+
+def _restore_params(workdir, config, mesh):
+    tx = optim.make_optimizer(config.train)
+    manager = checkpoint.make_manager(workdir, config)
+    try:
+        step, state, _ = checkpoint.restore_latest(
+            manager, train.abstract_state(config, mesh, tx), config
+        )
+    finally:
+        manager.close()
+    assert step == 2  # saved before the evaluation, though checkpoint.every=0 saves at the end
+    return state["params"]
+
+
+@pytest.mark.slow
+def test_a_run_killed_during_its_evaluation_loses_no_step(tmp_path):
+    """Each evaluation comes after a save of its step: killed -9 in the middle of a long
+    one (its step saved, its record not yet written), the run resumes from that step."""
+    overrides = {
+        "train.steps": "4",
+        "train.eval_every": "2",
+        "train.eval_batches": "3000",
+        "checkpoint.every": "0",
+    }
+    cmd = [sys.executable, "train.py", "--workdir", str(tmp_path), *tiny_args(**overrides)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=subprocess_env(), stderr=subprocess.PIPE)
+    saved = checkpoint.directory(tmp_path) / "2"
+    try:
+        deadline = time.time() + 300
+        while not saved.is_dir() and time.time() < deadline:  # renamed in whole
+            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+            time.sleep(0.05)
+        time.sleep(1)  # well into the 3000 batches
+        assert proc.poll() is None, "the evaluation ended before the kill"
+        logged = (tmp_path / "metrics.jsonl").read_text().splitlines()
+        assert [json.loads(x)["step"] for x in logged] == [1]  # step 2 is being evaluated
+    finally:
+        proc.kill()
+        proc.wait()
+    proc = run_train(tmp_path, **{**overrides, "train.eval_batches": "2"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resumed from {checkpoint.directory(tmp_path)}/2" in proc.stdout
+
+
+# ---------------------------------------------------------------- signals at start-up
+
+
+def _handles_sigterm(pid: int) -> bool:
+    """Whether the process catches SIGTERM (train.py's first line makes it so)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            caught = next(x for x in f if x.startswith("SigCgt:")).split()[1]
+    except (OSError, StopIteration):
+        return False
+    return bool(int(caught, 16) & (1 << (signal.SIGTERM - 1)))
+
+
+def _signal_at(workdir, delay: float, sigs: list, after_line: str | None = None, gap=0.07):
+    """train.py (pipelined, endless, no compilation cache: the first compile takes
+    seconds), sent `sigs` `gap` s apart, `delay` s after its handlers are in (or after
+    it prints a line starting with `after_line`): (exit code, stdout, stderr)."""
+    from test_train import PIPELINED
+
+    env = {**subprocess_env(), "JAX_COMPILATION_CACHE_DIR": str(workdir) + ".jax-cache"}
+    overrides = {"train.steps": "100000", "checkpoint.every": "1000", **PIPELINED}
+    overrides["data.cache_dir"] = str(workdir) + ".cache"
+    cmd = [sys.executable, "train.py", "--workdir", str(workdir), *tiny_args(**overrides)]
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.time() + 2  # a fixed moment where no handler is put in
+        while not _handles_sigterm(proc.pid) and time.time() < deadline:
+            time.sleep(0.005)
+        if after_line is not None:
+            first = proc.stdout.readline()
+            assert first.startswith(after_line), first + proc.stderr.read()[-3000:]
+        time.sleep(delay)
+        for sig in sigs:
+            proc.send_signal(sig)
+            time.sleep(gap)
+        out, err = proc.communicate(timeout=120)  # an endless run that trains on: fails
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return proc.returncode, out, err
+
+
+def _stopped_at_once(workdir, code, out, err, signum) -> None:
+    """One line, the documented exit code, nothing half-written, no step trained."""
+    name = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}[signum]
+    assert code == {signal.SIGINT: 130, signal.SIGTERM: 143}[signum], (code, err[-3000:])
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"error: stopped by {name} "), line
+    assert not out.strip() or out.startswith("attention: "), out
+    litter = [
+        p
+        for p in (list(workdir.parent.glob(workdir.name + ".cache/*")) + list(workdir.rglob("*")))
+        if p.name.endswith(".tmp") or "tmp" in p.name
+    ]
+    assert not litter, litter
+    assert not checkpoint.complete_steps(checkpoint.directory(workdir))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_during_the_imports_is_one_line(tmp_path, signum):
+    """SIGINT while jax imports was a 30-line KeyboardInterrupt traceback (twice), SIGTERM
+    the C++ crash handler's stack dump."""
+    code, out, err = _signal_at(tmp_path / "w", 0.0, [signum])
+    _stopped_at_once(tmp_path / "w", code, out, err, signum)
+
+
+def test_two_ctrl_cs_during_the_first_compile_abort_at_once(tmp_path):
+    """Both come while the main thread compiles the first step (in C): Python ran the
+    handler once, the two counted as one, and the run trained, saved and exited 0."""
+    code, out, err = _signal_at(
+        tmp_path / "w", 0.3, [signal.SIGINT, signal.SIGINT], after_line="attention: "
+    )
+    assert code == 130, (code, out[-2000:], err[-3000:])
+    (line,) = err.strip().splitlines()
+    assert line.startswith("error: stopped by a second Ctrl-C, without saving"), line
+    assert not checkpoint.complete_steps(checkpoint.directory(tmp_path / "w"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("delay", [0.0, 0.1, 1.0, 2.5, 5.0, 8.0])
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_at_any_moment_of_the_start_up_is_one_line(tmp_path, signum, delay):
+    """Imports, the data, the workdir's lock and restore, the first compile: one line, the
+    exit code, nothing half-written; a Ctrl-C once the loop runs stops it at the step in
+    flight, saved (exit 0), and no later one."""
+    workdir = tmp_path / "w"
+    code, out, err = _signal_at(workdir, delay, [signum])
+    if code == 0:  # the loop had it: the step in flight finished and saved, no later one
+        name = signal.Signals(signum).name
+        assert out.strip().splitlines()[-1].startswith(f"stopped by {name} at step 1;"), out
+        assert checkpoint.complete_steps(checkpoint.directory(workdir)) == [1]
+        assert not err.strip(), err
+    else:
+        _stopped_at_once(workdir, code, out, err, signum)

@@ -760,3 +760,54 @@ def test_zero_bubble_shrinks_the_bubble_at_the_same_memory(plain, split, S, M, K
         assert b["activation_fraction"][0] == a["activation_fraction"][0]
         assert max(b["activation_fraction"]) <= a["activation_fraction"][0]
         assert b["bubble"] < (0.5 if depth == "full" else 0.8) * a["bubble"]
+
+
+ONE_F1B = ["--schedule", "1f1b", "--stages", "2", "--microbatches", "3", "--format", "json"]
+
+
+def test_cli_out_writes_a_device_in_place_and_a_full_one_is_one_line(tmp_path):
+    """--out to a link to /dev/full (as a copy of it made by mknod would be) is written
+    in place: one "no space" line, and the link is still there; /dev/null takes it all."""
+    full, null = tmp_path / "full", tmp_path / "null"
+    full.symlink_to("/dev/full")
+    null.symlink_to("/dev/null")
+    res = cli(*ONE_F1B, "--out", str(full))
+    assert res.returncode == 2, res.stderr
+    (line,) = res.stderr.strip().splitlines()
+    assert line.startswith("error: ") and "No space left on device" in line, line
+    res = cli(*ONE_F1B, "--out", str(null))
+    assert res.returncode == 0, res.stderr
+    assert full.is_symlink() and null.is_symlink() and os.readlink(null) == "/dev/null"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["full", "null"]  # no temporary
+
+
+def test_cli_out_to_a_named_pipe_reaches_its_reader(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    reader = subprocess.Popen(["cat", str(fifo)], stdout=subprocess.PIPE)
+    try:
+        res = cli(*ONE_F1B, "--out", str(fifo))
+        read, _ = reader.communicate(timeout=60)
+    finally:
+        if reader.poll() is None:
+            reader.kill()
+            reader.wait()
+    assert res.returncode == 0, res.stderr
+    assert json.loads(read)["stages"] == 2
+    assert stat_kind(fifo) == "fifo" and not res.stdout
+
+
+def test_cli_out_through_a_link_to_stdout_writes_stdout(tmp_path):
+    link = tmp_path / "stdout"
+    link.symlink_to("/proc/self/fd/1")  # what /dev/stdout is
+    res = cli(*ONE_F1B, "--out", str(link))
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["stages"] == 2
+    assert link.is_symlink() and os.readlink(link) == "/proc/self/fd/1"
+
+
+def stat_kind(path) -> str:
+    import stat
+
+    mode = os.lstat(path).st_mode
+    return "fifo" if stat.S_ISFIFO(mode) else "regular" if stat.S_ISREG(mode) else "other"

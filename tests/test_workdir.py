@@ -86,3 +86,39 @@ def test_a_read_only_workdir_is_refused_also_to_resume(tmp_path):
             "writable or choose another --workdir"
         )
         assert snapshot(root) == before
+
+
+def test_every_atomic_write_keeps_a_special_target_and_writes_it_in_place(tmp_path):
+    """files.atomic_write, which every file the trainer writes goes through (cache
+    entries, tokenizer.json, metrics.jsonl): a regular file is replaced whole, a named
+    pipe or a link to a device is written in place and stays what it was."""
+    import stat
+    import threading
+
+    from seqpipe import files
+
+    regular = tmp_path / "regular"
+    regular.write_bytes(b"old")
+    files.atomic_write_bytes(regular, b"new")
+    assert regular.read_bytes() == b"new"
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    files.atomic_write_bytes(fifo, b"through the pipe")
+    reader.join(30)
+    assert got == [b"through the pipe"] and stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    null = tmp_path / "null"
+    null.symlink_to("/dev/null")
+    files.atomic_write_bytes(null, b"gone")
+    assert os.readlink(null) == "/dev/null"
+    full = tmp_path / "full"
+    full.symlink_to("/dev/full")
+    try:
+        files.atomic_write_bytes(full, b"x" * 10000)
+        raise AssertionError("a full device took the write")
+    except OSError as e:
+        assert e.errno == 28  # ENOSPC, for the caller's one line
+    assert os.readlink(full) == "/dev/full"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "full", "null", "regular"]
