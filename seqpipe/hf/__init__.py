@@ -14,7 +14,6 @@ import json
 import math
 import os
 import shutil
-import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -337,9 +336,3 @@ def write_new(path: str, fill: Callable[[Path], None]) -> None:
         os.replace(scratch, target)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-
-
-if __name__ == "__main__":
-    from seqpipe.tools.hf_export import main
-
-    sys.exit(main(sys.argv[1:]))

@@ -1,4 +1,4 @@
-"""A run's checkpoint as a HuggingFace model directory.
+"""`python -m seqpipe.hf export`: a run's checkpoint as a HuggingFace model directory.
 
     python -m seqpipe.hf export --workdir W [--step N] [--dtype bfloat16] --out DIR
 
@@ -11,6 +11,7 @@ loads it. DIR appears only once complete; bad input is one line, exit 2, nothing
 import argparse
 import json
 import shutil
+import sys
 from pathlib import Path
 
 from seqpipe import cli
@@ -110,3 +111,7 @@ def main(argv: list[str]) -> int:
     print(f"exported {step_dir} to {args.out}: {', '.join(files)}")
     print(json.dumps({"out": args.out, "files": files}))
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
