@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from seqpipe import attention, blockwise, gpu_attention, kv_cache, splash
+from seqpipe import attention, blockwise, compat, gpu_attention, kv_cache, splash
 from seqpipe import config as config_lib
 from seqpipe.attention import segment_attention
 
@@ -278,8 +278,11 @@ def test_pallas_gpu_lowers_to_verified_triton_modules(monkeypatch):
     monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", lower_and_verify)
     shape = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.bfloat16)
     q, prefix = shape((2, 100, 4, 128)), shape((2, 300, 4, 128))
-    traced = _out_and_grads(gpu_attention.pallas_gpu_attention).trace(q, prefix, prefix, q, q, q)
-    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    with compat.gpu_target("NVIDIA H200"):
+        traced = _out_and_grads(gpu_attention.pallas_gpu_attention).trace(
+            q, prefix, prefix, q, q, q
+        )
+        text = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert verified == [True] * 4
     assert text.count("__gpu$xla.gpu.triton") == 4
 
@@ -297,8 +300,9 @@ def test_pallas_gpu_lowers_to_verified_triton_modules(monkeypatch):
         out, vjp = jax.vjp(fn, q, sink, sink, ks, vs)
         return (out, *vjp(g))
 
-    traced = jax.jit(cached).trace(words, words, index, index, q, q, q, q)
-    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    with compat.gpu_target("NVIDIA H200"):
+        traced = jax.jit(cached).trace(words, words, index, index, q, q, q, q)
+        text = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert verified == [True] * 8
     assert text.count("__gpu$xla.gpu.triton") == 4
 
