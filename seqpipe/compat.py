@@ -16,3 +16,13 @@ def gpu_target(device_kind: str = "NVIDIA H200"):
     device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=None, platform="gpu")
     mesh = jax.sharding.AbstractMesh((1,), ("gpu",), abstract_device=device)
     return jax.sharding.use_abstract_mesh(mesh)
+
+
+def scan_carry(eqn) -> list:
+    """The carry operands of a `scan` equation in a jaxpr: jax 0.12 describes a scan's
+    operands with a flat tree `ft_in` (consts, carry, xs), 0.10.2 with counts."""
+    if "ft_in" in eqn.params:
+        _, carry, _ = eqn.params["ft_in"].update(eqn.invars).unpack()
+        return list(carry)
+    start = eqn.params["num_consts"]
+    return list(eqn.invars[start : start + eqn.params["num_carry"]])

@@ -37,7 +37,7 @@ import math
 import re
 import sys
 
-from seqpipe import hlo
+from seqpipe import compat, hlo
 
 # Nothing imports jax at module level, so `main` can still set the fake CPU device count.
 
@@ -153,8 +153,7 @@ def carry_avals(config) -> list:
         jaxpr = todo.pop(0)
         for eqn in jaxpr.eqns:
             if eqn.primitive.name == "scan":
-                start = eqn.params["num_consts"]
-                return [v.aval for v in eqn.invars[start : start + eqn.params["num_carry"]]]
+                return [v.aval for v in compat.scan_carry(eqn)]
             for value in eqn.params.values():
                 for sub in value if isinstance(value, (tuple, list)) else (value,):
                     inner = getattr(sub, "jaxpr", sub)
