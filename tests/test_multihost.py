@@ -263,7 +263,7 @@ def test_a_checkpoint_one_process_cannot_read_is_set_aside_by_both(trained_two_p
 def test_a_lost_peer_ends_the_survivor_within_a_minute(tmp_path):
     """kill -9 of process 1 once a checkpoint is saved: process 0 waited 60-87 s in a
     collective and ended in a traceback and SIGABRT. JAX's heartbeat timeout
-    (`peers.HEARTBEAT_S`) now ends it within seconds; the checkpoint it saved is whole.
+    (`peers.HEARTBEAT_S`) now ends it within a minute; the checkpoint it saved is whole.
     (Its last line is still JAX's C++ fatal error: jaxlib 0.10 gives Python no hook.)"""
     workdir = tmp_path / "w"
     overrides = {**ONE_BY_EIGHT, "train.steps": "100000", "checkpoint.every": "2"}
@@ -276,7 +276,7 @@ def test_a_lost_peer_ends_the_survivor_within_a_minute(tmp_path):
         procs[1].kill()
         killed = time.time()
         procs[0].communicate(timeout=120)
-        assert time.time() - killed < 45, time.time() - killed
+        assert time.time() - killed < 60, time.time() - killed
         assert procs[0].returncode != 0
     finally:
         for p in procs:

@@ -589,7 +589,7 @@ def _header(config, batch: int, seq: int) -> dict:
     """The result's description of the run, before any row."""
     return {
         "command": "python -m seqpipe.bench " + " ".join(sys.argv[1:]),
-        "model": dict(config.model),
+        "model": config.model.to_dict(),
         "mesh": f"{config.mesh.data}x{config.mesh.stage}",
         "microbatches": config.pipeline.microbatches,
         "global_batch_size": batch,
