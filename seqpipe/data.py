@@ -346,14 +346,18 @@ def load_tokenizer(config) -> Tokenizer:
 def _load_named(kind: str) -> tok.BpeTokenizer:
     """data.tokenizer=hf:DIR (DIR/tokenizer.json) or a path to a tokenizer.json."""
     path = os.path.join(kind[3:], "tokenizer.json") if kind.startswith("hf:") else kind
+    return _bpe_file(path, f"data.tokenizer={kind}: {path}")
+
+
+def _bpe_file(path: str, setting: str, fix: str = "") -> tok.BpeTokenizer:
+    """The BPE in the tokenizer.json at `path`; a DataError naming `setting` (and saying
+    `fix`) if it is missing or unreadable."""
     if not os.path.isfile(path):
-        raise DataError(f"data.tokenizer={kind}: {path} does not exist; give a tokenizer.json")
+        raise DataError(f"{setting} does not exist; give a tokenizer.json")
     try:
         return tok.BpeTokenizer.from_file(path)
     except Exception as e:  # HF raises a bare Exception for a file it cannot parse
-        raise DataError(
-            f"data.tokenizer={kind}: {path} is not a tokenizers JSON file ({e})"
-        ) from None
+        raise DataError(f"{setting} is not a tokenizers JSON file ({e}){fix}") from None
 
 
 def save_tokenizer(t: Tokenizer, workdir: str) -> None:
@@ -403,15 +407,8 @@ def check_resume_tokenizer(t: Tokenizer, workdir: str, config) -> None:
 def _load_bpe(config) -> tok.BpeTokenizer:
     path = config.data.get("tokenizer_path")
     if path:
-        if not os.path.isfile(path):
-            raise DataError(f"data.tokenizer_path={path!r} does not exist; give a tokenizer.json")
-        try:
-            return tok.BpeTokenizer.from_file(path)
-        except Exception as e:  # HF raises a bare Exception for a file it cannot parse
-            raise DataError(
-                f"data.tokenizer_path={path!r} is not a tokenizers JSON file ({e}); give the "
-                "tokenizer.json the data was made with"
-            ) from None
+        fix = "; give the tokenizer.json the data was made with"
+        return _bpe_file(path, f"data.tokenizer_path={path!r}", fix)
     if config.data.source == "tokens":
         raise DataError(
             "data.source=tokens has no text to train a BPE on; "
