@@ -260,11 +260,8 @@ def test_bfloat16_cache_words_give_pallas_gpu_bit_for_bit():
     assert not np.asarray(got[2][:, 6:], np.float32).any()
 
 
-def test_pallas_gpu_lowers_to_verified_triton_modules(monkeypatch):
-    """Compiled for a GPU (not interpreted), at gpt_1b's head width in bfloat16, the prefix
-    as arrays and in a K/V cache: JAX lowers the four kernels (forward, prefix dK/dV, own
-    dK/dV, dq) to Triton modules that pass MLIR's verifier. This needs no GPU; compiling
-    them to PTX and running them does."""
+def _verify_triton_lowerings(monkeypatch) -> list:
+    """The MLIR verifier's verdict on each Triton module JAX lowers from here on."""
     from jax._src.pallas.triton import lowering
 
     verified = []
@@ -276,6 +273,32 @@ def test_pallas_gpu_lowers_to_verified_triton_modules(monkeypatch):
         return result
 
     monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", lower_and_verify)
+    return verified
+
+
+def _cached_out_and_grads(sink_shape: tuple):
+    """pallas_gpu reading a 300-position prefix from the K/V cache words (slot and layer
+    traced): its output and the cotangents of q, the zero sinks and the segment's K/V."""
+
+    def cached(words_k, words_v, slot, layer, q, ks, vs, g):
+        cache = kv_cache.Prefix(words_k, words_v, slot, layer)
+        sink = jnp.zeros(sink_shape, jnp.bfloat16)
+
+        def fn(q, sk, sv, ks, vs):
+            return gpu_attention.cached_attention(q, cache, sk, sv, ks, vs, 300)
+
+        out, vjp = jax.vjp(fn, q, sink, sink, ks, vs)
+        return (out, *vjp(g))
+
+    return cached
+
+
+def test_pallas_gpu_lowers_to_verified_triton_modules(monkeypatch):
+    """Compiled for a GPU (not interpreted), at gpt_1b's head width in bfloat16, the prefix
+    as arrays and in a K/V cache: JAX lowers the four kernels (forward, prefix dK/dV, own
+    dK/dV, dq) to Triton modules that pass MLIR's verifier. This needs no GPU; compiling
+    them to PTX and running them does."""
+    verified = _verify_triton_lowerings(monkeypatch)
     shape = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.bfloat16)
     q, prefix = shape((2, 100, 4, 128)), shape((2, 300, 4, 128))
     with compat.gpu_target("NVIDIA H200"):
@@ -290,16 +313,7 @@ def test_pallas_gpu_lowers_to_verified_triton_modules(monkeypatch):
     words = jax.ShapeDtypeStruct((2, 3, 2, 400, 4, 128), jnp.uint16)
     index = jax.ShapeDtypeStruct((), jnp.int32)
 
-    def cached(words_k, words_v, slot, layer, q, ks, vs, g):
-        cache = kv_cache.Prefix(words_k, words_v, slot, layer)
-        sink = jnp.zeros((2, 350, 4, 128), jnp.bfloat16)
-
-        def fn(q, sk, sv, ks, vs):
-            return gpu_attention.cached_attention(q, cache, sk, sv, ks, vs, 300)
-
-        out, vjp = jax.vjp(fn, q, sink, sink, ks, vs)
-        return (out, *vjp(g))
-
+    cached = _cached_out_and_grads((2, 350, 4, 128))
     with compat.gpu_target("NVIDIA H200"):
         traced = jax.jit(cached).trace(words, words, index, index, q, q, q, q)
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
@@ -311,34 +325,16 @@ def test_grouped_pallas_gpu_lowers_to_verified_triton_modules(monkeypatch):
     """Llama 3.1 8B's grouping (4 query heads per K/V head), bf16, E = 128, the prefix in a
     K/V cache: the K/V index maps (h // 4) and the cache reads lower to Triton modules that
     pass MLIR's verifier."""
-    from jax._src.pallas.triton import lowering
-
-    verified = []
-    lower = lowering.lower_jaxpr_to_triton_module
-
-    def lower_and_verify(*args, **kwargs):
-        result = lower(*args, **kwargs)
-        verified.append(result.module.operation.verify())
-        return result
-
-    monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", lower_and_verify)
+    verified = _verify_triton_lowerings(monkeypatch)
     q = jax.ShapeDtypeStruct((1, 100, 8, 128), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 100, 2, 128), jnp.bfloat16)
     words = jax.ShapeDtypeStruct((2, 3, 1, 400, 2, 128), jnp.uint16)
     index = jax.ShapeDtypeStruct((), jnp.int32)
 
-    def cached(words_k, words_v, slot, layer, q, ks, vs, g):
-        cache = kv_cache.Prefix(words_k, words_v, slot, layer)
-        sink = jnp.zeros((1, 350, 2, 128), jnp.bfloat16)
-
-        def fn(q, sk, sv, ks, vs):
-            return gpu_attention.cached_attention(q, cache, sk, sv, ks, vs, 300)
-
-        out, vjp = jax.vjp(fn, q, sink, sink, ks, vs)
-        return (out, *vjp(g))
-
-    traced = jax.jit(cached).trace(words, words, index, index, q, kv, kv, q)
-    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    cached = _cached_out_and_grads((1, 350, 2, 128))
+    with compat.gpu_target("NVIDIA H200"):
+        traced = jax.jit(cached).trace(words, words, index, index, q, kv, kv, q)
+        text = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert verified == [True] * 4
     assert text.count("__gpu$xla.gpu.triton") == 4
 
