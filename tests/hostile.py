@@ -4,21 +4,10 @@ real files damaged on disk, read-only and full file systems."""
 import contextlib
 import os
 import subprocess
-import sys
 from pathlib import Path
-
-from test_train import REPO, subprocess_env, tiny_args
 
 # Steps 1-2, a checkpoint after each: a run that leaves something to resume or damage.
 SHORT = {"train.steps": "4", "train.stop_at": "2", "checkpoint.every": "1", "checkpoint.keep": "0"}
-
-
-def run_train(workdir, *extra: str, timeout: int = 300, **overrides) -> subprocess.CompletedProcess:
-    """train.py in a subprocess on the tiny model, as a user runs it."""
-    cmd = [sys.executable, "train.py", "--workdir", str(workdir), *tiny_args(**overrides), *extra]
-    return subprocess.run(
-        cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=timeout
-    )
 
 
 def one_line_error(proc: subprocess.CompletedProcess, code: int = 2) -> str:

@@ -1,16 +1,19 @@
 """Checkpoints: exact resume, every/keep, a different mesh, incomplete and foreign checkpoints."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import chex
 import jax
 import numpy as np
 import pytest
+from helpers import (
+    PIPELINED,
+    read_event_protos,
+    run_train,
+    tiny_config,
+)
 from jax.sharding import PartitionSpec as P
-from test_train import PIPELINED, REPO, read_event_protos, subprocess_env, tiny_args, tiny_config
 
 from seqpipe import checkpoint, layout, optim, sharding, train
 from seqpipe import config as config_lib
@@ -80,15 +83,7 @@ def test_different_model_is_refused(tmp_path):
         return [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
 
     before = snapshot()
-    proc = subprocess.run(
-        [sys.executable, "train.py", "--workdir", str(tmp_path)]
-        + tiny_args(**{"model.d_model": "64"}),
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        env=subprocess_env(),
-        timeout=300,
-    )
+    proc = run_train(tmp_path, **{"model.d_model": "64"})
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("\n") == 1 and "different model" in proc.stderr
     assert snapshot() == before

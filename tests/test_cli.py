@@ -266,7 +266,7 @@ def broken_data(tmp_path_factory):
 
 
 def _invalid_argv(name: str, data_dir, workdir) -> tuple[list[str], str]:
-    from test_train import tiny_args
+    from helpers import tiny_args
 
     overrides, expected = (x.replace("{tmp}", str(data_dir)) for x in INVALID[name])
     pairs = dict(kv.split("=", 1) for kv in overrides.split())
@@ -302,7 +302,7 @@ def test_every_invalid_input_is_refused_in_process(name, broken_data, tmp_path, 
     [n if n in BY_PROCESS else pytest.param(n, marks=pytest.mark.slow) for n in sorted(INVALID)],
 )
 def test_every_invalid_input_is_refused_by_train_py(name, broken_data, tmp_path):
-    from test_train import subprocess_env
+    from helpers import subprocess_env
 
     argv, expected = _invalid_argv(name, broken_data, tmp_path / "run")
     # 8 CPU devices whatever the mesh, as on a machine with 8 accelerators.

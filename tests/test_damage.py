@@ -7,8 +7,8 @@ import subprocess
 import sys
 
 import pytest
-from hostile import SHORT, one_line_error, run_train
-from test_train import REPO, tiny_config
+from helpers import REPO, run_train, tiny_config
+from hostile import SHORT, one_line_error
 
 from seqpipe import checkpoint, train
 

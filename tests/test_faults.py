@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from test_train import REPO, read_events, subprocess_env, tiny_args, tiny_config
+from helpers import REPO, read_events, run_train, subprocess_env, tiny_args, tiny_config
 
 from seqpipe import checkpoint, optim, sharding, train
 
@@ -77,14 +77,7 @@ def test_nan_steps_are_skipped_counted_and_stop_the_run(tmp_path):
 
     # The real command line, checkpoints every 4 steps: 6, 7, 8 in a row stop it at 8.
     workdir = tmp_path / "cli"
-    proc = subprocess.run(
-        [sys.executable, "train.py", "--workdir", str(workdir)] + tiny_args(**NAN),
-        cwd=REPO,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_train(workdir, **NAN)
     assert proc.returncode == 1, proc.stderr
     assert "Traceback" not in proc.stderr
     (line,) = proc.stderr.strip().splitlines()
@@ -133,9 +126,7 @@ def test_sigkill_during_a_checkpoint_save_resumes_from_the_previous_one(tmp_path
     (partial,) = partial
     complete = checkpoint.complete_steps(ckpt)[-1]
     assert int(partial.split(".")[0]) == complete + 1  # killed while saving the next step
-    proc = subprocess.run(
-        cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300
-    )
+    proc = run_train(workdir, **overrides)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(f"resumed from {ckpt}/{complete}\n"), proc.stdout
     assert checkpoint.complete_steps(ckpt) == [10, 11, 12]  # keep=3; the partial one is gone
@@ -186,10 +177,7 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint(small_disk, leave
     train.run(tiny_config(**overrides, **{"train.stop_at": "4"}), str(workdir))
     before = _restore_step(workdir, config, 4)
     _fill(small_disk, leave)
-    cmd = [sys.executable, "train.py", "--workdir", str(workdir)] + tiny_args(**overrides)
-    proc = subprocess.run(
-        cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300
-    )
+    proc = run_train(workdir, **overrides)
     assert proc.returncode == 1
     # orbax logs its writers' errors itself; the last line is ours.
     last = proc.stderr.strip().splitlines()[-1]
@@ -211,9 +199,7 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint(small_disk, leave
     assert _same(_restore_step(workdir, config, 4), before)
     # With space again, the same command resumes from step 4 and finishes.
     os.remove(small_disk / "filler")
-    proc = subprocess.run(
-        cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300
-    )
+    proc = run_train(workdir, **overrides)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(f"resumed from {ckpt}/4\n")
     assert checkpoint.complete_steps(ckpt) == [4, 8]
@@ -227,10 +213,7 @@ def test_metrics_write_failure_stops_cleanly_and_resumes(tmp_path):
     train.run(tiny_config(**overrides, **{"train.stop_at": "2"}), str(workdir))
     (workdir / "metrics.jsonl").unlink()
     (workdir / "metrics.jsonl").symlink_to("/dev/full")
-    cmd = [sys.executable, "train.py", "--workdir", str(workdir)] + tiny_args(**overrides)
-    proc = subprocess.run(
-        cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300
-    )
+    proc = run_train(workdir, **overrides)
     assert proc.returncode == 1, proc.stderr
     ckpt = checkpoint.directory(workdir)
     assert proc.stderr == (

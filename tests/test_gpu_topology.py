@@ -67,7 +67,7 @@ def test_target_config_describes_the_gpu_xla_compiles_for():
 
 
 def _compile_only(tmp_path, overrides: dict, name: str, env_extra=None):
-    from test_train import tiny_args
+    from helpers import tiny_args
 
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(env_extra or {})

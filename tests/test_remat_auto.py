@@ -2,7 +2,7 @@
 
 import jax
 import pytest
-from test_train import PIPELINED, tiny_config
+from helpers import PIPELINED, tiny_config
 
 from seqpipe import config as config_lib
 from seqpipe import gpu_topology, remat_auto, spec, train

@@ -11,8 +11,7 @@ import time
 
 import orbax.checkpoint as ocp
 import pytest
-from hostile import run_train
-from test_train import REPO, read_events, subprocess_env, tiny_args, tiny_config
+from helpers import REPO, read_events, run_train, subprocess_env, tiny_args, tiny_config
 
 from seqpipe import checkpoint, data, logs, metrics, optim, sharding, train
 from seqpipe import config as config_lib
@@ -269,7 +268,7 @@ def test_an_evaluation_of_a_hundred_batches_finishes(tmp_path, layout):
     """train.eval_batches=100 on 8 fake CPU devices: every batch was dispatched at once,
     and XLA's CPU collectives stalled until it aborted the process (SIGABRT, exit 134,
     the steps since the last checkpoint lost). At most two are in flight now."""
-    from test_train import PIPELINED
+    from helpers import PIPELINED
 
     overrides = {
         "train.steps": "2",
@@ -355,7 +354,7 @@ def _signal_at(workdir, delay: float, sigs: list, after_line: str | None = None,
     """train.py (pipelined, endless, no compilation cache: the first compile takes
     seconds), sent `sigs` `gap` s apart, `delay` s after its handlers are in (or after
     it prints a line starting with `after_line`): (exit code, stdout, stderr)."""
-    from test_train import PIPELINED
+    from helpers import PIPELINED
 
     env = {**subprocess_env(), "JAX_COMPILATION_CACHE_DIR": str(workdir) + ".jax-cache"}
     overrides = {"train.steps": "100000", "checkpoint.every": "1000", **PIPELINED}

@@ -15,9 +15,9 @@ import sys
 import jax
 import numpy as np
 import pytest
+from helpers import PIPELINED, REPO, subprocess_env, tiny_args, tiny_config
 from pairwise import all_pairs, full_product
 from test_pipeline import MODELS, SEQ_LEN, check_against_reference, make_config, microbatch_count
-from test_train import PIPELINED, REPO, subprocess_env, tiny_args, tiny_config
 
 from seqpipe import config as config_lib
 from seqpipe import hlo, model, optim, pipeline, sharding, tensor, train

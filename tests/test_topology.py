@@ -106,7 +106,7 @@ def test_compile_only_for_a_tpu_slice_reports_memory_per_chip_and_collectives(tm
     """The tiny model pipelined 4 ways on v5p-16 (8 chips); mesh.data=-1 takes the other
     2. Memory comes from the TPU compiler; the pipeline's sends and the gradients' sums
     are in the program."""
-    from test_train import tiny_args
+    from helpers import tiny_args
 
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     args = tiny_args(
@@ -147,7 +147,7 @@ def test_compile_only_for_a_tpu_slice_with_tensor_parallelism_and_a_step_that_do
     """v5p-16 split 2 x 2 x 2 (tensor parallelism on a torus) compiles and fits; a step
     whose logits need more than a chip's HBM is the compiler's refusal, in one line, exit 1
     (without a pipeline: also the TPU's `auto` attention outside a shard_map)."""
-    from test_train import tiny_args
+    from helpers import tiny_args
 
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     tensor = {

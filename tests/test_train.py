@@ -2,110 +2,28 @@
 console output off a terminal, --compile_only, bad multi-host flags."""
 
 import json
-import os
 import shlex
 import shutil
 import signal
-import struct
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-import jax
 import pytest
+from helpers import (
+    FIELDS,
+    PIPELINED,
+    REPO,
+    read_events,
+    run_python,
+    run_train,
+    subprocess_env,
+    tiny_args,
+    tiny_config,
+)
 
 from seqpipe import checkpoint, metrics, train
-from seqpipe import config as config_lib
-
-REPO = Path(__file__).resolve().parent.parent
-# Many tests here compile the same tiny step; a persistent compilation cache (shared with
-# the subprocesses) turns every compile after the first into a lookup. Set while modules are
-# collected, before anything compiles.
-COMPILE_CACHE = Path(tempfile.gettempdir()) / f"seqpipe-test-jax-cache-{os.getuid()}"
-jax.config.update("jax_compilation_cache_dir", str(COMPILE_CACHE))
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-# A model small enough that a step is milliseconds: the tests are about the machinery.
-TINY = {
-    "data.tokenizer": "byte",
-    "model.vocab_size": "256",
-    "model.num_layers": "4",
-    "model.d_model": "32",
-    "model.num_heads": "2",
-    "model.d_ff": "64",
-    "train.seq_len": "16",
-    "train.global_batch_size": "8",
-    "train.steps": "8",
-    "train.warmup_steps": "2",
-    "train.log_every": "1",
-    "train.eval_every": "0",
-    "checkpoint.every": "4",
-    "mesh.data": "8",
-    "mesh.stage": "1",
-    "pipeline.schedule": "none",
-    "pipeline.microbatches": "1",
-    "pipeline.segments": "1",
-}
-# The same model pipelined: 1F1B-style Seq1F1B on 2 x 4, two micro-batches of two segments.
-PIPELINED = {
-    "mesh.data": "2",
-    "mesh.stage": "4",
-    "pipeline.schedule": "seq1f1b",
-    "pipeline.microbatches": "2",
-    "pipeline.segments": "2",
-}
-
-
-def tiny_config(**overrides):
-    return config_lib.load("tiny", {**TINY, **overrides})
-
-
-def tiny_args(**overrides) -> list[str]:
-    return ["--config", "tiny"] + [f"--config.{k}={v}" for k, v in {**TINY, **overrides}.items()]
-
-
-def subprocess_env(devices: int = 8) -> dict:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    env["JAX_COMPILATION_CACHE_DIR"] = str(COMPILE_CACHE)
-    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    return env
-
-
-FIELDS = {
-    "step",
-    "loss",
-    "learning_rate",
-    "grad_norm",
-    "tokens_per_s",
-    "step_time_s",
-    "flops_per_token",
-    "flops_per_s",
-    "bubble",
-    "bubble_head",
-}
-
-
-def read_event_protos(path: Path) -> list:
-    """The Event protos of a TensorBoard event file (TFRecord framing)."""
-    from tensorboardX.proto import event_pb2
-
-    events, data, i = [], path.read_bytes(), 0
-    while i < len(data):
-        (length,) = struct.unpack("<Q", data[i : i + 8])
-        events.append(event_pb2.Event.FromString(data[i + 12 : i + 12 + length]))
-        i += 12 + length + 4
-    return events
-
-
-def read_events(path: Path) -> dict[str, list[tuple[int, float]]]:
-    """Scalars of a TensorBoard event file: tag -> [(step, value)]."""
-    scalars: dict[str, list[tuple[int, float]]] = {}
-    for event in read_event_protos(path):
-        for v in event.summary.value:
-            scalars.setdefault(v.tag, []).append((event.step, v.simple_value))
-    return scalars
 
 
 def test_metrics_jsonl_tensorboard_and_eval(tmp_path):
@@ -228,14 +146,7 @@ def test_sigterm_saves_and_the_next_start_resumes(tmp_path):
     manager.close()
     assert _logged_steps(tmp_path)[-1] == stopped
     # The next start continues from the checkpoint.
-    proc = subprocess.run(
-        args[:4] + tiny_args(**{"train.steps": str(stopped + 2)}),
-        cwd=REPO,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_train(tmp_path, **{"train.steps": str(stopped + 2)})
     assert proc.returncode == 0, proc.stderr
     assert f"resumed from {checkpoint.directory(tmp_path)}/{stopped}" in proc.stdout
     assert _logged_steps(tmp_path)[-2:] == [stopped + 1, stopped + 2]
@@ -243,22 +154,16 @@ def test_sigterm_saves_and_the_next_start_resumes(tmp_path):
 
 def test_compile_only_prints_memory_and_flops(tmp_path):
     workdir = tmp_path / "never"
-    proc = subprocess.run(
-        [sys.executable, "train.py", "--compile_only", "--workdir", str(workdir)]
-        + tiny_args(
-            **{
-                "mesh.data": "2",
-                "mesh.stage": "4",
-                "pipeline.schedule": "seq1f1b",
-                "pipeline.microbatches": "4",
-                "pipeline.segments": "2",
-            }
-        ),
-        cwd=REPO,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = run_train(
+        workdir,
+        "--compile_only",
+        **{
+            "mesh.data": "2",
+            "mesh.stage": "4",
+            "pipeline.schedule": "seq1f1b",
+            "pipeline.microbatches": "4",
+            "pipeline.segments": "2",
+        },
     )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -293,15 +198,7 @@ def test_mesh_minus_one_on_cpu_gets_the_devices_the_other_axis_needs(tmp_path):
     mesh.data=-1 beside 4 stages is 4 devices, so data resolves to 1."""
     env = {k: v for k, v in subprocess_env().items() if k != "XLA_FLAGS"}
     pipelined = {**PIPELINED, "mesh.data": "-1"}
-    proc = subprocess.run(
-        [sys.executable, "train.py", "--compile_only", "--workdir", str(tmp_path / "w")]
-        + tiny_args(**pipelined),
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_train(tmp_path / "w", "--compile_only", env=env, **pipelined)
     assert proc.returncode == 0, proc.stderr
     mesh = json.loads(proc.stdout.strip().splitlines()[-1])["mesh"]
     assert mesh == {"data": 1, "stage": 4, "tensor": 1}
@@ -311,15 +208,7 @@ def test_no_libtpu_noise_on_a_machine_without_a_tpu(tmp_path):
     """libtpu (dev extras) probes for a TPU when jax starts; with no TPU here, train.py keeps
     it quiet: nothing on stderr, the step compiled on the CPU."""
     env = {k: v for k, v in subprocess_env().items() if not k.startswith(("JAX_PLAT", "TPU_"))}
-    proc = subprocess.run(
-        [sys.executable, "train.py", "--compile_only", "--workdir", str(tmp_path / "w")]
-        + tiny_args(),
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_train(tmp_path / "w", "--compile_only", env=env)
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-2000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1])["device_kind"] == "cpu"
 
@@ -331,22 +220,15 @@ GPT_1B_EVAL_TEMPORARIES = 1_289_227_744
 @pytest.mark.slow
 def test_compile_only_gpt_1b_on_eight_cpu_devices():
     """The 1.3B config, pipelined over 8 stages, compiles on fake CPU devices (~1 min)."""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "train.py",
-            "--config",
-            "gpt_1b.py",
-            "--compile_only",
-            "--config.mesh.stage=8",
-            "--config.pipeline.schedule=seq1f1b",
-            "--config.pipeline.microbatches=8",
-            "--config.pipeline.segments=4",
-        ],
-        cwd=REPO,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
+    proc = run_python(
+        "train.py",
+        "--config",
+        "gpt_1b.py",
+        "--compile_only",
+        "--config.mesh.stage=8",
+        "--config.pipeline.schedule=seq1f1b",
+        "--config.pipeline.microbatches=8",
+        "--config.pipeline.segments=4",
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr
@@ -372,17 +254,7 @@ def test_compile_only_gpt_1b_on_eight_cpu_devices():
 )
 def test_bad_flags_one_line_exit_2_nothing_written(tmp_path, flags, message):
     extra = ["--config.checkpoint.keep=-1"] if not flags else []
-    proc = subprocess.run(
-        [sys.executable, "train.py", "--workdir", str(tmp_path / "w")]
-        + tiny_args()
-        + flags
-        + extra,
-        cwd=REPO,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_train(tmp_path / "w", *flags, *extra, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
     assert not (tmp_path / "w").exists()

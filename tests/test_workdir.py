@@ -7,8 +7,8 @@ import socket
 import subprocess
 import sys
 
-from hostile import SHORT, one_line_error, read_only_later, run_train, snapshot
-from test_train import REPO, tiny_config
+from helpers import REPO, run_train, tiny_config
+from hostile import SHORT, one_line_error, read_only_later, snapshot
 
 from seqpipe import checkpoint, train
 

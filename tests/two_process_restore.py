@@ -13,8 +13,8 @@ from seqpipe import config as config_lib
 
 
 def main(workdir: str, port: str, process_id: int) -> None:
+    from helpers import tiny_config
     from test_multihost import ONE_BY_EIGHT
-    from test_train import tiny_config
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(f"127.0.0.1:{port}", 2, process_id)
