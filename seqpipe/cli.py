@@ -56,13 +56,9 @@ def fail(message: str, code: int = 2, at_once: bool = False) -> None:
     if not at_once:
         print(f"error: {message}", file=sys.stderr, flush=True)
         sys.exit(code)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    ours = os.dup(2)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 2)  # every later write to fd 2, from any thread, is dropped
-    os.write(ours, f"error: {message}\n".encode())
-    os._exit(code)
+    from seqpipe import runtime_log
+
+    runtime_log.exit_at_once(message, code)
 
 
 def load_or_exit(
@@ -212,12 +208,29 @@ def init_distributed(args: argparse.Namespace) -> None:
 
     # CPU collectives across processes need gloo; other backends ignore this.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    from seqpipe import peers
+    from seqpipe import logs, peers, runtime_log
 
+    process, processes = (args.process_id, args.num_processes) if all(given) else _launcher_rank()
+    # Before the runtime starts: its C++ fatal error on a lost peer goes to the log file, and
+    # the watcher writes the survivor's one last line.
+    runtime_log.capture(args.workdir, logs.log_path(args.workdir, process), process, processes)
     if all(given):
         peers.initialize(args.coordinator, args.num_processes, args.process_id)
     else:
         peers.initialize()
+
+
+def _launcher_rank() -> tuple[int, int]:
+    """(this process, the process count) as a cluster launcher sets them; (0, 0) where
+    none says (the log line then names no process)."""
+    for rank, size in (
+        ("SLURM_PROCID", "SLURM_NTASKS"),
+        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+        ("JAX_PROCESS_ID", "JAX_NUM_PROCESSES"),
+    ):
+        if os.environ.get(rank, "").isdigit() and os.environ.get(size, "").isdigit():
+            return int(os.environ[rank]), int(os.environ[size])
+    return 0, 0
 
 
 def no_tensor_or_exit(config, tool: str) -> None:

@@ -4,21 +4,20 @@ JAX's distributed runtime has each process send heartbeats to the coordination s
 (in process 0); a process silent for `HEARTBEAT_S` is declared dead, and the service
 tells every other process, which then ends (JAX's reaction: a C++ fatal error, exit 134;
 jaxlib 0.10's Python binding cannot replace it: a `missed_heartbeat_callback` given to
-its client throws std::bad_cast when called). A process whose collective fails first
+its client throws std::bad_cast when called; `seqpipe.runtime_log` writes that process's
+last line for it). A process whose collective fails first
 (gloo: "Connection closed by peer") ends from the training loop with one line naming the
 lost process and the newest complete checkpoint (`lost_message`), exit 1.
 """
 
-import os
 import re
-import sys
 
 # Seconds without a heartbeat before a process is declared dead: a survivor ends within
 # a minute. Not less: at 15 s two healthy processes of a test on 2 busy CPU cores were
 # declared dead during their first compile (JAX's default is 100 s).
 HEARTBEAT_S = 45
 # Words of a runtime error that says a peer went away, not that this process failed.
-_PEER_WORDS = ("closed by peer", "Connection reset", "Gloo", "heartbeat", "UNAVAILABLE")
+PEER_WORDS = ("closed by peer", "Connection reset", "Gloo", "heartbeat", "UNAVAILABLE")
 _context: dict = {"checkpoints": None, "process": 0, "processes": 1}
 
 
@@ -33,14 +32,17 @@ def initialize(coordinator=None, num_processes=None, process_id=None) -> None:
     _context.update(process=jax.process_index(), processes=jax.process_count())
 
 
-def watch(checkpoints) -> None:
-    """Name the checkpoint directory the line reports on."""
+def watch(checkpoints, process: int | None = None, processes: int | None = None) -> None:
+    """Name the checkpoint directory the line reports on (and, for `seqpipe.runtime_log`'s
+    watcher, which has no runtime of its own, the process and the process count)."""
     _context["checkpoints"] = checkpoints
+    if process is not None:
+        _context.update(process=process, processes=processes)
 
 
 def is_lost_peer(error: Exception) -> bool:
     """Whether a runtime error of a multi-process run says a peer went away."""
-    return _context["processes"] > 1 and any(w in str(error) for w in _PEER_WORDS)
+    return _context["processes"] > 1 and any(w in str(error) for w in PEER_WORDS)
 
 
 def lost_message(reason: str, process: int | None = None) -> str:
@@ -68,18 +70,3 @@ def _newest() -> str:
     if not steps:
         return f"no complete checkpoint in {directory}"
     return f"the newest intact checkpoint is step {steps[-1]} in {directory}"
-
-
-def exit_at_once(message: str, code: int = 1) -> None:
-    """`error: message` as the last line on the console, and exit without the
-    interpreter's shutdown (which would wait for the lost process): every later write to
-    fd 2, from any thread or C++, is dropped."""
-    try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        console = os.dup(sys.stderr.fileno())
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, 2)
-        os.write(console, f"error: {message}\n".encode())
-    finally:
-        os._exit(code)

@@ -18,7 +18,8 @@ compilation), and two Ctrl-Cs then looked like one.
 import os
 import signal
 
-from seqpipe import files  # imported now: an import inside the handler could find it half done
+# Imported now: an import inside the handler could find the module half done.
+from seqpipe import files, runtime_log
 
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
@@ -43,7 +44,7 @@ def _stop(signum, frame) -> None:
     try:
         files.remove_temporaries()  # a cache entry or tokenizer.json being written
         line = f"error: stopped by {NAMES[signum]} {_context['when']}; {_context['kept']}\n"
-        os.write(2, line.encode())
+        os.write(runtime_log.console(), line.encode())
     finally:
         os._exit(EXIT_CODES[signum])
 

@@ -38,6 +38,7 @@ from seqpipe import (
     reference,
     remat,
     remat_auto,
+    runtime_log,
     schedule,
     sharding,
     signals,
@@ -256,11 +257,8 @@ class StopRequest:
             # The second Ctrl-C: out now, in one line. An exception would unwind through
             # whatever runs (an orbax save, which logs it with a traceback); a save it cuts
             # is removed at the next start, and the kernel drops the workdir's lock.
-            sys.stdout.flush()
-            os.write(
-                2, f"error: stopped by a second Ctrl-C, without saving; {self.kept}\n".encode()
-            )
-            os._exit(130)
+            stopped = f"stopped by a second Ctrl-C, without saving; {self.kept}"
+            runtime_log.exit_at_once(stopped, 130)
         self.signal_name = signal.Signals(signum).name
         if self._multi:
             os.kill(os.getpid(), signal.SIGTERM)  # to JAX's preemption notifier
@@ -561,7 +559,7 @@ class Trainer:
             if not peers.is_lost_peer(e):
                 raise
             # Nothing is closed: a save or a shutdown would wait for the lost process.
-            peers.exit_at_once(peers.lost_message(str(e)))
+            runtime_log.exit_at_once(peers.lost_message(str(e)), 1)
         except checkpoint.SaveError as e:
             raise TrainingError(str(e)) from None
         except MetricsError as e:

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 import pytest
-from test_train import PIPELINED, REPO, subprocess_env, tiny_args, tiny_config
+from helpers import PIPELINED, REPO, subprocess_env, tiny_args, tiny_config
 
 from seqpipe import checkpoint, train
 
@@ -260,26 +260,38 @@ def test_a_checkpoint_one_process_cannot_read_is_set_aside_by_both(trained_two_p
 
 
 @pytest.mark.slow
-def test_a_lost_peer_ends_the_survivor_within_a_minute(tmp_path):
-    """kill -9 of process 1 once a checkpoint is saved: process 0 waited 60-87 s in a
-    collective and ended in a traceback and SIGABRT. JAX's heartbeat timeout
-    (`peers.HEARTBEAT_S`) now ends it within a minute; the checkpoint it saved is whole.
-    (Its last line is still JAX's C++ fatal error: jaxlib 0.10 gives Python no hook.)"""
+@pytest.mark.parametrize("lost", [1, 0])
+def test_a_lost_peer_ends_the_survivor_within_a_minute_in_one_line(tmp_path, lost):
+    """kill -9 of one process once a checkpoint is saved. The survivor of a lost process 1
+    waited 60-87 s in a collective and ended in a traceback and SIGABRT; the survivor of a
+    lost process 0 aborted with 38 lines of C++ fatal logs. Now each ends within a minute
+    (`peers.HEARTBEAT_S`), its last line names the lost process and the newest intact
+    checkpoint (`seqpipe.runtime_log`), the C++ logs are in its log file, and the
+    checkpoint is whole."""
     workdir = tmp_path / "w"
     overrides = {**ONE_BY_EIGHT, "train.steps": "100000", "checkpoint.every": "2"}
     procs = _spawn(workdir, overrides)
+    survivor = procs[1 - lost]
     try:
         deadline = time.time() + 400
         while not checkpoint.complete_steps(checkpoint.directory(workdir)):
             assert time.time() < deadline and all(p.poll() is None for p in procs)
             time.sleep(0.2)
-        procs[1].kill()
+        procs[lost].kill()
         killed = time.time()
-        procs[0].communicate(timeout=120)
+        _, err = survivor.communicate(timeout=120)
         assert time.time() - killed < 60, time.time() - killed
-        assert procs[0].returncode != 0
+        assert survivor.returncode != 0
     finally:
         for p in procs:
             p.kill()
             p.communicate()
+    print(
+        survivor.returncode, err, [(p, p.read_text()[-3000:]) for p in workdir.glob("train*.log")]
+    )
+    last = err.strip().splitlines()[-1]
+    newest = checkpoint.complete_steps(checkpoint.directory(workdir))[-1]
+    assert last.startswith(f"error: lost process {lost} of the run ("), err[-3000:]
+    assert f"the newest intact checkpoint is step {newest} in " in last, last
+    assert len(err.strip().splitlines()) <= 3, err[-3000:]
     assert checkpoint.complete_steps(checkpoint.directory(workdir))[0] == 2
