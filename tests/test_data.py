@@ -10,7 +10,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from seqpipe import data, sharding
+from seqpipe import data, documents, sharding
 
 STDLIB = sysconfig.get_paths()["stdlib"]
 
@@ -94,7 +94,7 @@ def test_tokenizer_larger_than_model_vocab_is_an_error(tmp_path):
 def test_stdlib_corpus_split_and_cache(tmp_path):
     config = make_config(tmp_path, source="stdlib", path="", tokenizer="byte")
     train, held_out = data.load_tokens(config, "")
-    files = data._stdlib_files()
+    files = documents._stdlib_files()
     assert files == sorted(files) and not any("site-packages" in f for f in files)
     total = sum(len(open(f, "rb").read().decode("utf-8", "replace").encode()) for f in files)
     assert train.size + held_out.size == total > 5_000_000
@@ -113,7 +113,7 @@ def test_bpe_tokens_carry_end_of_text_between_documents(tmp_path):
     tok = data.load_tokenizer(config)
     train, held_out = data.load_tokens(config, "")
     stream = np.concatenate([train, held_out])
-    files = [f for f in data._text_files(config.data.path) if os.path.getsize(f)]
+    files = [f for f in documents._text_files(config.data.path) if os.path.getsize(f)]
     assert np.count_nonzero(stream == tok.eot_id) == len(files)  # empty files add nothing
     first = open(files[0], encoding="utf-8").read()
     assert tok.decode(stream[: np.argmax(stream == tok.eot_id)]) == first
@@ -306,15 +306,17 @@ def test_eval_batches_are_deterministic_sharded_and_from_the_held_out_tail(tmp_p
     config.data.path = str(path)
     config.model.vocab_size = 2000
     train, held_out = data.load_tokens(config, "")
-    evals = data.eval_batches(config, held_out, 5, EVERY_ROW)
-    assert data.eval_batches(config, held_out, 5, EVERY_ROW)[4].tolist() == evals[4].tolist()
+    evals = [b["tokens"] for b in data.eval_batches(config, held_out, 5, EVERY_ROW)]
+    assert (
+        data.eval_batches(config, held_out, 5, EVERY_ROW)[4]["tokens"].tolist() == evals[4].tolist()
+    )
     for b in evals:
         assert b.shape == (4, 17) and b.min() >= train.size  # never a training token
         np.testing.assert_array_equal(b, b[:, :1] + np.arange(17))
     assert [b[0, 0] for b in evals[:3]] == [1800, 1864, 1928]  # in order, windows wrap at 12
     halves = [data.eval_batches(config, held_out, 5, rows) for rows in (slice(0, 2), slice(2, 4))]
     for b, x, y in zip(evals, *halves, strict=True):
-        np.testing.assert_array_equal(np.concatenate([x, y]), b)
+        np.testing.assert_array_equal(np.concatenate([x["tokens"], y["tokens"]]), b)
     train_starts = {
         int(s) for b in take(data.train_iterator(config, train, EVERY_ROW), 30) for s in b[:, 0]
     }
@@ -340,7 +342,7 @@ def test_bpe_on_the_whole_stdlib(tmp_path, vocab_size):
     assert tok.vocab_size == vocab_size
     train, held_out = data.load_tokens(config, "")
     assert train.size + held_out.size > 2_000_000
-    assert tok.decode(train[:2000]).startswith(open(data._stdlib_files()[0]).read()[:500])
+    assert tok.decode(train[:2000]).startswith(open(documents._stdlib_files()[0]).read()[:500])
 
 
 # ---------------------------------------------------------------- special files and links
@@ -426,7 +428,7 @@ def test_a_symlink_loop_under_a_glob_reads_each_real_file_once(tmp_path):
     tmp_path.joinpath("elsewhere", "c.txt").write_text("third " * 40)
     (corpus / "out").symlink_to(tmp_path / "elsewhere")  # a link that does not loop
     for pattern in ("**", "**/*.txt"):
-        files = _within(lambda p=pattern: data._text_files(str(corpus / p)))
+        files = _within(lambda p=pattern: documents._text_files(str(corpus / p)))
         assert files == [
             str(corpus / "a.txt"),
             str(corpus / "out/c.txt"),
