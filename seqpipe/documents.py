@@ -328,12 +328,25 @@ def _parquet_docs(path: str, key: str, bad: BadLines) -> list[str]:
     try:
         table = pq.ParquetFile(path)
         schema = table.schema_arrow
+        _check_column(path, schema, key, pa)
+        column = [v for b in table.iter_batches(columns=[key]) for v in b.column(0).to_pylist()]
     except (pa.ArrowException, OSError) as e:
         reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
         raise DataError(
             f"{path} is not a readable Parquet file ({reason}); point data.path at Parquet "
             "files or set data.source"
         ) from None
+    docs = []
+    for row, value in enumerate(column, 1):
+        if value is None:
+            bad(f"{path}:{row}", f"(row {row}) has a null {key!r}")
+        else:
+            docs.append(value)
+    return docs
+
+
+def _check_column(path: str, schema, key: str, pa) -> None:
+    """The text column is there and holds strings."""
     if key not in schema.names:
         raise DataError(
             f"{path} has no column {key!r} (its columns: {schema.names[:8]}); set "
@@ -345,12 +358,3 @@ def _parquet_docs(path: str, key: str, bad: BadLines) -> list[str]:
             f"{path}: column {key!r} holds {kind}, not strings; set data.text_key to the "
             "column that holds the text"
         )
-    docs, row = [], 0
-    for batch in table.iter_batches(columns=[key]):
-        for value in batch.column(0).to_pylist():
-            row += 1
-            if value is None:
-                bad(f"{path}:{row}", f"(row {row}) has a null {key!r}")
-            else:
-                docs.append(value)
-    return docs
