@@ -12,12 +12,13 @@ for a HF model without it, as Llama 3, its config's eos_token_id), unless the
 post-processor ended it already. The byte tokenizer has no room for one: its documents
 only join.
 
-Caching. Text is tokenized once. The trained BPE, the flat token array and its documents'
-starts live in a cache dir (`config.data.cache_dir`, else `$SEQPIPE_CACHE`, else
-`~/.cache/seqpipe`) under names keyed by a fingerprint of the corpus (file paths, sizes,
-mtimes, source and text key), the vocab size and the tokenizer's own content and
-end-of-document id, so a stale entry can never be picked up. A copy of the tokenizer is
-written to `WORKDIR/tokenizer.json` so a run keeps what it was trained with.
+Caching. Text is tokenized once. The trained BPE and the flat token array (followed, in
+the same file, by its documents' starts) live in a cache dir (`config.data.cache_dir`,
+else `$SEQPIPE_CACHE`, else `~/.cache/seqpipe`) under names keyed by a fingerprint of the
+corpus (file paths, sizes, mtimes; source and text key for jsonl and parquet), the vocab
+size and the tokenizer's own content and end-of-document id, so a stale entry can never
+be picked up. A copy of the tokenizer is written to `WORKDIR/tokenizer.json` so a run
+keeps what it was trained with.
 
 Splits. The last `config.data.eval_fraction` of the token stream (at least one window)
 is held out for evaluation; training never sees it.
@@ -284,18 +285,18 @@ def _encode_corpus(config, t: Tokenizer) -> Stream:
     key = _fingerprint(files, tok.fingerprint(t), *_source_key(config))
     cache = _cache_dir(config)
     path = os.path.join(cache, f"tokens-{key}.npy")
-    starts_path = os.path.join(cache, f"starts-{key}.npy")
-    if os.path.exists(path) and os.path.exists(starts_path):
+    if os.path.exists(path):
         try:
-            return _load_stream(path, starts_path)
+            return _load_stream(path)
         except (OSError, ValueError, EOFError) as e:
             _damaged(path, e)
     _check_writable(cache)
     stream, lengths = _tokenize(documents.read(files, config), t)
-    # The starts first: the token entry is what says the pair is whole.
-    _write_entry(starts_path, lambda f: _save_npy(f, packing.document_starts(lengths)))
-    _write_entry(path, lambda f: _save_npy(f, stream))
-    return _load_stream(path, starts_path)
+    starts = packing.document_starts(lengths)
+    # One entry, whole or not at all: the tokens' array, then the starts' (np.load of the
+    # file reads the tokens alone).
+    _write_entry(path, lambda f: (_save_npy(f, stream), _save_npy(f, starts)))
+    return _load_stream(path)
 
 
 def _tokenize(docs: list[str], t: Tokenizer) -> tuple[np.ndarray, np.ndarray]:
@@ -317,11 +318,12 @@ def _tokenize(docs: list[str], t: Tokenizer) -> tuple[np.ndarray, np.ndarray]:
     return stream, np.array([len(x) for x in ids], np.int64)
 
 
-def _load_stream(path: str, starts_path: str) -> Stream:
-    """A token cache entry and its documents' starts, memory-mapped; ValueError if either
-    is not whole."""
+def _load_stream(path: str) -> Stream:
+    """A token cache entry, the tokens memory-mapped; ValueError if it is not whole."""
     tokens = _load_npy(path)
-    starts = np.load(starts_path, mmap_mode="r")
+    with open(path, "rb") as f:
+        f.seek(tokens.offset + tokens.nbytes)
+        starts = np.lib.format.read_array(f)
     if (
         starts.ndim != 1
         or starts.dtype != np.int64
@@ -330,7 +332,7 @@ def _load_stream(path: str, starts_path: str) -> Stream:
         or starts[-1] >= tokens.size
         or np.any(np.diff(starts) <= 0)
     ):
-        raise ValueError(f"{starts_path} holds no document starts of {tokens.size} tokens")
+        raise ValueError(f"no document starts of {tokens.size} tokens")
     return Stream(tokens, starts)
 
 

@@ -254,3 +254,15 @@ def test_an_empty_corpus_is_refused(tmp_path):
     (tmp_path / "d" / "x.txt").write_text("text, but not JSON lines")
     with pytest.raises(data.DataError, match=r"matches no jsonl files \(.jsonl, .json\)"):
         read_docs(config_for(tmp_path, "jsonl", tmp_path / "d"))
+
+
+def test_a_cache_entry_cut_in_its_document_starts_is_rebuilt(tmp_path, capsys):
+    config = config_for(tmp_path, "text", os.path.join(EMAIL, "*.py"))
+    train, _, _ = data.read_corpus(config)
+    starts = np.array(train.starts)
+    (entry,) = (tmp_path / "cache").glob("tokens-*.npy")
+    os.truncate(entry, entry.stat().st_size - 8)  # the tokens whole, the starts cut
+    np.testing.assert_array_equal(np.load(entry, mmap_mode="r")[:10], train.tokens[:10])
+    again, _, _ = data.read_corpus(config)
+    np.testing.assert_array_equal(again.starts, starts)
+    assert f"the cache entry {entry} is damaged" in capsys.readouterr().err
