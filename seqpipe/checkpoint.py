@@ -131,8 +131,23 @@ def metadata(config: ConfigDict) -> dict:
     return {
         "model": config.model.to_dict(),
         "data": data,
+        "packing": packing(config),
         "source": config.data.source,
         "optimizer": optimizer,
+    }
+
+
+def packing(config: ConfigDict) -> dict:
+    """How rows are made (checkpoints from before it was saved: unpacked rows): another
+    packing makes other rows, so the saved position counts other batches."""
+    d = config.data
+    mode = d.get("packing", "none")
+    if mode == "none":
+        return {"packing": "none"}
+    return {
+        "packing": mode,
+        "reset_positions": d.get("reset_positions", True),
+        "eod_id": d.get("eod_id", -1),
     }
 
 
@@ -353,7 +368,9 @@ def _read_step(manager, step: int, abstract_state: Any, config: ConfigDict, data
         raise ConfigError(
             f"{where} is of a different model ({diff}); use a fresh --workdir or the same model"
         )
-    if diff := _differences(meta.get("data", {}), expected["data"], "train"):
+    diff = _differences(meta.get("data", {}), expected["data"], "train")
+    packed = _differences(meta.get("packing", {"packing": "none"}), expected["packing"], "data")
+    if diff := ", ".join(x for x in (diff, packed) if x):
         raise ConfigError(
             f"{where} was trained with another batch order ({diff}), so its data "
             "position does not carry over; use the same values or a fresh --workdir"

@@ -19,7 +19,8 @@ MESH_AXES = ("data", "stage")  # the axes that may be -1; mesh.tensor is always 
 SCHEDULES = ("none", *schedule.SCHEDULES)  # "none": no pipeline (mesh.stage = 1)
 PARTITIONS = ("uniform", "flops")
 DTYPES = ("float32", "bfloat16", "float16")
-SOURCES = ("stdlib", "text", "tokens")
+SOURCES = ("stdlib", "text", "jsonl", "parquet", "tokens")
+PACKINGS = ("none", "concat", "best_fit")  # seqpipe.packing.PACKINGS
 TOKENIZERS = ("bpe", "byte")
 HF = "hf:"  # a HuggingFace model directory (`seqpipe.hf`), as a config, weights or tokenizer
 # `auto`: the least recompute that fits the device (`seqpipe.remat_auto`, train.py).
@@ -161,6 +162,11 @@ SCHEMA = {
     "data.tokenizer_path": Key(str),
     "data.allow_source_change": Key(bool),
     "data.max_invalid_utf8": Key(float, low=0.0, high=1.0),
+    "data.text_key": Key(str),
+    "data.skip_bad_lines": Key(bool),
+    "data.eod_id": Key(int, low=-1),  # below model.vocab_size: `_validate_documents`
+    "data.packing": Key(str, choices=PACKINGS),
+    "data.reset_positions": Key(bool),
     "mesh.tensor": _POSITIVE_INT,
 }
 OWN_RULES = ("mesh.data", "mesh.stage", "pipeline.inflight", "train.inject_nan_at")
@@ -270,6 +276,19 @@ def base_config() -> ml_collections.ConfigDict:
         # Invalid UTF-8 in a text corpus is replaced by U+FFFD and counted; past this
         # fraction of the corpus's bytes the corpus is refused (it is not text).
         max_invalid_utf8=0.001,
+        # data.source=jsonl or parquet: the field (column) that holds each document's text.
+        text_key="text",
+        # A JSON line that does not parse or lacks text_key (a null Parquet row) is refused,
+        # naming file and line; True skips such lines, counted and reported in one line.
+        skip_bad_lines=False,
+        # data.source=tokens: the id that ends each document (-1: none, one stream).
+        eod_id=-1,
+        # Rows of seq_len + 1 tokens (`seqpipe.packing`): none (windows of the stream, no
+        # document ids), concat (the same windows, with each token's document and
+        # position) or best_fit (whole documents placed best-fit, padded at the end).
+        packing="none",
+        # Packed rows: positions restart at 0 at each document's start (RoPE reads them).
+        reset_positions=True,
     )
     return c
 
@@ -487,9 +506,34 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         "BPE",
     )
     _validate_hf(config)
+    _validate_documents(d, m.vocab_size)
     _require(
         d.tokenizer != "byte" or m.vocab_size >= 256,
         f"model.vocab_size={m.vocab_size} is below 256, the byte tokenizer's size",
+    )
+
+
+def _validate_documents(d: ml_collections.ConfigDict, vocab_size: int) -> None:
+    """Where documents come from and end: text_key, eod_id and packing's needs."""
+    _require(
+        d.source not in ("jsonl", "parquet") or d.text_key,
+        f"data.source={d.source} needs data.text_key, the field that holds each document's "
+        "text (e.g. text)",
+    )
+    _require(
+        d.eod_id == -1 or d.source == "tokens",
+        f"data.eod_id={d.eod_id} is for data.source=tokens; data.source={d.source} ends each "
+        "document with the tokenizer's own end token: leave data.eod_id=-1",
+    )
+    _require(
+        d.eod_id < vocab_size,
+        f"data.eod_id={d.eod_id} is not below model.vocab_size={vocab_size}; give the id "
+        "that ends each document in data.path",
+    )
+    _require(
+        d.packing == "none" or d.source != "tokens" or d.eod_id >= 0,
+        f"data.packing={d.packing} with data.source=tokens needs data.eod_id, the id that "
+        "ends each document; or data.packing=none",
     )
 
 

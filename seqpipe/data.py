@@ -1,224 +1,69 @@
-"""Real data: a text corpus, its tokenizer, and the grain input pipeline.
+"""Real data: a corpus's documents, its tokenizer, and the grain input pipeline.
 
-Sources (`config.data.source`):
-  stdlib  the running interpreter's standard-library `.py` files (no test packages):
-          real text present on every machine.
-  text    `config.data.path`: a file, a directory (recursive) or a glob of text files.
-  tokens  `config.data.path`: a flat binary of token ids (`config.data.token_dtype`),
-          memory-mapped, never copied.
+Sources (`config.data.source`): stdlib, text, jsonl and parquet hold documents as text
+(`seqpipe.documents`); tokens is `config.data.path`, a flat binary of token ids
+(`config.data.token_dtype`), memory-mapped, never copied, whose documents end with
+`config.data.eod_id` (-1: one stream, no boundaries).
 
-Caching. Text is tokenized once. The trained BPE and the flat token array live in a
-cache dir (`config.data.cache_dir`, else `$SEQPIPE_CACHE`, else `~/.cache/seqpipe`) under
-names keyed by a fingerprint of the corpus (file paths, sizes, mtimes), the vocab size
-and the tokenizer's own content, so a stale entry can never be picked up. A copy of the
-tokenizer is written to `WORKDIR/tokenizer.json` so a run keeps what it was trained with.
+Tokenization. Each document is encoded with the tokenizer's own special tokens (a HF
+tokenizer's post-processor adds its beginning-of-sequence token) and ended with its
+end-of-document id `Tokenizer.eot_id` (<|endoftext|>, which the BPE trained here carries;
+for a HF model without it, as Llama 3, its config's eos_token_id), unless the
+post-processor ended it already. The byte tokenizer has no room for one: its documents
+only join.
+
+Caching. Text is tokenized once. The trained BPE and the flat token array (followed, in
+the same file, by its documents' starts) live in a cache dir (`config.data.cache_dir`,
+else `$SEQPIPE_CACHE`, else `~/.cache/seqpipe`) under names keyed by a fingerprint of the
+corpus (file paths, sizes, mtimes; source and text key for jsonl and parquet), the vocab
+size and the tokenizer's own content and end-of-document id, so a stale entry can never
+be picked up. A copy of the tokenizer is written to `WORKDIR/tokenizer.json` so a run
+keeps what it was trained with.
 
 Splits. The last `config.data.eval_fraction` of the token stream (at least one window)
 is held out for evaluation; training never sees it.
 
-Batches. Windows of `seq_len + 1` tokens, stride `seq_len`, are shuffled with
-`config.train.seed` (reshuffled each epoch, repeated forever) and grouped into global
-batches of `global_batch_size` windows; neither depends on the number of processes, so
-an iterator's state restores under any. Each process reads only the rows its devices
-hold under `sharding.batch_sharding(mesh)` (`local_rows`): one contiguous range, the
-same for processes that share a `data` index (all rows on a 1 x N mesh whose stages
-span hosts), and `to_global` assembles the global batch from those parts.
+Batches. Rows of `seq_len + 1` tokens, packed by `config.data.packing`: none (windows of
+the stream, stride `seq_len`: {"tokens"}), concat (the same windows, with "documents" and
+"positions") or best_fit (whole documents placed best-fit, padded), `seqpipe.packing`.
+Rows are shuffled with `config.train.seed` (reshuffled each epoch, repeated forever) and
+grouped into global batches of `global_batch_size` rows; neither depends on the number of
+processes, so an iterator's state restores under any. Each process reads only the rows
+its devices hold under `sharding.batch_sharding(mesh)` (`local_rows`): one contiguous
+range, the same for processes that share a `data` index (all rows on a 1 x N mesh whose
+stages span hosts), and `to_global` assembles the global batch from those parts.
 """
 
 from __future__ import annotations
 
-import fnmatch
-import glob
 import hashlib
 import json
 import math
 import os
-import stat
 import sys
-import sysconfig
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import grain
 import jax
 import numpy as np
 
-from seqpipe import sharding
+from seqpipe import documents, packing, sharding
 from seqpipe import tokenizer as tok
+from seqpipe.errors import DataError
 from seqpipe.files import atomic_write, atomic_write_bytes
 from seqpipe.tokenizer import Tokenizer
 
 # BPE training sees at most this much text (whole documents, in corpus order): a few
 # tens of MB already give stable merges, and more only costs time.
 BPE_TRAIN_MAX_CHARS = 64 * 2**20
-# Package dirs under the stdlib that hold tests or third-party code, not library text.
-_STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 
 
-# Lines said once per process, however often the corpus is listed.
-_SAID: set[str] = set()
+class Stream(NamedTuple):
+    """A token stream and the ascending offsets where its documents start (the first 0)."""
 
-
-class DataError(ValueError):
-    """Bad data or data config; the message says what is wrong and how to fix it."""
-
-
-# ---------------------------------------------------------------- corpus files
-
-
-def _stdlib_files() -> list[str]:
-    root = sysconfig.get_paths()["stdlib"]
-    files = []
-    for d, dirs, names in os.walk(root):
-        dirs[:] = [x for x in dirs if x not in _STDLIB_SKIP]
-        files += [os.path.join(d, n) for n in names if n.endswith(".py")]
-    return sorted(files)
-
-
-def _unreadable(path: str, e: OSError) -> DataError:
-    return DataError(f"cannot read {path} ({e.strerror}); fix data.path or its permissions")
-
-
-def _read_bytes(path: str, size: int = -1) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read(size)
-    except OSError as e:
-        raise _unreadable(path, e) from None
-
-
-def _is_text(path: str) -> bool:
-    return b"\0" not in _read_bytes(path, 8192)
-
-
-def _text_files(path: str) -> list[str]:
-    if not path:
-        raise DataError("data.source=text needs data.path: a file, a directory or a glob")
-    if os.path.exists(path) and not os.path.isdir(path):
-        if not stat.S_ISREG(os.stat(path).st_mode):  # a pipe would block the read forever
-            raise DataError(
-                f"data.path={path!r} is {_kind(path)}, not a regular file; point data.path "
-                "at text files"
-            )
-        if not _is_text(path):  # what the directory walk skips, named alone
-            raise DataError(
-                f"data.path={path!r} is a binary file, not text; for token ids use "
-                "data.source=tokens, else point data.path at text"
-            )
-        return [path]
-    if os.path.isdir(path):
-        found = _walk(path, lambda parts: True, follow_links=False)
-    elif "**" in path:
-        found = _recursive_glob(path)
-    else:
-        found = glob.glob(path)  # no recursion: no link can loop
-    files = _regular_files(path, found)
-    if os.path.isdir(path):
-        files = [f for f in files if _is_text(f)]
-    if not files:
-        raise DataError(
-            f"data.path={path!r} matches no text files; point it at a file, dir or glob"
-        )
-    return files
-
-
-def _walk(root: str, keep: Callable[[list[str]], bool], follow_links: bool) -> list[str]:
-    """Paths under root (hidden names left out) whose parts below root `keep` accepts.
-    Each real directory is walked once: a link back to one already walked (a loop, or a
-    second way in) is not followed again."""
-    seen, found = set(), []
-    for d, dirs, names in os.walk(root, followlinks=follow_links):
-        st = os.stat(d)
-        if (st.st_dev, st.st_ino) in seen:
-            dirs[:] = []
-            continue
-        seen.add((st.st_dev, st.st_ino))
-        dirs[:] = sorted(x for x in dirs if not x.startswith("."))
-        rel = os.path.relpath(d, root).split(os.sep) if d != root else []
-        found += [
-            os.path.join(d, n) for n in sorted(names) if not n.startswith(".") and keep([*rel, n])
-        ]
-    return found
-
-
-def _recursive_glob(pattern: str) -> list[str]:
-    """glob.glob(pattern, recursive=True) without following a directory link twice (a
-    link in DIR to DIR made glob read DIR's files 41 times)."""
-    parts = pattern.split(os.sep)
-    fixed = next(i for i, p in enumerate(parts) if glob.has_magic(p))
-    root = os.sep.join(parts[:fixed]) or (os.sep if pattern.startswith(os.sep) else ".")
-    if not os.path.isdir(root):
-        return []
-    found = _walk(root, lambda names: _glob_match(parts[fixed:], names), follow_links=True)
-    return [os.path.relpath(f) for f in found] if root == "." else found
-
-
-def _glob_match(pattern: list[str], names: list[str]) -> bool:
-    """Whether path parts `names` match glob parts `pattern` ("**": any number of parts)."""
-    if not pattern:
-        return not names
-    if pattern[0] == "**":
-        return any(_glob_match(pattern[1:], names[i:]) for i in range(len(names) + 1))
-    return (
-        bool(names)
-        and fnmatch.fnmatchcase(names[0], pattern[0])
-        and _glob_match(pattern[1:], names[1:])
-    )
-
-
-def _kind(path: str) -> str:
-    """What a path that is not a regular file is, in words."""
-    try:
-        mode = os.stat(path).st_mode
-    except OSError:
-        return "a dangling link"
-    kinds = [
-        (stat.S_ISFIFO, "a named pipe"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISDIR, "a directory"),
-    ]
-    return next((name for test, name in kinds if test(mode)), "not a regular file")
-
-
-def _regular_files(path: str, found: list[str]) -> list[str]:
-    """The regular files among `found`, each real file once (the first spelling, sorted);
-    anything else (pipes, devices, sockets: a read could block forever) is never opened,
-    and skipped with one line on stderr; directories are left out silently."""
-    files, real_seen, skipped = [], set(), []
-    for f in sorted(found):
-        try:
-            st = os.stat(f)
-        except OSError:
-            skipped.append(f)
-            continue
-        if stat.S_ISDIR(st.st_mode):
-            continue
-        if not stat.S_ISREG(st.st_mode):
-            skipped.append(f)
-        elif (st.st_dev, st.st_ino) not in real_seen:
-            real_seen.add((st.st_dev, st.st_ino))
-            files.append(f)
-    line = (
-        f"data.path={path!r}: skipped {len(skipped)} path(s) that are not regular files "
-        f"({skipped[0]} is {_kind(skipped[0])})"
-        if skipped
-        else None
-    )
-    if line and line not in _SAID:  # the BPE and the token stream list the files twice
-        _SAID.add(line)
-        print(line, file=sys.stderr)
-    return files
-
-
-def _corpus_files(config) -> list[str]:
-    source = config.data.source
-    if source == "stdlib":
-        return _stdlib_files()
-    if source == "text":
-        return _text_files(config.data.path)
-    raise DataError(f"data.source={source!r} has no text; use 'stdlib', 'text' or 'tokens'")
+    tokens: np.ndarray
+    starts: np.ndarray
 
 
 def _fingerprint(files: list[str], *extra: Any) -> str:
@@ -226,45 +71,6 @@ def _fingerprint(files: list[str], *extra: Any) -> str:
     stats = [(f, s.st_size, s.st_mtime_ns) for f in files for s in [os.stat(f)]]
     blob = json.dumps([stats, list(extra)], default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
-
-
-def _read_docs(files: list[str], config) -> list[str]:
-    """The files' text. Invalid UTF-8 is replaced by U+FFFD and counted: said in one line,
-    refused past `data.max_invalid_utf8` of the corpus's bytes."""
-    docs, invalid, size = [], {}, 0
-    for f in files:
-        raw = _read_bytes(f)
-        size += len(raw)
-        try:
-            docs.append(raw.decode("utf-8"))
-        except UnicodeDecodeError:
-            doc = raw.decode("utf-8", errors="replace")
-            invalid[f] = doc.count("\ufffd") - raw.count("\ufffd".encode())
-            docs.append(doc)
-    docs = [d for d in docs if d]
-    if not docs:
-        raise DataError(f"the corpus ({len(files)} files) is empty; add text to data.path")
-    if invalid:
-        _check_utf8(invalid, size, config.data.get("max_invalid_utf8", 0.001))
-    return docs
-
-
-def _check_utf8(invalid: dict[str, int], size: int, limit: float) -> None:
-    count, worst = sum(invalid.values()), max(invalid, key=invalid.get)
-    what = (
-        f"{count} invalid UTF-8 sequences in {len(invalid)} of the corpus's files "
-        f"({count / size:.2%} of {size} bytes; most in {worst}: {invalid[worst]})"
-    )
-    if count > limit * size:
-        raise DataError(
-            f"{what}: more than data.max_invalid_utf8={limit}; convert the files to UTF-8, "
-            "leave out the ones that are not text, or raise data.max_invalid_utf8 to train "
-            "on them with each replaced by U+FFFD"
-        )
-    line = f"{what}: each replaced by U+FFFD (data.max_invalid_utf8={limit})"
-    if line not in _SAID:  # the BPE and the token stream read the files twice
-        _SAID.add(line)
-        print(line, file=sys.stderr)
 
 
 def _cache_dir(config) -> str:
@@ -344,9 +150,27 @@ def load_tokenizer(config) -> Tokenizer:
 
 
 def _load_named(kind: str) -> tok.BpeTokenizer:
-    """data.tokenizer=hf:DIR (DIR/tokenizer.json) or a path to a tokenizer.json."""
+    """data.tokenizer=hf:DIR (DIR/tokenizer.json) or a path to a tokenizer.json. Without
+    <|endoftext|> (Llama 3, Mistral) documents end with the model's eos_token_id
+    (DIR/config.json)."""
     path = os.path.join(kind[3:], "tokenizer.json") if kind.startswith("hf:") else kind
-    return _bpe_file(path, f"data.tokenizer={kind}: {path}")
+    t = _bpe_file(path, f"data.tokenizer={kind}: {path}")
+    if t.eot_id is None and kind.startswith("hf:"):
+        t.eot_id = _model_eos(kind[3:], t.vocab_size)
+    return t
+
+
+def _model_eos(directory: str, vocab_size: int) -> int | None:
+    """The eos_token_id of DIR/config.json (the first, if a list), or None."""
+    try:
+        with open(os.path.join(directory, "config.json")) as f:
+            eos = json.load(f).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return None  # train.init_from's checks say what is wrong with a config.json
+    eos = eos[0] if isinstance(eos, list) and eos else eos
+    if isinstance(eos, int) and not isinstance(eos, bool) and 0 <= eos < vocab_size:
+        return eos
+    return None
 
 
 def _bpe_file(path: str, setting: str, fix: str = "") -> tok.BpeTokenizer:
@@ -417,8 +241,8 @@ def _load_bpe(config) -> tok.BpeTokenizer:
     vocab = config.model.vocab_size
     if vocab < 257:
         raise DataError(f"a byte-level BPE needs model.vocab_size >= 257 (got {vocab})")
-    files = _corpus_files(config)
-    key = _fingerprint(files, "bpe", vocab, BPE_TRAIN_MAX_CHARS)
+    files = documents.corpus_files(config)
+    key = _fingerprint(files, "bpe", vocab, BPE_TRAIN_MAX_CHARS, *_source_key(config))
     cache = _cache_dir(config)
     path = os.path.join(cache, f"bpe-{vocab}-{key}.json")
     if os.path.exists(path):
@@ -428,7 +252,7 @@ def _load_bpe(config) -> tok.BpeTokenizer:
             _damaged(path, e)
     _check_writable(cache)
     docs, total = [], 0
-    for d in _read_docs(files, config):
+    for d in documents.read(files, config):
         if total >= BPE_TRAIN_MAX_CHARS:
             break
         docs.append(d)
@@ -448,27 +272,68 @@ def _token_dtype(config) -> np.dtype:
     return np.dtype(name)
 
 
-def _encode_corpus(config, t: Tokenizer) -> np.ndarray:
-    files = _corpus_files(config)
-    key = _fingerprint(files, tok.fingerprint(t))
+def _source_key(config) -> tuple:
+    """What reads documents out of the files, beyond the files: the source and text key for
+    jsonl and parquet (stdlib and text: nothing, so their cache entries keep their names)."""
+    d = config.data
+    return (d.source, d.get("text_key", "text")) if d.source in ("jsonl", "parquet") else ()
+
+
+def _encode_corpus(config, t: Tokenizer) -> Stream:
+    """The corpus's token stream, from the cache or tokenized and cached."""
+    files = documents.corpus_files(config)
+    key = _fingerprint(files, tok.fingerprint(t), *_source_key(config))
     cache = _cache_dir(config)
     path = os.path.join(cache, f"tokens-{key}.npy")
     if os.path.exists(path):
         try:
-            return _load_npy(path)
+            return _load_stream(path)
         except (OSError, ValueError, EOFError) as e:
             _damaged(path, e)
     _check_writable(cache)
+    stream, lengths = _tokenize(documents.read(files, config), t)
+    starts = packing.document_starts(lengths)
+    # One entry, whole or not at all: the tokens' array, then the starts' (np.load of the
+    # file reads the tokens alone).
+    _write_entry(path, lambda f: (_save_npy(f, stream), _save_npy(f, starts)))
+    return _load_stream(path)
+
+
+def _tokenize(docs: list[str], t: Tokenizer) -> tuple[np.ndarray, np.ndarray]:
+    """(stream, each document's token count): each document encoded with the tokenizer's
+    special tokens, then its end-of-document id unless it ends with it already."""
     dtype = np.uint16 if t.vocab_size <= 2**16 else np.uint32
-    docs = _read_docs(files, config)
     if isinstance(t, tok.ByteTokenizer):
         # Bytes are their own ids: skip the Python lists.
-        stream = np.frombuffer("".join(docs).encode("utf-8"), np.uint8).astype(dtype)
-    else:
-        eot = [] if t.eot_id is None else [t.eot_id]
-        stream = np.concatenate([np.array(ids + eot, dtype) for ids in t.encode_batch(docs)])
-    _write_entry(path, lambda f: _save_npy(f, stream))
-    return np.load(path, mmap_mode="r")
+        encoded = [d.encode("utf-8") for d in docs]
+        stream = np.frombuffer(b"".join(encoded), np.uint8).astype(dtype)
+        return stream, np.array([len(e) for e in encoded], np.int64)
+    eot = t.eot_id
+    ids = [
+        x + [eot] if eot is not None and (not x or x[-1] != eot) else x
+        for x in t.encode_batch(docs)
+    ]
+    ids = [x for x in ids if x]
+    stream = np.concatenate([np.array(x, dtype) for x in ids])
+    return stream, np.array([len(x) for x in ids], np.int64)
+
+
+def _load_stream(path: str) -> Stream:
+    """A token cache entry, the tokens memory-mapped; ValueError if it is not whole."""
+    tokens = _load_npy(path)
+    with open(path, "rb") as f:
+        f.seek(tokens.offset + tokens.nbytes)
+        starts = np.lib.format.read_array(f)
+    if (
+        starts.ndim != 1
+        or starts.dtype != np.int64
+        or not starts.size
+        or starts[0] != 0
+        or starts[-1] >= tokens.size
+        or np.any(np.diff(starts) <= 0)
+    ):
+        raise ValueError(f"no document starts of {tokens.size} tokens")
+    return Stream(tokens, starts)
 
 
 def _save_npy(f, array: np.ndarray) -> None:
@@ -487,7 +352,9 @@ def _load_npy(path: str) -> np.ndarray:
     return tokens
 
 
-def _read_token_file(config) -> np.ndarray:
+def _read_token_file(config) -> Stream:
+    """data.source=tokens: the file's ids, memory-mapped, and its documents' starts (after
+    each data.eod_id; none set: one document)."""
     path = config.data.path
     if not path or not os.path.isfile(path):
         raise DataError(f"data.path={path!r} is not a file; data.source=tokens needs a flat binary")
@@ -502,7 +369,7 @@ def _read_token_file(config) -> np.ndarray:
     try:
         tokens = np.memmap(path, dtype=dtype, mode="r")
     except OSError as e:
-        raise _unreadable(path, e) from None
+        raise documents.unreadable(path, e) from None
     # One pass in chunks, so a huge file never sits in memory at once.
     vocab = config.model.vocab_size
     top = max((int(tokens[i : i + 2**24].max()) for i in range(0, tokens.size, 2**24)), default=0)
@@ -511,20 +378,38 @@ def _read_token_file(config) -> np.ndarray:
             f"data.path={path!r} holds token id {top} >= model.vocab_size={vocab}; "
             "check data.token_dtype or raise model.vocab_size"
         )
-    return tokens
+    return Stream(tokens, _eod_starts(tokens, config.data.get("eod_id", -1), path))
 
 
-def read_corpus(config) -> tuple[np.ndarray, np.ndarray, Tokenizer | None]:
-    """(train_tokens, eval_tokens, tokenizer), writing nothing outside the cache: 1-D, the
-    eval split is the stream's last part; the tokenizer is None for a token file without
-    one (its tokenizer is checked only when one is named: it may be any)."""
+def _eod_starts(tokens: np.ndarray, eod_id: int, path: str) -> np.ndarray:
+    """Where documents start in a token file: at 0 and after each `eod_id` (-1: only 0)."""
+    if eod_id < 0:
+        return np.zeros(1, np.int64)
+    chunk = 2**24  # in chunks, as above
+    ends = [
+        np.flatnonzero(tokens[i : i + chunk] == eod_id) + i for i in range(0, tokens.size, chunk)
+    ]
+    ends = np.concatenate(ends).astype(np.int64)
+    if not ends.size:
+        raise DataError(
+            f"data.path={path!r} holds no data.eod_id={eod_id}, so no document ends; set "
+            "data.eod_id to the id that ends its documents"
+        )
+    return np.concatenate([[0], ends[ends + 1 < tokens.size] + 1]).astype(np.int64)
+
+
+def read_corpus(config) -> tuple[Stream, Stream, Tokenizer | None]:
+    """(train, eval, tokenizer), writing nothing outside the cache: the eval split is the
+    stream's last part; the tokenizer is None for a token file without one (its tokenizer
+    is checked only when one is named: it may be any)."""
     t = None
     if config.data.source != "tokens" or config.data.get("tokenizer_path"):
         t = load_tokenizer(config)
     if config.data.source == "tokens":
-        tokens = _read_token_file(config)
+        stream = _read_token_file(config)
     else:
-        tokens = _encode_corpus(config, t)
+        stream = _encode_corpus(config, t)
+    tokens = stream.tokens
     window = config.train.seq_len + 1
     fraction = config.data.get("eval_fraction", 0.02)
     num_eval = max(math.ceil(fraction * tokens.size), window)
@@ -534,14 +419,16 @@ def read_corpus(config) -> tuple[np.ndarray, np.ndarray, Tokenizer | None]:
             f"{window}; add data or lower train.seq_len"
         )
     split = tokens.size - num_eval
-    return tokens[:split], tokens[split:], t
+    head, tail = packing.split_starts(np.asarray(stream.starts), split)
+    return Stream(tokens[:split], head), Stream(tokens[split:], tail), t
 
 
-def identity(tokens: np.ndarray) -> dict:
+def identity(tokens: np.ndarray, starts: np.ndarray | None = None) -> dict:
     """What a checkpoint's data position counts batches of: the training stream's length
     and a digest of its ids (all of them up to 4 Mi tokens, else 64 evenly spaced pieces
-    and the last: cheap on a memory-mapped file of any size). Moving the files changes
-    neither; other data, or the same files edited, changes one."""
+    and the last: cheap on a memory-mapped file of any size), and with `starts` (packed
+    rows) of where its documents start. Moving the files changes neither; other data, or
+    the same files edited, changes one."""
     piece, n = 2**16, int(tokens.size)
     if n <= 64 * piece:
         parts = [tokens]
@@ -550,6 +437,8 @@ def identity(tokens: np.ndarray) -> dict:
     h = hashlib.sha256()
     for part in parts:  # as uint32: the same ids in uint16 or uint32 are the same data
         h.update(np.ascontiguousarray(part, dtype=np.uint32).tobytes())
+    if starts is not None:
+        h.update(b"starts" + np.ascontiguousarray(starts, dtype=np.int64).tobytes())
     return {"tokens": n, "digest": h.hexdigest()[:16]}
 
 
@@ -565,7 +454,7 @@ def load_tokens(config, workdir: str) -> tuple[np.ndarray, np.ndarray]:
     """`read_corpus`, then `keep_tokenizer` in workdir (none: ""): (train, eval tokens)."""
     train, held_out, t = read_corpus(config)
     keep_tokenizer(t, workdir, config)
-    return train, held_out
+    return train.tokens, held_out.tokens
 
 
 # ---------------------------------------------------------------- batches
@@ -644,30 +533,57 @@ def _gather(tokens: np.ndarray, seq_len: int, window_ids: np.ndarray) -> np.ndar
     return tokens[starts + np.arange(seq_len + 1)].astype(np.int32)
 
 
-def train_iterator(config, tokens: np.ndarray, rows: slice) -> Iterator[dict[str, np.ndarray]]:
-    """An endless grain iterator of {"tokens": int32 [B_local, L+1]}, `rows` of every global
-    batch (`local_rows`); has get/set_state."""
-    seq_len = config.train.seq_len
+def _rows(config, stream: Stream | np.ndarray) -> tuple[int, Callable[[np.ndarray], dict]]:
+    """(the number of rows, rows(ids) -> a batch dict of those rows) under data.packing; a
+    bare token array is one document."""
+    if not isinstance(stream, Stream):
+        stream = Stream(stream, np.zeros(1, np.int64))
+    tokens, starts, seq_len = stream.tokens, np.asarray(stream.starts), config.train.seq_len
+    mode, reset = config.data.get("packing", "none"), config.data.get("reset_positions", True)
+    if mode == "none":
+        return _num_windows(tokens, seq_len), lambda ids: {"tokens": _gather(tokens, seq_len, ids)}
+    if mode == "concat":
+        windows = _num_windows(tokens, seq_len)
+        return windows, lambda ids: packing.window_rows(tokens, starts, seq_len, ids, reset)
+    if mode == "best_fit":
+        layout = packing.best_fit(starts, tokens.size, seq_len + 1)
+        return layout.num_rows, lambda ids: packing.packed_rows(tokens, layout, ids, reset)
+    raise DataError(f"data.packing={mode!r} is unknown; use one of {list(packing.PACKINGS)}")
+
+
+def train_iterator(
+    config, stream: Stream | np.ndarray, rows: slice
+) -> Iterator[dict[str, np.ndarray]]:
+    """An endless grain iterator of batches, `rows` of every global batch (`local_rows`):
+    {"tokens": int32 [B_local, L+1]}, and with data.packing "documents" and "positions" of
+    the same shape (`seqpipe.packing`); has get/set_state."""
+    num_rows, rows_of = _rows(config, stream)
     ds = (
-        grain.MapDataset.range(_num_windows(tokens, seq_len))
+        grain.MapDataset.range(num_rows)
         .shuffle(seed=config.train.seed)
         .repeat()  # infinite; each epoch is shuffled with seed + epoch
-        .batch(config.train.global_batch_size)  # window ids of one global batch
-        .map(lambda ids: {"tokens": _gather(tokens, seq_len, ids[rows])})
+        .batch(config.train.global_batch_size)  # row ids of one global batch
+        .map(lambda ids: rows_of(ids[rows]))
     )
     # One reader thread keeps a couple of batches ahead of the step; order stays fixed.
     options = grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)
     return iter(ds.to_iter_dataset(options))
 
 
-def eval_batches(config, tokens: np.ndarray, num_batches: int, rows: slice) -> list[np.ndarray]:
-    """`rows` of the first `num_batches` global batches of eval windows, in order (wrapping
-    around)."""
-    seq_len = config.train.seq_len
+def eval_batches(
+    config, stream: Stream | np.ndarray, num_batches: int, rows: slice
+) -> list[dict[str, np.ndarray]]:
+    """`rows` of the first `num_batches` global batches of eval rows, in order (wrapping
+    around), as `train_iterator`'s batches."""
     batch = config.train.global_batch_size
-    n = _num_windows(tokens, seq_len)
+    num_rows, rows_of = _rows(config, stream)
     ids = np.arange(batch)[rows]
-    return [_gather(tokens, seq_len, (b * batch + ids) % n) for b in range(num_batches)]
+    return [rows_of((b * batch + ids) % num_rows) for b in range(num_batches)]
+
+
+def global_batch(local: dict[str, np.ndarray], mesh, batch_size: int) -> dict[str, jax.Array]:
+    """`to_global` of each of a batch's arrays."""
+    return {key: to_global(rows, mesh, batch_size) for key, rows in local.items()}
 
 
 def to_global(local_batch: np.ndarray, mesh: jax.sharding.Mesh, batch_size: int) -> jax.Array:

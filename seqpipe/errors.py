@@ -4,3 +4,7 @@
 class TopologyError(RuntimeError):
     """libtpu or JAX's CUDA plugin cannot describe the slice or system (not installed, or too
     old); the message says so."""
+
+
+class DataError(ValueError):
+    """Bad data or data config; the message says what is wrong and how to fix it."""

@@ -1,7 +1,8 @@
 """Tokenizers: raw bytes (256 symbols) and a byte-level BPE trained with HF `tokenizers`.
 
 Both expose the same small surface: `encode`, `encode_batch`, `decode`, `vocab_size`,
-`eot_id` (the id appended after each document, or None) and `to_json` (a stable
+`eot_id` (the id appended after each document, or None; `seqpipe.data` sets a HF
+model's eos_token_id where the tokenizer has no <|endoftext|>) and `to_json` (a stable
 description, hashed to key the token cache).
 """
 
@@ -91,5 +92,7 @@ def train_bpe(texts: Sequence[str], vocab_size: int) -> BpeTokenizer:
 
 
 def fingerprint(tokenizer: Tokenizer) -> str:
-    """A short content hash: token caches made with another tokenizer never match."""
-    return hashlib.sha256(tokenizer.to_json().encode()).hexdigest()[:16]
+    """A short hash of the content and the end-of-document id: token caches made with
+    another tokenizer, or that ended documents otherwise, never match."""
+    blob = f"{tokenizer.to_json()}\n{tokenizer.eot_id}"
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]

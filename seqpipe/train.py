@@ -331,26 +331,33 @@ class Trainer:
 
     def _start(self, config: ConfigDict, workdir: str) -> None:
         t = config.train
+        if config.data.get("packing", "none") != "none":  # until the model reads documents
+            raise data.DataError(
+                f"data.packing={config.data.packing} needs the model's document mask, which "
+                "this build lacks; use data.packing=none"
+            )
         self.mesh = sharding.mesh_of(config)
         rows = data.local_rows(config, self.mesh)
         # The data is checked before the workdir is touched: a refusal leaves nothing.
-        train_tokens, eval_tokens, tokenizer = data.read_corpus(config)
+        train_stream, eval_stream, tokenizer = data.read_corpus(config)
         if t.get("init_from"):  # its files' names, shapes and dtypes, as the data
             from seqpipe import hf
 
             hf.check(t.init_from, GPTConfig.from_config(config.model))
-        self.data_id = data.identity(train_tokens)  # what the checkpoints' data position counts
+        # What the checkpoints' data position counts: with packing, the documents too.
+        packed = config.data.get("packing", "none") != "none"
+        self.data_id = data.identity(train_stream.tokens, train_stream.starts if packed else None)
         self.lock = workdir_lib.Lock(workdir, jax.process_index())  # one run per workdir
         self.manager = None
         try:
             data.keep_tokenizer(tokenizer, workdir, config)
             if jax.process_index() == 0:
                 checkpoint.clean_partial(workdir)  # what a cut save left; the lock is ours
-            self.batches = data.train_iterator(config, train_tokens, rows)
+            self.batches = data.train_iterator(config, train_stream, rows)
             held_out = (
-                data.eval_batches(config, eval_tokens, t.eval_batches, rows) if t.eval_every else []
+                data.eval_batches(config, eval_stream, t.eval_batches, rows) if t.eval_every else []
             )
-            self.eval_set = [data.to_global(b, self.mesh, t.global_batch_size) for b in held_out]
+            self.eval_set = [data.global_batch(b, self.mesh, t.global_batch_size) for b in held_out]
             self.tx = optim.make_optimizer(t)
             self.manager = checkpoint.make_manager(workdir, config)
             restored = self.restore()
@@ -416,8 +423,8 @@ class Trainer:
         )
         with self._as_training_errors(), StopRequest(kept) as stop:
             for step in range(self.start + 1, self.end + 1):
-                batch = data.to_global(next(self.batches)["tokens"], self.mesh, t.global_batch_size)
-                self.state, metrics = step_fn(self.state, batch)
+                batch = data.global_batch(next(self.batches), self.mesh, t.global_batch_size)
+                self.state, metrics = step_fn(self.state, batch["tokens"])
                 if pending:
                     self._finished(pending[0], pending[1])
                     self._report(*pending)
@@ -454,7 +461,7 @@ class Trainer:
         losses = []
         try:
             for i, batch in enumerate(self.eval_set):
-                losses.append(eval_fn(self.state["params"], batch))
+                losses.append(eval_fn(self.state["params"], batch["tokens"]))
                 if i:
                     jax.block_until_ready(losses[i - 1])
             return jax.block_until_ready(losses)

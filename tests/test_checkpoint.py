@@ -89,6 +89,28 @@ def test_different_model_is_refused(tmp_path):
     assert snapshot() == before
 
 
+def test_another_packing_is_another_batch_order(tmp_path):
+    """The saved data position counts rows of one packing: under another it would point
+    into other rows, so it is refused as another batch order is."""
+    train.run(tiny_config(**{"train.stop_at": "1"}), str(tmp_path))
+    for packing, also in (("concat", "data.reset_positions=None saved, True now"), ("none", "")):
+        config = config_lib.resolve(tiny_config(**{"data.packing": packing}), 8)
+        tx = optim.make_optimizer(config.train)
+        abstract = train.abstract_state(config, sharding.mesh_of(config), tx)
+        manager = checkpoint.make_manager(tmp_path, config)
+        try:
+            if packing == "none":  # what the run was trained with: restores
+                assert checkpoint.restore_latest(manager, abstract, config)[0] == 1
+                continue
+            with pytest.raises(ConfigError, match="batch order") as e:
+                checkpoint.restore_latest(manager, abstract, config)
+            assert "data.packing='none' saved, 'concat' now" in str(e.value) and also in str(
+                e.value
+            )
+        finally:
+            manager.close()
+
+
 def test_keys_that_hold_no_parameter_and_the_optimizer_may_change_on_resume_in_one_line(
     tmp_path, capfd
 ):

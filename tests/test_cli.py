@@ -229,6 +229,42 @@ INVALID = {
         "data.source=text data.path={tmp}/short.txt train.seq_len=64",
         "the corpus has 100 tokens: too few",
     ),
+    # Documents in (issue 35).
+    "JSON line that does not parse": (
+        "data.source=jsonl data.path={tmp}/bad.jsonl",
+        "{tmp}/bad.jsonl:2 is not valid JSON (Expecting ',' delimiter); fix it, or set "
+        "data.skip_bad_lines=True",
+    ),
+    "JSON line without the text key": (
+        "data.source=jsonl data.path={tmp}/bad.jsonl data.text_key=body",
+        "{tmp}/bad.jsonl:1 has no 'body' field (keys ['text']); set data.text_key",
+    ),
+    "parquet without the text column": (
+        "data.source=parquet data.path={tmp}/nocol.parquet",
+        "{tmp}/nocol.parquet has no column 'text' (its columns: ['body'])",
+    ),
+    "corpus of empty documents": (
+        "data.source=jsonl data.path={tmp}/empty.jsonl",
+        "the corpus (1 jsonl files) holds no document",
+    ),
+    "eod_id with a text source": (
+        "data.source=text data.path={tmp}/short.txt data.eod_id=3",
+        "data.eod_id=3 is for data.source=tokens",
+    ),
+    "eod_id not below vocab_size": (
+        "data.source=tokens data.path={tmp}/ids.bin data.tokenizer=bpe data.eod_id=256",
+        "data.eod_id=256 is not below model.vocab_size=256",
+    ),
+    "token file packed without an eod_id": (
+        "data.source=tokens data.path={tmp}/ids.bin data.tokenizer=bpe data.packing=concat",
+        "data.packing=concat with data.source=tokens needs data.eod_id",
+    ),
+    "token file without its eod_id": (
+        "data.source=tokens data.path={tmp}/ids.bin data.tokenizer=bpe data.eod_id=300 "
+        "model.vocab_size=512",
+        "holds no data.eod_id=300, so no document ends",
+    ),
+    "unknown packing": ("data.packing=greedy", "data.packing='greedy' is not valid"),
 }
 # Run through a real train.py process by default; the rest in the slow target (their
 # in-process twins run by default).
@@ -242,6 +278,7 @@ BY_PROCESS = {
     "tokenizer file not a tokenizer",
     "seq_len above what the data allows",
     "seed negative",
+    "JSON line that does not parse",
 }
 
 
@@ -259,6 +296,12 @@ def broken_data(tmp_path_factory):
     np.array([1, 2, 300] * 100, np.uint16).tofile(d / "big_ids.bin")
     np.arange(1000, dtype=np.uint16).__mod__(256).astype(np.uint16).tofile(d / "ids.bin")
     (d / "garbage.json").write_text("this is not a tokenizer\n")
+    (d / "bad.jsonl").write_text('{"text": "a line"}\n{"text": "no comma" "here"}\n')
+    (d / "empty.jsonl").write_text('{"text": ""}\n')
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"body": ["some text"]}), d / "nocol.parquet")
     bpe = tokenizer.train_bpe([Path(os.__file__).read_text()], 300)  # real text: all merges
     assert bpe.vocab_size == 300
     bpe.hf.save(str(d / "bpe300.json"))

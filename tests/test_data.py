@@ -10,7 +10,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from seqpipe import data, sharding
+from seqpipe import data, documents, sharding
 
 STDLIB = sysconfig.get_paths()["stdlib"]
 
@@ -94,7 +94,7 @@ def test_tokenizer_larger_than_model_vocab_is_an_error(tmp_path):
 def test_stdlib_corpus_split_and_cache(tmp_path):
     config = make_config(tmp_path, source="stdlib", path="", tokenizer="byte")
     train, held_out = data.load_tokens(config, "")
-    files = data._stdlib_files()
+    files = documents._stdlib_files()
     assert files == sorted(files) and not any("site-packages" in f for f in files)
     total = sum(len(open(f, "rb").read().decode("utf-8", "replace").encode()) for f in files)
     assert train.size + held_out.size == total > 5_000_000
@@ -113,7 +113,7 @@ def test_bpe_tokens_carry_end_of_text_between_documents(tmp_path):
     tok = data.load_tokenizer(config)
     train, held_out = data.load_tokens(config, "")
     stream = np.concatenate([train, held_out])
-    files = [f for f in data._text_files(config.data.path) if os.path.getsize(f)]
+    files = [f for f in documents._text_files(config.data.path) if os.path.getsize(f)]
     assert np.count_nonzero(stream == tok.eot_id) == len(files)  # empty files add nothing
     first = open(files[0], encoding="utf-8").read()
     assert tok.decode(stream[: np.argmax(stream == tok.eot_id)]) == first
@@ -306,15 +306,17 @@ def test_eval_batches_are_deterministic_sharded_and_from_the_held_out_tail(tmp_p
     config.data.path = str(path)
     config.model.vocab_size = 2000
     train, held_out = data.load_tokens(config, "")
-    evals = data.eval_batches(config, held_out, 5, EVERY_ROW)
-    assert data.eval_batches(config, held_out, 5, EVERY_ROW)[4].tolist() == evals[4].tolist()
+    evals = [b["tokens"] for b in data.eval_batches(config, held_out, 5, EVERY_ROW)]
+    assert (
+        data.eval_batches(config, held_out, 5, EVERY_ROW)[4]["tokens"].tolist() == evals[4].tolist()
+    )
     for b in evals:
         assert b.shape == (4, 17) and b.min() >= train.size  # never a training token
         np.testing.assert_array_equal(b, b[:, :1] + np.arange(17))
     assert [b[0, 0] for b in evals[:3]] == [1800, 1864, 1928]  # in order, windows wrap at 12
     halves = [data.eval_batches(config, held_out, 5, rows) for rows in (slice(0, 2), slice(2, 4))]
     for b, x, y in zip(evals, *halves, strict=True):
-        np.testing.assert_array_equal(np.concatenate([x, y]), b)
+        np.testing.assert_array_equal(np.concatenate([x["tokens"], y["tokens"]]), b)
     train_starts = {
         int(s) for b in take(data.train_iterator(config, train, EVERY_ROW), 30) for s in b[:, 0]
     }
@@ -340,7 +342,7 @@ def test_bpe_on_the_whole_stdlib(tmp_path, vocab_size):
     assert tok.vocab_size == vocab_size
     train, held_out = data.load_tokens(config, "")
     assert train.size + held_out.size > 2_000_000
-    assert tok.decode(train[:2000]).startswith(open(data._stdlib_files()[0]).read()[:500])
+    assert tok.decode(train[:2000]).startswith(open(documents._stdlib_files()[0]).read()[:500])
 
 
 # ---------------------------------------------------------------- special files and links
@@ -426,7 +428,7 @@ def test_a_symlink_loop_under_a_glob_reads_each_real_file_once(tmp_path):
     tmp_path.joinpath("elsewhere", "c.txt").write_text("third " * 40)
     (corpus / "out").symlink_to(tmp_path / "elsewhere")  # a link that does not loop
     for pattern in ("**", "**/*.txt"):
-        files = _within(lambda p=pattern: data._text_files(str(corpus / p)))
+        files = _within(lambda p=pattern: documents._text_files(str(corpus / p)))
         assert files == [
             str(corpus / "a.txt"),
             str(corpus / "out/c.txt"),
@@ -460,3 +462,118 @@ def test_invalid_utf8_is_counted_in_one_line_and_refused_past_the_threshold(tmp_
     config.data.max_invalid_utf8 = 1.0  # taken as it is, when asked
     train, held_out = data.load_tokens(config, "")
     assert "30004 invalid UTF-8 sequences in 2 of the corpus's files" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- packed rows
+
+
+def packed_config(tmp_path, mode, seq_len=32, batch=4):
+    c = make_config(tmp_path, packing=mode, reset_positions=True)
+    c.train.update(seq_len=seq_len, global_batch_size=batch)
+    return c
+
+
+def take_all(it, n):
+    return [next(it) for _ in range(n)]
+
+
+def test_concat_rows_are_todays_rows_with_their_documents(tmp_path):
+    stream, _, t = data.read_corpus(packed_config(tmp_path, "concat"))
+    none = take_all(data.train_iterator(packed_config(tmp_path, "none"), stream, EVERY_ROW), 6)
+    concat = take_all(data.train_iterator(packed_config(tmp_path, "concat"), stream, EVERY_ROW), 6)
+    assert all(set(b) == {"tokens"} for b in none)
+    for a, b in zip(none, concat, strict=True):
+        np.testing.assert_array_equal(a["tokens"], b["tokens"])  # bit for bit
+        assert set(b) == {"tokens", "documents", "positions"}
+        # A token after <|endoftext|> starts a new document: ids step there, and only there.
+        after_end = b["tokens"][:, :-1] == t.eot_id
+        np.testing.assert_array_equal(np.diff(b["documents"]) == 1, after_end)
+        assert np.all(b["positions"][:, 1:][after_end] == 0)
+
+
+def paragraphs_config(tmp_path, mode):
+    """A JSON lines corpus of the email package's paragraphs: many documents shorter than
+    a row, some longer."""
+    texts = [open(f, encoding="utf-8").read() for f in documents._text_files(EMAIL)]
+    lines = [json.dumps({"text": p}) for t in texts for p in t.split("\n\n") if p.strip()]
+    (tmp_path / "paragraphs.jsonl").write_text("\n".join(lines))
+    c = packed_config(tmp_path, mode)
+    c.data.update(source="jsonl", path=str(tmp_path / "paragraphs.jsonl"), text_key="text")
+    return c
+
+
+EMAIL = os.path.join(STDLIB, "email", "*.py")
+
+
+def test_best_fit_serves_every_document_token_once_an_epoch(tmp_path):
+    config = paragraphs_config(tmp_path, "best_fit")
+    stream, _, t = data.read_corpus(config)
+    tokens, starts = np.asarray(stream.tokens), np.asarray(stream.starts)
+    num_rows, _ = data._rows(config, stream)
+    batches = take_all(data.train_iterator(config, stream, EVERY_ROW), -(-num_rows // 4))
+    epoch = {k: np.concatenate([b[k] for b in batches])[:num_rows] for k in batches[0]}
+    real = epoch["tokens"][epoch["documents"] > 0]
+    np.testing.assert_array_equal(np.sort(real), np.sort(tokens))  # each token once
+    # Each document's last piece ends with its <|endoftext|> (the split may cut the last).
+    lengths = np.diff([*starts, tokens.size])
+    assert 100 < np.count_nonzero(lengths <= 33) < len(lengths)  # short and long ones
+    ends = np.diff(epoch["documents"], append=0) != 0  # each run's last token
+    ended = np.count_nonzero(tokens[np.r_[starts[1:], tokens.size] - 1] == t.eot_id)
+    assert np.count_nonzero(epoch["tokens"][ends & (epoch["documents"] > 0)] == t.eot_id) == ended
+    assert np.all(epoch["documents"][:, 0] == 1) and np.all(epoch["positions"][:, 0] == 0)
+    # Best fit leaves little padding: under 5% of the epoch's tokens here.
+    assert np.count_nonzero(epoch["documents"] == 0) < 0.05 * epoch["documents"].size
+
+
+@pytest.mark.parametrize("mode", ["concat", "best_fit"])
+def test_packed_iterator_state_restores_exactly(tmp_path, mode):
+    config = packed_config(tmp_path, mode)
+    stream, _, _ = data.read_corpus(config)
+    it = data.train_iterator(config, stream, EVERY_ROW)
+    take_all(it, 5)
+    state = it.get_state()
+    expected = take_all(it, 7)
+    restored = data.train_iterator(config, stream, EVERY_ROW)
+    restored.set_state(json.loads(json.dumps(state)))  # as a checkpoint keeps it
+    for a, b in zip(expected, take_all(restored, 7), strict=True):
+        assert set(a) == set(b) == {"tokens", "documents", "positions"}
+        for key in a:
+            np.testing.assert_array_equal(a[key], b[key])
+
+
+@pytest.mark.parametrize("mode", ["concat", "best_fit"])
+def test_packed_eval_batches_are_packed_rows_of_the_held_out_tail(tmp_path, mode):
+    config = packed_config(tmp_path, mode, batch=4)
+    _, held_out, _ = data.read_corpus(config)
+    evals = data.eval_batches(config, held_out, 3, EVERY_ROW)
+    halves = [data.eval_batches(config, held_out, 3, r) for r in (slice(0, 2), slice(2, 4))]
+    for b, x, y in zip(evals, *halves, strict=True):
+        assert {k: v.shape for k, v in b.items()} == {k: (4, 33) for k in b} and len(b) == 3
+        for key in b:
+            np.testing.assert_array_equal(np.concatenate([x[key], y[key]]), b[key])
+    held = set(np.asarray(held_out.tokens).tolist())
+    assert set(evals[0]["tokens"][evals[0]["documents"] > 0].tolist()) <= held
+
+
+def test_identity_counts_document_starts_only_when_packed(tmp_path):
+    stream, _, _ = data.read_corpus(packed_config(tmp_path, "concat"))
+    plain = data.identity(stream.tokens)
+    packed = data.identity(stream.tokens, stream.starts)
+    moved = data.identity(
+        stream.tokens, stream.starts + np.r_[0, np.ones(len(stream.starts) - 1, int)]
+    )
+    assert (
+        plain["tokens"] == packed["tokens"]
+        and len({plain["digest"], packed["digest"], moved["digest"]}) == 3
+    )
+
+
+def test_a_global_batch_holds_every_key_sharded_over_data(tmp_path):
+    mesh = sharding.make_mesh(4, 2)
+    config = packed_config(tmp_path, "best_fit", batch=8)
+    stream, _, _ = data.read_corpus(config)
+    local = next(data.train_iterator(config, stream, EVERY_ROW))
+    batch = data.global_batch(local, mesh, 8)
+    for key, rows in local.items():
+        assert batch[key].sharding.spec == jax.sharding.PartitionSpec("data")
+        np.testing.assert_array_equal(np.asarray(batch[key]), rows)

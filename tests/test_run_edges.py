@@ -290,7 +290,7 @@ def test_an_evaluation_of_a_hundred_batches_finishes(tmp_path, layout):
     batches = data.eval_batches(config, held_out, 100, slice(None))
     state = _restore_params(tmp_path, config, mesh)
     eval_fn = train.make_eval_fn(config, mesh)
-    losses = [float(eval_fn(state, data.to_global(b, mesh, 8))) for b in batches]
+    losses = [float(eval_fn(state, data.to_global(b["tokens"], mesh, 8))) for b in batches]
     assert last["eval_loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-5)
 
 

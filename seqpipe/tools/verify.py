@@ -87,11 +87,14 @@ def main(argv: list[str]) -> int:
         print("error: pipeline.schedule=none: nothing to verify; set a schedule", file=sys.stderr)
         return 2
     mesh = sharding.mesh_of(config)
-    # A check writes nothing: no workdir, only the token cache.
-    train_tokens, _ = cli.run_or_exit(lambda: data.load_tokens(config, ""))
+    # A check writes nothing: no workdir, only the token cache. The stream keeps its
+    # documents, which packed rows (data.packing) are made of.
+    train_stream, _, _ = cli.run_or_exit(lambda: data.read_corpus(config))
     rows = cli.run_or_exit(lambda: data.local_rows(config, mesh))
-    batch = next(data.train_iterator(config, train_tokens, rows))["tokens"]
-    tokens = data.to_global(batch, mesh, config.train.global_batch_size)
+    batch = data.global_batch(
+        next(data.train_iterator(config, train_stream, rows)), mesh, config.train.global_batch_size
+    )
+    tokens = batch["tokens"]
     r = cli.run_or_exit(lambda: compare(config, tokens, mesh))
     print(
         f"schedule {config.pipeline.schedule}  loss {r['loss']:.6f} (reference "
