@@ -1,0 +1,208 @@
+"""The Pallas kernels (`pallas_gpu`, `splash`) on packed documents, against a dense masked
+reference: query i sees key j iff j <= P + i and both carry the same document id. The
+output and all five cotangents, segment by segment, with documents crossing the segment
+boundary, one-token documents, a row that is one document, padding (id 2**30) and a
+segment that starts a document; the key blocks the mask removes are skipped, not masked
+(keys there hold NaN and nothing turns NaN)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from seqpipe import compat, gpu_attention, kv_cache, splash
+
+KERNEL_TOL = 1e-6  # pallas_gpu in interpret mode, float32 (as tests/test_attention.py)
+SPLASH_TOL = 1e-5  # splash's backward in interpret mode: about 4e-6 here
+NAMES = ("out", "dq", "dk_prefix", "dv_prefix", "dk_own", "dv_own")
+PADDING = 2**30  # the model's id for padding: one last document that sees only itself
+TINY_TILES = gpu_attention.Blocks(forward=(4, 2), dkv=(4, 2), dq=(2, 4))
+
+
+def packed(*rows) -> np.ndarray:
+    """Document ids [b, L] of rows given as document lengths (a length of `-n`: n padding
+    tokens), documents numbered 1, 2, ... along each row."""
+    out = []
+    for lengths in rows:
+        ids = [PADDING if n < 0 else doc for doc, n in enumerate(lengths, 1) for _ in range(abs(n))]
+        out.append(ids)
+    return np.asarray(out, np.int32)
+
+
+# Twelve positions cut into segments of 5 and 7 (prefix 0, then 5), four rows:
+ROWS = packed(
+    (3, 1, 4, 1, 3),  # one-token documents; the third crosses the segment boundary
+    (12,),  # one document
+    (2, 6, -4),  # padding in the second segment
+    (5, 7),  # the second segment starts a document: it reads no prefix
+)
+
+
+def reference(q, kp, vp, ks, vs, documents):
+    """Dense attention over the prefix and the segment with the document mask (the same
+    mask `xla` gets from packcore; this test switches to it on merge)."""
+    q_ids, kv_ids = documents
+    b, q_len, heads, width = q.shape
+    k, v = jnp.concatenate([kp, ks], 1), jnp.concatenate([vp, vs], 1)
+    prefix, kv_heads = kp.shape[1], k.shape[2]
+    qg = q.reshape(b, q_len, kv_heads, heads // kv_heads, width)
+    scores = jnp.einsum("bqhge,bkhe->bhgqk", qg, k, precision="highest") * width**-0.5
+    causal = np.arange(prefix + q_len)[None, :] <= prefix + np.arange(q_len)[:, None]
+    mask = causal & (q_ids[:, :, None] == kv_ids[:, None, :])
+    probs = jax.nn.softmax(jnp.where(mask[:, None, None], scores, -jnp.inf), axis=-1)
+    out = jnp.einsum("bhgqk,bkhe->bqhge", probs, v, precision="highest")
+    return out.reshape(q.shape)
+
+
+def sequence(rows, h=3, e=8, kv=None, seed=0):
+    """q, k, v and an output cotangent of whole rows, [b, L, H, E] each."""
+    b, length = rows.shape
+    keys = jax.random.split(jax.random.key(seed), 4)
+    heads = (h, kv or h, kv or h, h)
+    return [jax.random.normal(key, (b, length, n, e)) for key, n in zip(keys, heads, strict=True)]
+
+
+def out_and_grads(fn, args, g, documents):
+    out, vjp = jax.vjp(lambda *a: fn(*a, documents=documents), *args)
+    return (out, *vjp(g))
+
+
+def check_segments(fn, lengths, rows=ROWS, tol=KERNEL_TOL, first=0, **shape):
+    """fn against the reference on each segment of `rows` cut into `lengths`."""
+    q, k, v, g = sequence(rows, **shape)
+    ids = jnp.asarray(rows)
+    offset = sum(lengths[:first])
+    for length in lengths[first:]:
+        own, seen = slice(offset, offset + length), slice(0, offset + length)
+        args = (q[:, own], k[:, :offset], v[:, :offset], k[:, own], v[:, own])
+        documents = (ids[:, own], ids[:, seen])
+        want = jax.jit(out_and_grads, static_argnums=0)(reference, args, g[:, own], documents)
+        got = jax.jit(out_and_grads, static_argnums=0)(fn, args, g[:, own], documents)
+        for name, x, y in zip(NAMES, got, want, strict=True):
+            np.testing.assert_allclose(
+                x, y, rtol=tol, atol=tol, err_msg=f"{name}, segments {lengths} at {offset}"
+            )
+        offset += length
+
+
+def test_the_reference_is_causal_attention_when_every_row_is_one_document():
+    """The oracle's mask with one document per row is the plain causal mask."""
+    from seqpipe.attention import segment_attention
+
+    rows = packed((12,), (12,))
+    q, k, v, _ = sequence(rows)
+    ids = jnp.asarray(rows)
+    args = (q[:, 5:], k[:, :5], v[:, :5], k[:, 5:], v[:, 5:])
+    np.testing.assert_allclose(
+        reference(*args, (ids[:, 5:], ids)), segment_attention(*args), rtol=1e-6, atol=1e-6
+    )
+
+
+pallas_gpu = functools.partial(
+    gpu_attention.pallas_gpu_attention, blocks=TINY_TILES, interpret=True
+)
+
+
+def in_cache(kp, vp):
+    """kp, vp in slot 1, layer 2 of caches whose other positions hold 7s."""
+    b, length, h, e = kp.shape
+    base = jnp.full((2, 3, b, length + 5, h, e), 7.0, kp.dtype)
+    words = [
+        kv_cache.to_words(base.at[1, 2, :, :length].set(jax.lax.stop_gradient(x))) for x in (kp, vp)
+    ]
+    return kv_cache.Prefix(*words, jnp.int32(1), jnp.int32(2))
+
+
+def cached_pallas_gpu(q, kp, vp, ks, vs, documents):
+    """`gpu_attention.cached_attention` reading the prefix from a cache; kp, vp are the
+    sinks, so their cotangents are the prefix's."""
+    fn = gpu_attention.cached_attention
+    return fn(q, in_cache(kp, vp), kp, vp, ks, vs, kp.shape[1], TINY_TILES, True, documents)
+
+
+def test_pallas_gpu_with_documents_matches_the_masked_reference():
+    check_segments(pallas_gpu, (5, 7))
+
+
+def test_pallas_gpu_reading_the_kv_cache_with_documents():
+    check_segments(cached_pallas_gpu, (5, 7), first=1)
+
+
+@pytest.mark.parametrize("kv", [1, 2])
+def test_grouped_pallas_gpu_with_documents(kv):
+    check_segments(pallas_gpu, (5, 7), h=4, kv=kv)
+    check_segments(cached_pallas_gpu, (5, 7), first=1, h=4, kv=kv)
+
+
+def test_pallas_gpu_with_default_tiles_and_documents():
+    """Default tiles fitted to the segment (32 queries, 64 keys: a 40-key prefix and a
+    20-query segment), documents of 7 crossing every boundary, one padded row."""
+    rows = packed((7,) * 8 + (4,), (30, 23, -7))
+    fn = functools.partial(gpu_attention.pallas_gpu_attention, interpret=True)
+    check_segments(fn, (40, 20), rows=rows, first=1, h=2, e=16)
+
+
+def poisoned(x, keys: slice):
+    return x.at[:, keys].set(jnp.nan)
+
+
+def test_pallas_gpu_never_reads_key_blocks_before_a_segments_documents():
+    """Keys 0..7 hold NaN: a kernel that read them (even to mask them) would spread it
+    (a masked probability 0 times NaN is NaN). Segment [8, 16): row 0 starts a document
+    at 8 (no prefix block is read), row 1's first document starts at 4 (the blocks of keys
+    0..3 are skipped). Output and cotangents match the reference on clean keys, and the
+    skipped keys' dK, dV are exactly zero."""
+    rows = packed((8, 8), (4, 12), (4, 3, 9))
+    q, k, v, g = sequence(rows)
+    ids = jnp.asarray(rows)
+    skipped = jnp.asarray([8, 4, 4])  # keys before each row's first visible one
+    dirty = jnp.arange(16)[None, :, None, None] < skipped[:, None, None, None]
+    k_nan, v_nan = (jnp.where(dirty, jnp.nan, x) for x in (k, v))
+    documents = (ids[:, 8:], ids)
+    own = slice(8, 16)
+    clean = (q[:, own], k[:, :8], v[:, :8], k[:, own], v[:, own])
+    want = out_and_grads(reference, clean, g[:, own], documents)
+    for fn in (pallas_gpu, cached_pallas_gpu):
+        args = (q[:, own], k_nan[:, :8], v_nan[:, :8], k[:, own], v[:, own])
+        got = jax.jit(out_and_grads, static_argnums=0)(fn, args, g[:, own], documents)
+        for name, x, y in zip(NAMES, got, want, strict=True):
+            np.testing.assert_allclose(x, y, rtol=KERNEL_TOL, atol=KERNEL_TOL, err_msg=name)
+        assert not np.asarray(got[2])[0].any() and not np.asarray(got[2])[1, :4].any()
+
+
+def test_pallas_gpu_dkv_never_reads_query_blocks_of_later_documents():
+    """The output cotangent of rows 4..7 of segment [8, 16) (document 2, from key 10) is
+    NaN: the dK, dV of document 1's keys (the prefix, own keys 0 and 1) skip that query
+    block, so they stay finite and equal the reference's; so does dq of rows 0..3."""
+    rows = packed((10, 6))
+    q, k, v, g = sequence(rows)
+    ids = jnp.asarray(rows)
+    own = slice(8, 16)
+    args = (q[:, own], k[:, :8], v[:, :8], k[:, own], v[:, own])
+    documents = (ids[:, own], ids)
+    want = out_and_grads(reference, args, g[:, own], documents)
+    g_nan = g[:, own].at[:, 4:].set(jnp.nan)
+    got = jax.jit(out_and_grads, static_argnums=0)(pallas_gpu, args, g_nan, documents)
+    for name, x, y in (
+        ("dq", got[1][:, :4], want[1][:, :4]),
+        ("dk_prefix", got[2], want[2]),
+        ("dv_prefix", got[3], want[3]),
+        ("dk_own", got[4][:, :2], want[4][:, :2]),
+        ("dv_own", got[5][:, :2], want[5][:, :2]),
+    ):
+        np.testing.assert_allclose(x, y, rtol=KERNEL_TOL, atol=KERNEL_TOL, err_msg=name)
+
+
+def test_document_bounds_are_runs_of_equal_ids():
+    """Each query row's document start (an absolute key) and each key's document end (a
+    query row): the rows that see key j are [j - P, ends[j])."""
+    ids = jnp.asarray(packed((3, 1, 4, 1, 3), (2, 6, -4)))
+    starts, ends = gpu_attention.document_bounds((ids[:, 5:], ids), 5, 7)
+    np.testing.assert_array_equal(starts, [[4, 4, 4, 8, 9, 9, 9], [2, 2, 2, 8, 8, 8, 8]])
+    np.testing.assert_array_equal(
+        ends, [[0, 0, 0, 0, 3, 3, 3, 3, 4, 7, 7, 7], [0, 0, 3, 3, 3, 3, 3, 3, 7, 7, 7, 7]]
+    )
+    with pytest.raises(ValueError, match=r"expected \(2, 7\) and \(2, 12\): the prefix, then"):
+        gpu_attention.document_bounds((ids[:, 5:], ids[:, 5:]), 5, 7)
