@@ -709,13 +709,22 @@ def _cached_bwd(prefix_len, blocks, interpret, residuals, d_out):
 _cached.defvjp(_cached_fwd, _cached_bwd)
 
 
-def executed_flops(q_len: int, prefix_len: int, width: int, blocks: Blocks = BLOCKS) -> int:
+def executed_flops(
+    q_len: int, prefix_len: int, width: int, blocks: Blocks = BLOCKS, starts=None
+) -> int:
     """Forward matmul FLOPs (QK and PV, per row) the forward kernel runs for one segment,
     `width` = H * E: every key block a query block visits, whole (padding and the
-    diagonal's masked part included)."""
+    diagonal's masked part included). `starts`: one row's document starts (`document_bounds`,
+    [Q] absolute keys), from whose first row's each query block starts."""
     bq, bk = _fit(blocks.forward[0], q_len), _fit(blocks.forward[1], max(prefix_len, q_len))
+    prefix_blocks = -(-prefix_len // bk)
     key_blocks = 0
     for i in range(-(-q_len // bq)):
         seen = min(-(-q_len // bk), (i * bq + bq - 1) // bk + 1)
-        key_blocks += -(-prefix_len // bk) + seen
+        if starts is None:
+            key_blocks += prefix_blocks + seen
+            continue
+        lo = int(starts[i * bq])
+        key_blocks += prefix_blocks - lo // bk if lo < prefix_len else 0
+        key_blocks += seen - max(lo - prefix_len, 0) // bk
     return 2 * 2 * key_blocks * bq * bk * width
