@@ -350,3 +350,68 @@ def test_splash_with_documents_compiles_for_a_tpu():
         "splash_mha_dq_segmented_no_residuals",
         "splash_mha_fwd_segmented_residuals",
     ]
+
+
+@pytest.mark.parametrize("q_len, prefix_len", [(7, 0), (9, 13), (12, 12), (16, 8)])
+def test_pallas_gpu_flops_with_documents_count_the_blocks_it_visits(q_len, prefix_len):
+    """executed_flops with documents against the (query block, key block) pairs where some
+    row sees some key: real rows see [start, P + row]; past-the-end rows, which the kernel
+    computes, see from the last real row's start up to their diagonal. The skipped pairs
+    are those wholly before a block's first document start."""
+    bq, bk = 4, 2
+    blocks = gpu_attention.Blocks(forward=(bq, bk))
+    rng = np.random.default_rng(q_len + prefix_len)
+    ids = np.sort(rng.integers(0, 5, prefix_len + q_len)).astype(np.int32)
+    starts, _ = gpu_attention.document_bounds(
+        (jnp.asarray(ids[None, prefix_len:]), jnp.asarray(ids[None])), prefix_len, q_len
+    )
+    starts = np.asarray(starts[0])
+    pairs = set()
+    for row in range(-(-q_len // bq) * bq):
+        lo = starts[min(row, q_len - 1)]
+        for key in range(lo, min(prefix_len + row, prefix_len + q_len - 1) + 1):
+            own = key >= prefix_len
+            pairs.add((row // bq, own, (key - prefix_len if own else key) // bk))
+    got = gpu_attention.executed_flops(q_len, prefix_len, 6, blocks, starts=starts)
+    assert got == 4 * len(pairs) * bq * bk * 6
+    assert got <= gpu_attention.executed_flops(q_len, prefix_len, 6, blocks)
+
+
+def _script(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_flops_scripts_splash_blocks_are_the_ones_splash_keeps():
+    """scripts/document_kernel_flops.py counts splash's blocks itself (gpt_1b's sizes are
+    too large for splash's mask processing in a test); on small segments its counts equal
+    the non-empty blocks of splash's own mask info: a mask built from the row's ids
+    (a dynamic mask) and a static LocalMask window."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info
+
+    flops_script = _script("document_kernel_flops")
+    seq, doc_len = 1536, 300
+    starts = flops_script.document_starts(seq, doc_len, 100)
+    for q_len, prefix in ((512, 0), (384, 640), (512, 1024)):
+        row_starts = starts[prefix : prefix + q_len]
+        kept, size, grid = flops_script.splash_blocks(q_len, prefix, row_starts, None)
+        kv = prefix + q_len
+        keys, rows = np.arange(kv)[None, :], np.arange(q_len)[:, None]
+        mask = (keys <= prefix + rows) & (keys >= row_starts[:, None])
+        bq = min(splash.BLOCK, -(-q_len // 128) * 128)
+        bkv = min(splash.BLOCK, -(-kv // 128) * 128)
+        padded = np.zeros((1, -(-q_len // bq) * bq, -(-kv // bkv) * bkv), bool)
+        padded[0, :q_len, :kv] = mask
+        info, _ = splash_attention_mask_info.process_dynamic_mask(jnp.asarray(padded), (bq, bkv))
+        assert kept == int((np.asarray(info.block_mask) > 0).sum()) and size == bq * bkv
+        assert grid == padded.size
+
+        kept, _, _ = flops_script.splash_blocks(q_len, prefix, row_starts, doc_len)
+        window = sa.LocalMask(padded.shape[1:], (doc_len - 1, 0), offset=prefix)
+        info, _ = splash_attention_mask_info.process_mask(sa.MultiHeadMask([window]), (bq, bkv))
+        assert kept == int((np.asarray(info.block_mask) > 0).sum())
