@@ -50,7 +50,10 @@ def _kernel(heads: int, q_len: int, kv_len: int, offset: int, bq: int, bkv: int,
         block_q_dq=bq,
         block_kv_dq=bkv,
     )
-    return sa.make_splash_mha_single_device(mask, block_sizes=sizes, interpret=interpret)
+    # Cached across traces: its mask info must be concrete arrays, not the tracers of the
+    # trace that first asked (a second jit of the same shapes would find them leaked).
+    with jax.ensure_compile_time_eval():
+        return sa.make_splash_mha_single_device(mask, block_sizes=sizes, interpret=interpret)
 
 
 def splash_attention(

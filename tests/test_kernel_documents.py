@@ -415,3 +415,13 @@ def test_the_flops_scripts_splash_blocks_are_the_ones_splash_keeps():
         window = sa.LocalMask(padded.shape[1:], (doc_len - 1, 0), offset=prefix)
         info, _ = splash_attention_mask_info.process_mask(sa.MultiHeadMask([window]), (bq, bkv))
         assert kept == int((np.asarray(info.block_mask) > 0).sum())
+
+
+def test_splash_kernels_cached_in_one_trace_serve_the_next():
+    """splash caches a kernel per shape; its mask info is made concrete, so a second jit of
+    the same shapes (an eval step after a train step) does not find the first trace's
+    tracers (it raised UnexpectedTracerError before)."""
+    q, prefix = jnp.ones((1, 6, 2, 8)), jnp.ones((1, 131, 2, 8))
+    once = jax.jit(splash_kernel)(q, prefix, prefix, q, q)
+    twice = jax.jit(lambda *a: 2 * splash_kernel(*a))(q, prefix, prefix, q, q)
+    np.testing.assert_array_equal(2 * once, twice)
