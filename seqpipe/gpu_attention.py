@@ -30,9 +30,9 @@ lse and D load as zeros, so P is 1 there and dP, D and dO are 0: they add exactl
 
 Grouped-query attention (K K/V heads for H query heads, G = H/K each): the forward and
 dq programs of query head h read K/V head h // G where it lies (their block specs' index
-maps), so K/V are never repeated. The dK/dV programs still run per query head and write
-[b, L, H, E] partial cotangents that XLA sums over each group: a G-times larger transient
-than the K/V heads' cotangents (a kernel looping over the group would avoid it).
+maps), so K/V are never repeated. The dK/dV programs run per K/V head and loop over its
+group's G query heads, summing in float32: they write the K/V heads' cotangents directly,
+with no per-query-head partials.
 
 Documents (`documents=(q_ids, kv_ids)`, packed rows): query i sees key j iff j <= P + i and
 both lie in the same run of equal ids (ids are non-decreasing along a row, so a document is
@@ -111,18 +111,20 @@ class _Static:
         return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, allow_tf32=allow_tf32)
 
 
-def _rows(ref, start, size: int, length: int):
-    """Rows [start, start + size) of a [length, E] ref, zeros past the end."""
-    window = ref.at[pl.ds(start, size), :]
+def _rows(ref, start, size: int, length: int, head=None):
+    """Rows [start, start + size) of a [length, E] ref (of head `head` of a [length, G, E]
+    one), zeros past the end."""
+    window = ref.at[pl.ds(start, size), :] if head is None else ref.at[pl.ds(start, size), head, :]
     if length % size == 0:  # every block is whole: no mask
         return plgpu.load(window)
     valid = start + jnp.arange(size) < length
     return plgpu.load(window, mask=valid[:, None], other=0.0)
 
 
-def _entries(ref, start, size: int, length: int):
-    """Entries [start, start + size) of a [length] ref, zeros past the end."""
-    window = ref.at[pl.ds(start, size)]
+def _entries(ref, start, size: int, length: int, head=None):
+    """Entries [start, start + size) of a [length] ref (of head `head` of a [G, length]
+    one), zeros past the end."""
+    window = ref.at[pl.ds(start, size)] if head is None else ref.at[head, pl.ds(start, size)]
     if length % size == 0:
         return plgpu.load(window)
     return plgpu.load(window, mask=start + jnp.arange(size) < length, other=0.0)
@@ -311,10 +313,11 @@ def _forward_kernel(q_ref, *refs, s: _Static, prefix: str | None):
 # ----------------------------------------------------------------------------- backward
 
 
-def _dkv_kernel(q_ref, *refs, s: _Static, keys: str):
-    """dK, dV of key block program_id(0) of the segment's own keys (`keys` "own", masked
-    causally) or of the prefix (`keys` a `_prefix_reader` kind), summed over the query
-    blocks that see it."""
+def _dkv_kernel(q_ref, *refs, s: _Static, keys: str, group: int):
+    """dK, dV of key block program_id(0) of K/V head program_id(2), of the segment's own
+    keys (`keys` "own", masked causally) or of the prefix (`keys` a `_prefix_reader` kind),
+    summed over the query blocks that see it and, with `group` > 1, over the group's query
+    heads (q, dO [Q, G, E], lse, D [G, Q])."""
     causal = keys == "own"
     if causal:
         read, length = _array_reader(refs[:2], s.bk, s.q_len), s.q_len
@@ -328,17 +331,24 @@ def _dkv_kernel(q_ref, *refs, s: _Static, keys: str):
 
     def visit(mask_fn):
         def body(i, carry):
-            dk, dv = carry
             rows = i * s.bq + jnp.arange(s.bq)
-            q, do = (_rows(r, i * s.bq, s.bq, s.q_len) for r in (q_ref, do_ref))
-            lse, delta = (_entries(r, i * s.bq, s.bq, s.q_len) for r in (lse_ref, d_ref))
-            p = jnp.exp(s.dot(q, k, trans_b=True) * s.scale - lse[:, None])
-            if mask_fn is not None:
-                p = jnp.where(mask_fn(rows), p, 0.0)
-            dv += s.dot(p.astype(do.dtype), do, trans_a=True)
-            ds = p * (s.dot(do, v, trans_b=True) - delta[:, None]) * s.scale
-            dk += s.dot(ds.astype(q.dtype), q, trans_a=True)
-            return dk, dv
+            mask = None if mask_fn is None else mask_fn(rows)
+
+            def query_head(head, carry):
+                dk, dv = carry
+                q, do = (_rows(r, i * s.bq, s.bq, s.q_len, head) for r in (q_ref, do_ref))
+                lse, delta = (_entries(r, i * s.bq, s.bq, s.q_len, head) for r in (lse_ref, d_ref))
+                p = jnp.exp(s.dot(q, k, trans_b=True) * s.scale - lse[:, None])
+                if mask is not None:
+                    p = jnp.where(mask, p, 0.0)
+                dv += s.dot(p.astype(do.dtype), do, trans_a=True)
+                ds = p * (s.dot(do, v, trans_b=True) - delta[:, None]) * s.scale
+                dk += s.dot(ds.astype(q.dtype), q, trans_a=True)
+                return dk, dv
+
+            if group == 1:
+                return query_head(None, carry)
+            return lax.fori_loop(0, group, query_head, carry)
 
         return body
 
@@ -441,6 +451,16 @@ def _row_spec(length: int) -> pl.BlockSpec:
     return pl.BlockSpec((None, None, length), lambda _, b, h: (b, h, 0))
 
 
+def _group_specs(length: int, width: int, group: int) -> tuple[pl.BlockSpec, pl.BlockSpec]:
+    """For a grid over K/V heads: (the [length, G, E] sequences of K/V head h's query heads
+    in a [b, L, H, E] array, their [G, length] rows in a [b, H, L] one); with `group` 1,
+    `_seq_spec` and `_row_spec`."""
+    if group == 1:
+        return _seq_spec(length, width), _row_spec(length)
+    seq = pl.BlockSpec((None, length, group, width), lambda _, b, h: (b, 0, h, 0))
+    return seq, pl.BlockSpec((None, group, length), lambda _, b, h: (b, h, 0))
+
+
 @dataclasses.dataclass(frozen=True)
 class _Prefix:
     """The prefix as the kernels take it: `kind` (a `_prefix_reader` kind), its length,
@@ -530,16 +550,19 @@ def _backward(q, prefix: _Prefix, k_seg, v_seg, bounds, out, lse, d_out, blocks:
     starts, starts_spec = _with_bounds(bounds, 0, q_len)
     ends, ends_spec = _with_bounds(bounds, 1, prefix.length + q_len)
 
-    def dkv(keys, length, key_inputs, key_specs):
-        s = _statics(q, prefix.length, blocks.dkv, group)
+    # One program per (key block, batch row, K/V head): it sums over its group's query
+    # heads in float32 (one rounding, as blockwise), so no per-query-head partials.
+    group_seq, group_rows = _group_specs(q_len, width, group)
+
+    def dkv(keys, length, key_inputs):
+        s = _statics(q, prefix.length, blocks.dkv)  # the grid's heads are K/V heads
         spec = _seq_spec(length, width)
-        # Per query head, in float32 when a group sums them (one rounding, as blockwise).
-        dtype = k_seg.dtype if group == 1 else f32
-        shape = jax.ShapeDtypeStruct((b, length, heads, width), dtype)
-        grads = _call(
-            functools.partial(_dkv_kernel, s=s, keys=keys),
-            (pl.cdiv(length, s.bk), b, heads),
-            [seq, *key_specs, seq, rows, rows, *ends_spec],
+        key_specs = prefix.specs if keys == "cache" else (spec, spec)
+        shape = jax.ShapeDtypeStruct((b, length, kv_heads, width), k_seg.dtype)
+        return _call(
+            functools.partial(_dkv_kernel, s=s, keys=keys, group=group),
+            (pl.cdiv(length, s.bk), b, kv_heads),
+            [group_seq, *key_specs, group_seq, group_rows, group_rows, *ends_spec],
             [shape, shape],
             [spec, spec],
             blocks,
@@ -547,16 +570,11 @@ def _backward(q, prefix: _Prefix, k_seg, v_seg, bounds, out, lse, d_out, blocks:
             interpret,
             "segment_attention_dkv",
         )(q, *key_inputs, d_out, lse, delta, *ends)
-        if group == 1:
-            return grads
-        return tuple(
-            g.reshape(b, length, kv_heads, group, width).sum(3).astype(k_seg.dtype) for g in grads
-        )
 
     dk_prefix = dv_prefix = None
     if prefix.kind is not None:
-        dk_prefix, dv_prefix = dkv(prefix.kind, prefix.length, prefix.inputs, prefix.specs)
-    dk_seg, dv_seg = dkv("own", q_len, (k_seg, v_seg), (kv_seq, kv_seq))
+        dk_prefix, dv_prefix = dkv(prefix.kind, prefix.length, prefix.inputs)
+    dk_seg, dv_seg = dkv("own", q_len, (k_seg, v_seg))
 
     s = _statics(q, prefix.length, blocks.dq, group)
     dq = _call(
