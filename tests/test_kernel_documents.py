@@ -425,3 +425,24 @@ def test_splash_kernels_cached_in_one_trace_serve_the_next():
     once = jax.jit(splash_kernel)(q, prefix, prefix, q, q)
     twice = jax.jit(lambda *a: 2 * splash_kernel(*a))(q, prefix, prefix, q, q)
     np.testing.assert_array_equal(2 * once, twice)
+
+
+def test_pallas_gpu_with_documents_in_bfloat16():
+    """bf16 inputs, as training runs: within bf16's rounding of the reference, and the
+    kernels reading the prefix from uint16 cache words compute exactly what they compute on
+    the prefix arrays (forward and all five cotangents)."""
+    q, k, v, g = (x.astype(jnp.bfloat16) for x in sequence(ROWS))
+    ids = jnp.asarray(ROWS)
+    own = slice(5, 12)
+    args = (q[:, own], k[:, :5], v[:, :5], k[:, own], v[:, own])
+    documents = (ids[:, own], ids)
+    run = jax.jit(out_and_grads, static_argnums=0)
+    got = run(pallas_gpu, args, g[:, own], documents)
+    f32 = [x.astype(jnp.float32) for x in (*args, g[:, own])]
+    want = out_and_grads(reference, f32[:5], f32[5], documents)
+    cached = run(cached_pallas_gpu, args, g[:, own], documents)
+    for name, x, y, z in zip(NAMES, got, want, cached, strict=True):
+        assert x.dtype == jnp.bfloat16, name
+        x, y, z = (np.asarray(a, np.float32) for a in (x, y, z))
+        assert np.abs(x - y).max() <= 2e-2 * np.abs(y).max(), name
+        np.testing.assert_array_equal(z, x, err_msg=name)
