@@ -332,15 +332,14 @@ def _dkv_kernel(q_ref, *refs, s: _Static, keys: str, group: int):
     def visit(mask_fn):
         def body(i, carry):
             rows = i * s.bq + jnp.arange(s.bq)
-            mask = None if mask_fn is None else mask_fn(rows)
 
             def query_head(head, carry):
                 dk, dv = carry
                 q, do = (_rows(r, i * s.bq, s.bq, s.q_len, head) for r in (q_ref, do_ref))
                 lse, delta = (_entries(r, i * s.bq, s.bq, s.q_len, head) for r in (lse_ref, d_ref))
                 p = jnp.exp(s.dot(q, k, trans_b=True) * s.scale - lse[:, None])
-                if mask is not None:
-                    p = jnp.where(mask, p, 0.0)
+                if mask_fn is not None:
+                    p = jnp.where(mask_fn(rows), p, 0.0)
                 dv += s.dot(p.astype(do.dtype), do, trans_a=True)
                 ds = p * (s.dot(do, v, trans_b=True) - delta[:, None]) * s.scale
                 dk += s.dot(ds.astype(q.dtype), q, trans_a=True)
