@@ -68,8 +68,10 @@ def attend(
     v_prefix_BxPxHxE: jax.Array,
     k_seg_BxQxHxE: jax.Array,
     v_seg_BxQxHxE: jax.Array,
+    documents: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
-    """Segment attention (the contract of `segment_attention`) by implementation `name`."""
+    """Segment attention (the contract of `segment_attention`) by implementation `name`;
+    `documents` (q_ids [b, Q], kv_ids [b, P + Q]) keeps each query to its document."""
     args = (q_BxQxHxE, k_prefix_BxPxHxE, v_prefix_BxPxHxE, k_seg_BxQxHxE, v_seg_BxQxHxE)
     _check(*args[:4])
     impl = resolve(name)
@@ -80,15 +82,17 @@ def attend(
     if impl == "splash":
         from seqpipe import splash
 
-        return splash.splash_attention(*args)
+        return splash.splash_attention(*args, documents=documents)
     if impl == "pallas_gpu":
         from seqpipe import gpu_attention
 
-        return gpu_attention.pallas_gpu_attention(*args)
+        return gpu_attention.pallas_gpu_attention(*args, documents=documents)
     return segment_attention(*args)
 
 
-def attend_cached(name: str, q_BxQxHxE, prefix, sink_k, sink_v, prefix_len: int, k_seg, v_seg):
+def attend_cached(
+    name: str, q_BxQxHxE, prefix, sink_k, sink_v, prefix_len: int, k_seg, v_seg, documents=None
+):
     """`attend` with the prefix's first `prefix_len` positions read from the KV cache where
     they lie (`prefix`: a `kv_cache.Prefix`); the prefix's dK and dV come back as the
     cotangents of `sink_k`, `sink_v` ([b, >= prefix_len, H, E], values unread: zeros).
@@ -106,14 +110,14 @@ def attend_cached(name: str, q_BxQxHxE, prefix, sink_k, sink_v, prefix_len: int,
         from seqpipe import gpu_attention
 
         return gpu_attention.cached_attention(
-            q_BxQxHxE, prefix, sink_k, sink_v, k_seg, v_seg, prefix_len
+            q_BxQxHxE, prefix, sink_k, sink_v, k_seg, v_seg, prefix_len, documents=documents
         )
     dtype = q_BxQxHxE.dtype
     k_prefix, v_prefix = (
         prefix.block(which, 0, prefix_len, dtype) + sink[:, :prefix_len]
         for which, sink in ((0, sink_k), (1, sink_v))
     )
-    return attend(name, q_BxQxHxE, k_prefix, v_prefix, k_seg, v_seg)
+    return attend(name, q_BxQxHxE, k_prefix, v_prefix, k_seg, v_seg, documents)
 
 
 def _check(q_BxQxHxE, k_prefix_BxPxHxE, v_prefix_BxPxHxE, k_seg_BxQxKxE):

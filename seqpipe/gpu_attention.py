@@ -30,9 +30,18 @@ lse and D load as zeros, so P is 1 there and dP, D and dO are 0: they add exactl
 
 Grouped-query attention (K K/V heads for H query heads, G = H/K each): the forward and
 dq programs of query head h read K/V head h // G where it lies (their block specs' index
-maps), so K/V are never repeated. The dK/dV programs still run per query head and write
-[b, L, H, E] partial cotangents that XLA sums over each group: a G-times larger transient
-than the K/V heads' cotangents (a kernel looping over the group would avoid it).
+maps), so K/V are never repeated. The dK/dV programs run per K/V head and loop over its
+group's G query heads, summing in float32: they write the K/V heads' cotangents directly,
+with no per-query-head partials.
+
+Documents (`documents=(q_ids, kv_ids)`, packed rows): query i sees key j iff j <= P + i and
+both lie in the same run of equal ids (ids are non-decreasing along a row, so a document is
+one run). XLA turns the ids into two int32 bounds (`document_bounds`): each query row's
+document start (an absolute key) and, for each key, the end of the query rows of its
+document. The kernels read them as loop bounds: the forward and dq start each query block at
+its first row's document start, so key blocks before it (a whole prefix, for a segment that
+starts a document) are never read; dK/dV stop each key block at the last query block that
+can see it. The bounds mask only the blocks that straddle a document start.
 
 `interpret=True` runs the kernels in Pallas interpret mode (any backend; the CPU tests).
 Triton wants power-of-two tiles, at least 16 in every matmul dimension on a GPU: the head
@@ -102,21 +111,44 @@ class _Static:
         return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, allow_tf32=allow_tf32)
 
 
-def _rows(ref, start, size: int, length: int):
-    """Rows [start, start + size) of a [length, E] ref, zeros past the end."""
-    window = ref.at[pl.ds(start, size), :]
+def _rows(ref, start, size: int, length: int, head=None):
+    """Rows [start, start + size) of a [length, E] ref (of head `head` of a [length, G, E]
+    one), zeros past the end."""
+    window = ref.at[pl.ds(start, size), :] if head is None else ref.at[pl.ds(start, size), head, :]
     if length % size == 0:  # every block is whole: no mask
         return plgpu.load(window)
     valid = start + jnp.arange(size) < length
     return plgpu.load(window, mask=valid[:, None], other=0.0)
 
 
-def _entries(ref, start, size: int, length: int):
-    """Entries [start, start + size) of a [length] ref, zeros past the end."""
-    window = ref.at[pl.ds(start, size)]
+def _entries(ref, start, size: int, length: int, head=None):
+    """Entries [start, start + size) of a [length] ref (of head `head` of a [G, length]
+    one), zeros past the end."""
+    window = ref.at[pl.ds(start, size)] if head is None else ref.at[head, pl.ds(start, size)]
     if length % size == 0:
         return plgpu.load(window)
     return plgpu.load(window, mask=start + jnp.arange(size) < length, other=0.0)
+
+
+def _bounds(ref, start, size: int, end: int):
+    """Entries [start, start + size) of an int32 bounds ref, zeros from `end` on (`start`
+    need not be a multiple of `size`)."""
+    return plgpu.load(ref.at[pl.ds(start, size)], mask=start + jnp.arange(size) < end, other=0)
+
+
+def _cdiv(n, size: int):
+    return lax.div(n + size - 1, size)
+
+
+def _split_loop(lo, mid, hi, before, after, carry):
+    """Loop bodies over blocks [lo, hi): `before` on those below `mid`, `after` on the rest
+    (either range may be empty; the bounds are dynamic)."""
+    carry = lax.fori_loop(lo, jnp.minimum(mid, hi), before, carry)
+    return lax.fori_loop(jnp.maximum(lo, mid), hi, after, carry)
+
+
+def _both(mask_a, mask_b):
+    return lambda index: mask_a(index) & mask_b(index)
 
 
 def _store_rows(ref, start, value, length: int):
@@ -173,10 +205,13 @@ def _query_block(s: _Static):
     return pl.cdiv(s.q_len, s.bq) - 1 - pl.program_id(0)
 
 
-def _key_loops(s: _Static, visit, carry, start, read_prefix, read_own):
+def _key_loops(s: _Static, visit, carry, start, read_prefix, read_own, *bounds):
     """Run `visit(read, mask_fn)`'s loop bodies over the prefix's key blocks (a partial
     last one masked) and the own key blocks up to the diagonal (crossing ones masked
-    causally): the forward's and dq's shared key order."""
+    causally): the forward's and dq's shared key order. With documents (`bounds`: the
+    rows' document starts) `_document_key_loops`."""
+    if bounds:
+        return _document_key_loops(s, visit, carry, start, read_prefix, read_own, *bounds)
     if read_prefix is not None:
         whole = s.prefix_len // s.bk
         carry = lax.fori_loop(0, whole, visit(read_prefix, None), carry)
@@ -199,11 +234,53 @@ def _key_loops(s: _Static, visit, carry, start, read_prefix, read_own):
     return lax.fori_loop(full, seen, visit(read_own, causal), carry)
 
 
+def _document_key_loops(s: _Static, visit, carry, start, read_prefix, read_own, starts_ref):
+    """`_key_loops` for packed documents: row r sees keys [starts[r], P + r] (absolute).
+    Blocks before the block's first row's document start are skipped (a prefix wholly
+    before it is never read); blocks before its last row's start get the document mask,
+    those after it none (besides the partial prefix block's and the diagonal's masks)."""
+    last = jnp.minimum(start + s.bq, s.q_len) - 1
+    lo, hi = starts_ref[start], starts_ref[last]  # rows' starts are non-decreasing
+    row_starts = _bounds(starts_ref, start, s.bq, s.q_len)
+
+    def in_document(base: int):  # keys [base, ...) of the row's document, by key index
+        return lambda cols: base + cols[None, :] >= row_starts[:, None]
+
+    if read_prefix is not None:
+        whole, count = s.prefix_len // s.bk, pl.cdiv(s.prefix_len, s.bk)
+        first = jnp.where(lo < s.prefix_len, lax.div(lo, s.bk), count)
+        doc = in_document(0)
+        carry = _split_loop(
+            first, _cdiv(hi, s.bk), whole, visit(read_prefix, doc), visit(read_prefix, None), carry
+        )
+        if s.prefix_len % s.bk:
+
+            def in_prefix(cols):
+                return cols[None, :] < s.prefix_len
+
+            partial = visit(read_prefix, _both(in_prefix, doc))
+            carry = lax.fori_loop(jnp.maximum(first, whole), count, partial, carry)
+    full, seen = _own_key_range(s, start)
+    own_first = lax.div(jnp.maximum(lo - s.prefix_len, 0), s.bk)
+    own_masked = _cdiv(jnp.maximum(hi - s.prefix_len, 0), s.bk)
+    doc = in_document(s.prefix_len)
+    carry = _split_loop(
+        own_first, own_masked, full, visit(read_own, doc), visit(read_own, None), carry
+    )
+    rows = start + jnp.arange(s.bq)
+
+    def causal(cols):
+        return cols[None, :] <= rows[:, None]
+
+    crossing = visit(read_own, _both(causal, doc))
+    return lax.fori_loop(jnp.maximum(own_first, full), seen, crossing, carry)
+
+
 # ------------------------------------------------------------------------------ forward
 
 
 def _forward_kernel(q_ref, *refs, s: _Static, prefix: str | None):
-    read_prefix, (ks_ref, vs_ref, o_ref, lse_ref) = _prefix_reader(s, prefix, refs)
+    read_prefix, (ks_ref, vs_ref, *bounds, o_ref, lse_ref) = _prefix_reader(s, prefix, refs)
     start = _query_block(s) * s.bq
     q = _rows(q_ref, start, s.bq, s.q_len)
 
@@ -228,7 +305,7 @@ def _forward_kernel(q_ref, *refs, s: _Static, prefix: str | None):
         jnp.zeros((s.bq,), jnp.float32),
     )
     read_own = _array_reader((ks_ref, vs_ref), s.bk, s.q_len)
-    acc, m, total = _key_loops(s, visit, init, start, read_prefix, read_own)
+    acc, m, total = _key_loops(s, visit, init, start, read_prefix, read_own, *bounds)
     _store_rows(o_ref, start, (acc / total[:, None]).astype(o_ref.dtype), s.q_len)
     _store_rows(lse_ref, start, m + jnp.log(total), s.q_len)
 
@@ -236,56 +313,94 @@ def _forward_kernel(q_ref, *refs, s: _Static, prefix: str | None):
 # ----------------------------------------------------------------------------- backward
 
 
-def _dkv_kernel(q_ref, *refs, s: _Static, keys: str):
-    """dK, dV of key block program_id(0) of the segment's own keys (`keys` "own", masked
-    causally) or of the prefix (`keys` a `_prefix_reader` kind), summed over the query
-    blocks that see it."""
+def _dkv_kernel(q_ref, *refs, s: _Static, keys: str, group: int):
+    """dK, dV of key block program_id(0) of K/V head program_id(2), of the segment's own
+    keys (`keys` "own", masked causally) or of the prefix (`keys` a `_prefix_reader` kind),
+    summed over the query blocks that see it and, with `group` > 1, over the group's query
+    heads (q, dO [Q, G, E], lse, D [G, Q])."""
     causal = keys == "own"
     if causal:
         read, length = _array_reader(refs[:2], s.bk, s.q_len), s.q_len
         refs = refs[2:]
     else:
         (read, refs), length = _prefix_reader(s, keys, refs), s.prefix_len
-    do_ref, lse_ref, d_ref, dk_ref, dv_ref = refs
+    do_ref, lse_ref, d_ref, *bounds, dk_ref, dv_ref = refs
     start = pl.program_id(0) * s.bk
     cols = start + jnp.arange(s.bk)
     k, v = read(0, start), read(1, start)
 
-    def visit(masked):
+    def visit(mask_fn):
         def body(i, carry):
-            dk, dv = carry
             rows = i * s.bq + jnp.arange(s.bq)
-            q, do = (_rows(r, i * s.bq, s.bq, s.q_len) for r in (q_ref, do_ref))
-            lse, delta = (_entries(r, i * s.bq, s.bq, s.q_len) for r in (lse_ref, d_ref))
-            p = jnp.exp(s.dot(q, k, trans_b=True) * s.scale - lse[:, None])
-            if masked:
-                p = jnp.where(cols[None, :] <= rows[:, None], p, 0.0)
-            dv += s.dot(p.astype(do.dtype), do, trans_a=True)
-            ds = p * (s.dot(do, v, trans_b=True) - delta[:, None]) * s.scale
-            dk += s.dot(ds.astype(q.dtype), q, trans_a=True)
-            return dk, dv
+
+            def query_head(head, carry):
+                dk, dv = carry
+                q, do = (_rows(r, i * s.bq, s.bq, s.q_len, head) for r in (q_ref, do_ref))
+                lse, delta = (_entries(r, i * s.bq, s.bq, s.q_len, head) for r in (lse_ref, d_ref))
+                p = jnp.exp(s.dot(q, k, trans_b=True) * s.scale - lse[:, None])
+                if mask_fn is not None:
+                    p = jnp.where(mask_fn(rows), p, 0.0)
+                dv += s.dot(p.astype(do.dtype), do, trans_a=True)
+                ds = p * (s.dot(do, v, trans_b=True) - delta[:, None]) * s.scale
+                dk += s.dot(ds.astype(q.dtype), q, trans_a=True)
+                return dk, dv
+
+            if group == 1:
+                return query_head(None, carry)
+            return lax.fori_loop(0, group, query_head, carry)
 
         return body
 
+    def below_diagonal(rows):
+        return cols[None, :] <= rows[:, None]
+
     q_blocks = pl.cdiv(s.q_len, s.bq)
     carry = (jnp.zeros((s.bk, s.width), jnp.float32),) * 2
-    if causal:
-        # Query blocks before `first` end above this key block; from `whole` on, every
-        # row is at or below its last key.
-        first = lax.div(start, s.bq)
-        whole = jnp.minimum(q_blocks, lax.div(start + s.bk - 1 + s.bq - 1, s.bq))
-        carry = lax.fori_loop(first, whole, visit(True), carry)
-        carry = lax.fori_loop(whole, q_blocks, visit(False), carry)
+    # Query blocks before `first` end above this key block; from `whole` on, every row is
+    # at or below its last key. The prefix's keys are below every row.
+    first = lax.div(start, s.bq) if causal else 0
+    whole = jnp.minimum(q_blocks, lax.div(start + s.bk - 1 + s.bq - 1, s.bq)) if causal else 0
+    if bounds:
+        carry = _document_query_loops(s, visit, carry, bounds[0], keys, length, first, whole)
     else:
-        carry = lax.fori_loop(0, q_blocks, visit(False), carry)
+        if causal:
+            carry = lax.fori_loop(first, whole, visit(below_diagonal), carry)
+        carry = lax.fori_loop(whole, q_blocks, visit(None), carry)
     dk, dv = carry
     _store_rows(dk_ref, start, dk.astype(dk_ref.dtype), length)
     _store_rows(dv_ref, start, dv.astype(dv_ref.dtype), length)
 
 
+def _document_query_loops(s: _Static, visit, carry, ends_ref, keys: str, length, first, whole):
+    """The dK/dV query loop for packed documents: the rows that see key c are
+    [c - P, ends[c]) (`ends`, by absolute key). Query blocks from the one holding the
+    block's last key's end on are skipped; those past its first key's end get the
+    document mask."""
+    base = s.prefix_len if keys == "own" else 0  # this stream's first absolute key
+    start = pl.program_id(0) * s.bk
+    key_ends = _bounds(ends_ref, base + start, s.bk, base + length)
+    first_end = ends_ref[base + start]
+    last_end = ends_ref[base + jnp.minimum(start + s.bk, length) - 1]
+    end = jnp.minimum(pl.cdiv(s.q_len, s.bq), _cdiv(last_end, s.bq))
+
+    def in_document(rows):
+        return rows[:, None] < key_ends[None, :]
+
+    if keys == "own":
+        cols = start + jnp.arange(s.bk)
+
+        def crossing(rows):
+            return (cols[None, :] <= rows[:, None]) & in_document(rows)
+
+        carry = lax.fori_loop(first, jnp.minimum(whole, end), visit(crossing), carry)
+    masked_from = lax.div(first_end, s.bq)
+    lo = jnp.maximum(first, whole)
+    return _split_loop(lo, masked_from, end, visit(None), visit(in_document), carry)
+
+
 def _dq_kernel(q_ref, *refs, s: _Static, prefix: str | None):
     read_prefix, refs = _prefix_reader(s, prefix, refs)
-    ks_ref, vs_ref, do_ref, lse_ref, d_ref, dq_ref = refs
+    ks_ref, vs_ref, do_ref, lse_ref, d_ref, *bounds, dq_ref = refs
     start = _query_block(s) * s.bq
     q, do = (_rows(r, start, s.bq, s.q_len) for r in (q_ref, do_ref))
     lse, delta = (_entries(r, start, s.bq, s.q_len) for r in (lse_ref, d_ref))
@@ -303,7 +418,7 @@ def _dq_kernel(q_ref, *refs, s: _Static, prefix: str | None):
 
     init = jnp.zeros((s.bq, s.width), jnp.float32)
     read_own = _array_reader((ks_ref, vs_ref), s.bk, s.q_len)
-    dq = _key_loops(s, visit, init, start, read_prefix, read_own)
+    dq = _key_loops(s, visit, init, start, read_prefix, read_own, *bounds)
     _store_rows(dq_ref, start, dq.astype(dq_ref.dtype), s.q_len)
 
 
@@ -318,9 +433,31 @@ def _seq_spec(length: int, width: int, group: int = 1) -> pl.BlockSpec:
     return pl.BlockSpec((None, length, None, width), lambda _, b, h: (b, 0, lax.div(h, group), 0))
 
 
+def _bounds_spec(length: int) -> pl.BlockSpec:
+    """A whole [length] row of one batch row of a [b, L] array, every head's."""
+    return pl.BlockSpec((None, length), lambda _, b, h: (b, 0))
+
+
+def _with_bounds(bounds, which: int, length: int) -> tuple[tuple, tuple]:
+    """(inputs, specs) of document bound `which` (0: starts, 1: ends), none without."""
+    if bounds is None:
+        return (), ()
+    return (bounds[which],), (_bounds_spec(length),)
+
+
 def _row_spec(length: int) -> pl.BlockSpec:
     """A whole [length] row of one (batch row, head) of a [b, H, L] array."""
     return pl.BlockSpec((None, None, length), lambda _, b, h: (b, h, 0))
+
+
+def _group_specs(length: int, width: int, group: int) -> tuple[pl.BlockSpec, pl.BlockSpec]:
+    """For a grid over K/V heads: (the [length, G, E] sequences of K/V head h's query heads
+    in a [b, L, H, E] array, their [G, length] rows in a [b, H, L] one); with `group` 1,
+    `_seq_spec` and `_row_spec`."""
+    if group == 1:
+        return _seq_spec(length, width), _row_spec(length)
+    seq = pl.BlockSpec((None, length, group, width), lambda _, b, h: (b, 0, h, 0))
+    return seq, pl.BlockSpec((None, group, length), lambda _, b, h: (b, h, 0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -378,15 +515,16 @@ def _call(kernel, grid, in_specs, out_shape, out_specs, blocks: Blocks, width, i
     )
 
 
-def _forward(q, prefix: _Prefix, k_seg, v_seg, blocks: Blocks, interpret: bool):
+def _forward(q, prefix: _Prefix, k_seg, v_seg, bounds, blocks: Blocks, interpret: bool):
     b, q_len, heads, width = q.shape
     group = _group(q, k_seg)
     s = _statics(q, prefix.length, blocks.forward, group)
     seq, kv_seq = _seq_spec(q_len, width), _seq_spec(q_len, width, group)
+    starts, starts_spec = _with_bounds(bounds, 0, q_len)
     return _call(
         functools.partial(_forward_kernel, s=s, prefix=prefix.kind),
         (pl.cdiv(q_len, s.bq), b, heads),
-        [seq, *prefix.specs, kv_seq, kv_seq],
+        [seq, *prefix.specs, kv_seq, kv_seq, *starts_spec],
         [
             jax.ShapeDtypeStruct(q.shape, q.dtype),
             jax.ShapeDtypeStruct((b, heads, q_len), jnp.float32),
@@ -396,10 +534,10 @@ def _forward(q, prefix: _Prefix, k_seg, v_seg, blocks: Blocks, interpret: bool):
         width,
         interpret,
         "segment_attention_forward",
-    )(q, *prefix.inputs, k_seg, v_seg)
+    )(q, *prefix.inputs, k_seg, v_seg, *starts)
 
 
-def _backward(q, prefix: _Prefix, k_seg, v_seg, out, lse, d_out, blocks: Blocks, interpret):
+def _backward(q, prefix: _Prefix, k_seg, v_seg, bounds, out, lse, d_out, blocks: Blocks, interpret):
     """dq, the prefix's dK and dV ([b, P, K, E]; None for an empty prefix), own dK, dV."""
     b, q_len, heads, width = q.shape
     group, kv_heads = _group(q, k_seg), k_seg.shape[2]
@@ -408,47 +546,47 @@ def _backward(q, prefix: _Prefix, k_seg, v_seg, out, lse, d_out, blocks: Blocks,
     delta = jnp.einsum("bqhe,bqhe->bhq", d_out.astype(f32), out.astype(f32))
     seq, rows = _seq_spec(q_len, width), _row_spec(q_len)
     kv_seq = _seq_spec(q_len, width, group)
+    starts, starts_spec = _with_bounds(bounds, 0, q_len)
+    ends, ends_spec = _with_bounds(bounds, 1, prefix.length + q_len)
 
-    def dkv(keys, length, key_inputs, key_specs):
-        s = _statics(q, prefix.length, blocks.dkv, group)
+    # One program per (key block, batch row, K/V head): it sums over its group's query
+    # heads in float32 (one rounding, as blockwise), so no per-query-head partials.
+    group_seq, group_rows = _group_specs(q_len, width, group)
+
+    def dkv(keys, length, key_inputs):
+        s = _statics(q, prefix.length, blocks.dkv)  # the grid's heads are K/V heads
         spec = _seq_spec(length, width)
-        # Per query head, in float32 when a group sums them (one rounding, as blockwise).
-        dtype = k_seg.dtype if group == 1 else f32
-        shape = jax.ShapeDtypeStruct((b, length, heads, width), dtype)
-        grads = _call(
-            functools.partial(_dkv_kernel, s=s, keys=keys),
-            (pl.cdiv(length, s.bk), b, heads),
-            [seq, *key_specs, seq, rows, rows],
+        key_specs = prefix.specs if keys == "cache" else (spec, spec)
+        shape = jax.ShapeDtypeStruct((b, length, kv_heads, width), k_seg.dtype)
+        return _call(
+            functools.partial(_dkv_kernel, s=s, keys=keys, group=group),
+            (pl.cdiv(length, s.bk), b, kv_heads),
+            [group_seq, *key_specs, group_seq, group_rows, group_rows, *ends_spec],
             [shape, shape],
             [spec, spec],
             blocks,
             width,
             interpret,
             "segment_attention_dkv",
-        )(q, *key_inputs, d_out, lse, delta)
-        if group == 1:
-            return grads
-        return tuple(
-            g.reshape(b, length, kv_heads, group, width).sum(3).astype(k_seg.dtype) for g in grads
-        )
+        )(q, *key_inputs, d_out, lse, delta, *ends)
 
     dk_prefix = dv_prefix = None
     if prefix.kind is not None:
-        dk_prefix, dv_prefix = dkv(prefix.kind, prefix.length, prefix.inputs, prefix.specs)
-    dk_seg, dv_seg = dkv("own", q_len, (k_seg, v_seg), (kv_seq, kv_seq))
+        dk_prefix, dv_prefix = dkv(prefix.kind, prefix.length, prefix.inputs)
+    dk_seg, dv_seg = dkv("own", q_len, (k_seg, v_seg))
 
     s = _statics(q, prefix.length, blocks.dq, group)
     dq = _call(
         functools.partial(_dq_kernel, s=s, prefix=prefix.kind),
         (pl.cdiv(q_len, s.bq), b, heads),
-        [seq, *prefix.specs, kv_seq, kv_seq, seq, rows, rows],
+        [seq, *prefix.specs, kv_seq, kv_seq, seq, rows, rows, *starts_spec],
         jax.ShapeDtypeStruct(q.shape, q.dtype),
         seq,
         blocks,
         width,
         interpret,
         "segment_attention_dq",
-    )(q, *prefix.inputs, k_seg, v_seg, d_out, lse, delta)
+    )(q, *prefix.inputs, k_seg, v_seg, d_out, lse, delta, *starts)
     return dq, dk_prefix, dv_prefix, dk_seg, dv_seg
 
 
@@ -462,7 +600,27 @@ def _check(q, blocks: Blocks):
         )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def document_bounds(documents, prefix_len: int, q_len: int) -> tuple[jax.Array, jax.Array]:
+    """The kernels' view of `documents` = (q_ids [b, Q], kv_ids [b, P + Q]), int32, q_ids
+    equal to kv_ids[:, P:]: each query row's document start as an absolute key ([b, Q]),
+    and each key's document end as a query row ([b, P + Q]): the rows that see key j are
+    [j - P, ends[j]). A document is a run of equal ids (packed rows number them in order)."""
+    q_ids, kv_ids = documents
+    b, keys = kv_ids.shape
+    if q_ids.shape != (b, q_len) or keys != prefix_len + q_len:
+        raise ValueError(
+            f"documents have ids of shapes {q_ids.shape} (queries) and {kv_ids.shape} (keys); "
+            f"expected ({b}, {q_len}) and ({b}, {prefix_len + q_len}): the prefix, then the segment"
+        )
+    at = jnp.arange(keys, dtype=jnp.int32)
+    change = kv_ids[:, 1:] != kv_ids[:, :-1]
+    edge = jnp.ones((b, 1), bool)
+    opens, closes = jnp.concatenate([edge, change], 1), jnp.concatenate([change, edge], 1)
+    run_start = lax.cummax(jnp.where(opens, at, 0), axis=1)
+    run_end = lax.cummin(jnp.where(closes, at + 1, keys), axis=1, reverse=True)
+    return run_start[:, prefix_len:], jnp.clip(run_end - prefix_len, 0, q_len)
+
+
 def pallas_gpu_attention(
     q_BxQxHxE: jax.Array,
     k_prefix_BxPxHxE: jax.Array,
@@ -471,36 +629,46 @@ def pallas_gpu_attention(
     v_seg_BxQxHxE: jax.Array,
     blocks: Blocks = BLOCKS,
     interpret: bool = False,
+    documents: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
-    """`attention.segment_attention`'s contract by the Triton kernels. `interpret` (Pallas
-    interpret mode, for tests off GPU) is never chosen by the backend."""
+    """`attention.segment_attention`'s contract by the Triton kernels, within `documents`
+    (q_ids [b, Q], kv_ids [b, P + Q]) if given. `interpret` (Pallas interpret mode, for
+    tests off GPU) is never chosen by the backend."""
     args = (q_BxQxHxE, k_prefix_BxPxHxE, v_prefix_BxPxHxE, k_seg_BxQxHxE, v_seg_BxQxHxE)
-    return _fwd(*args, blocks, interpret)[0]
+    bounds = None
+    if documents is not None:
+        bounds = document_bounds(documents, k_prefix_BxPxHxE.shape[1], q_BxQxHxE.shape[1])
+    return _attention(*args, bounds, blocks, interpret)
 
 
-def _fwd(q, k_prefix, v_prefix, k_seg, v_seg, blocks, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _attention(q, k_prefix, v_prefix, k_seg, v_seg, bounds, blocks, interpret):
+    return _fwd(q, k_prefix, v_prefix, k_seg, v_seg, bounds, blocks, interpret)[0]
+
+
+def _fwd(q, k_prefix, v_prefix, k_seg, v_seg, bounds, blocks, interpret):
     _check(q, blocks)
     prefix = _array_prefix(k_prefix, v_prefix, _group(q, k_seg))
-    out, lse = _forward(q, prefix, k_seg, v_seg, blocks, interpret)
-    return out, (q, k_prefix, v_prefix, k_seg, v_seg, out, lse)
+    out, lse = _forward(q, prefix, k_seg, v_seg, bounds, blocks, interpret)
+    return out, (q, k_prefix, v_prefix, k_seg, v_seg, bounds, out, lse)
 
 
 def _bwd(blocks, interpret, residuals, d_out):
-    q, k_prefix, v_prefix, k_seg, v_seg, out, lse = residuals
+    q, k_prefix, v_prefix, k_seg, v_seg, bounds, out, lse = residuals
     prefix = _array_prefix(k_prefix, v_prefix, _group(q, k_seg))
-    dq, dkp, dvp, dks, dvs = _backward(q, prefix, k_seg, v_seg, out, lse, d_out, blocks, interpret)
+    grads = _backward(q, prefix, k_seg, v_seg, bounds, out, lse, d_out, blocks, interpret)
+    dq, dkp, dvp, dks, dvs = grads
     if dkp is None:
         dkp, dvp = jnp.zeros_like(k_prefix), jnp.zeros_like(v_prefix)
-    return dq, dkp, dvp, dks, dvs
+    return dq, dkp, dvp, dks, dvs, None
 
 
-pallas_gpu_attention.defvjp(_fwd, _bwd)
+_attention.defvjp(_fwd, _bwd)
 
 
 # ------------------------------------------------------------------ prefix in a KV cache
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
 def cached_attention(
     q_BxQxHxE: jax.Array,
     cache,
@@ -511,27 +679,39 @@ def cached_attention(
     prefix_len: int,
     blocks: Blocks = BLOCKS,
     interpret: bool = False,
+    documents: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
     """`pallas_gpu_attention` with the prefix's first `prefix_len` positions read by the
     kernels from `cache` (a `kv_cache.Prefix`) where they lie: no copy of the prefix, and
     none kept for the backward. As `blockwise.cached_attention`: the prefix's dK and dV
     are the cotangents of the sinks ([b, >= prefix_len, H, E], never read; zeros past
-    prefix_len)."""
+    prefix_len). `documents` as `pallas_gpu_attention`'s (kv_ids cover `prefix_len`)."""
     args = (q_BxQxHxE, cache, sink_k_BxPxHxE, sink_v_BxPxHxE, k_seg_BxQxHxE, v_seg_BxQxHxE)
+    bounds = None
+    if documents is not None:
+        bounds = document_bounds(documents, prefix_len, q_BxQxHxE.shape[1])
+    return _cached(*args, bounds, prefix_len, blocks, interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _cached(q, cache, sink_k, sink_v, k_seg, v_seg, bounds, prefix_len, blocks, interpret):
+    args = (q, cache, sink_k, sink_v, k_seg, v_seg, bounds)
     return _cached_fwd(*args, prefix_len, blocks, interpret)[0]
 
 
-def _cached_fwd(q, cache, sink_k, sink_v, k_seg, v_seg, prefix_len, blocks, interpret):
+def _cached_fwd(q, cache, sink_k, sink_v, k_seg, v_seg, bounds, prefix_len, blocks, interpret):
     _check(q, blocks)
-    out, lse = _forward(q, _cache_prefix(cache, prefix_len), k_seg, v_seg, blocks, interpret)
+    prefix = _cache_prefix(cache, prefix_len)
+    out, lse = _forward(q, prefix, k_seg, v_seg, bounds, blocks, interpret)
     sink_len = jnp.zeros((0, sink_k.shape[1]), jnp.int8)  # the sinks' length, not values
-    return out, (q, cache, k_seg, v_seg, out, lse, sink_len)
+    return out, (q, cache, k_seg, v_seg, bounds, out, lse, sink_len)
 
 
 def _cached_bwd(prefix_len, blocks, interpret, residuals, d_out):
-    q, cache, k_seg, v_seg, out, lse, sink_len = residuals
+    q, cache, k_seg, v_seg, bounds, out, lse, sink_len = residuals
     prefix = _cache_prefix(cache, prefix_len)
-    dq, dkp, dvp, dks, dvs = _backward(q, prefix, k_seg, v_seg, out, lse, d_out, blocks, interpret)
+    grads = _backward(q, prefix, k_seg, v_seg, bounds, out, lse, d_out, blocks, interpret)
+    dq, dkp, dvp, dks, dvs = grads
     b, _, _, width = q.shape
     sink_shape = (b, sink_len.shape[1], k_seg.shape[2], width)
 
@@ -540,19 +720,28 @@ def _cached_bwd(prefix_len, blocks, interpret, residuals, d_out):
             return jnp.zeros(sink_shape, k_seg.dtype)
         return jnp.pad(g, ((0, 0), (0, sink_shape[1] - prefix_len), (0, 0), (0, 0)))
 
-    return dq, cache.no_gradient(), to_sink(dkp), to_sink(dvp), dks, dvs
+    return dq, cache.no_gradient(), to_sink(dkp), to_sink(dvp), dks, dvs, None
 
 
-cached_attention.defvjp(_cached_fwd, _cached_bwd)
+_cached.defvjp(_cached_fwd, _cached_bwd)
 
 
-def executed_flops(q_len: int, prefix_len: int, width: int, blocks: Blocks = BLOCKS) -> int:
+def executed_flops(
+    q_len: int, prefix_len: int, width: int, blocks: Blocks = BLOCKS, starts=None
+) -> int:
     """Forward matmul FLOPs (QK and PV, per row) the forward kernel runs for one segment,
     `width` = H * E: every key block a query block visits, whole (padding and the
-    diagonal's masked part included)."""
+    diagonal's masked part included). `starts`: one row's document starts (`document_bounds`,
+    [Q] absolute keys), from whose first row's each query block starts."""
     bq, bk = _fit(blocks.forward[0], q_len), _fit(blocks.forward[1], max(prefix_len, q_len))
+    prefix_blocks = -(-prefix_len // bk)
     key_blocks = 0
     for i in range(-(-q_len // bq)):
         seen = min(-(-q_len // bk), (i * bq + bq - 1) // bk + 1)
-        key_blocks += -(-prefix_len // bk) + seen
+        if starts is None:
+            key_blocks += prefix_blocks + seen
+            continue
+        lo = int(starts[i * bq])
+        key_blocks += prefix_blocks - lo // bk if lo < prefix_len else 0
+        key_blocks += seen - max(lo - prefix_len, 0) // bk
     return 2 * 2 * key_blocks * bq * bk * width

@@ -11,6 +11,15 @@ The kernel takes one K/V sequence: the prefix and the segment's own K/V are conc
 (one copy of the prefix per call, which a KV cache that keeps each segment's K/V next to
 its prefix would avoid). Splash has no scale argument: q is scaled first.
 
+Documents (`documents=(q_ids, kv_ids)`, packed rows) go in as splash's `SegmentIds`
+(q ids [Q], kv ids [P + Q]: the lengths may differ), and-ed with the causal mask. Splash
+warns that no query row may be fully masked (a softmax over nothing): none is, since query
+i's own key P + i carries its id (q_ids == kv_ids[:, P:]) and the causal mask keeps it. The
+padded query rows get the last real id (edge padding), so each sees the last real key.
+Which blocks splash skips is decided from the static causal mask alone, at trace time: with
+documents it runs every block it runs without them, the whole prefix included
+(`executed_flops`; docs/long-context.md says what a per-batch mask would cost).
+
 Off TPU it runs only in Pallas interpret mode (`interpret=True`), which the tests use.
 """
 
@@ -41,7 +50,10 @@ def _kernel(heads: int, q_len: int, kv_len: int, offset: int, bq: int, bkv: int,
         block_q_dq=bq,
         block_kv_dq=bkv,
     )
-    return sa.make_splash_mha_single_device(mask, block_sizes=sizes, interpret=interpret)
+    # Cached across traces: its mask info must be concrete arrays, not the tracers of the
+    # trace that first asked (a second jit of the same shapes would find them leaked).
+    with jax.ensure_compile_time_eval():
+        return sa.make_splash_mha_single_device(mask, block_sizes=sizes, interpret=interpret)
 
 
 def splash_attention(
@@ -52,10 +64,12 @@ def splash_attention(
     v_seg_BxQxHxE: jax.Array,
     block: int = BLOCK,
     interpret: bool = False,
+    documents: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
-    """`attention.segment_attention`'s contract by the splash kernel. `interpret` (Pallas
-    interpret mode, for tests off TPU) is never chosen by the backend: compiling for a TPU
-    slice from a CPU machine must compile the real kernel."""
+    """`attention.segment_attention`'s contract by the splash kernel, within `documents`
+    (q_ids [b, Q], kv_ids [b, P + Q]) if given. `interpret` (Pallas interpret mode, for
+    tests off TPU) is never chosen by the backend: compiling for a TPU slice from a CPU
+    machine must compile the real kernel."""
     _, q_len, heads, width = q_BxQxHxE.shape
     prefix = k_prefix_BxPxHxE.shape[1]
     bq = min(block, _round_up(q_len, LANES))
@@ -70,8 +84,29 @@ def splash_attention(
     q = heads_first(q_BxQxHxE * jnp.asarray(width**-0.5, q_BxQxHxE.dtype), q_pad)
     k = heads_first(jnp.concatenate([k_prefix_BxPxHxE, k_seg_BxQxHxE], axis=1), kv_pad)
     v = heads_first(jnp.concatenate([v_prefix_BxPxHxE, v_seg_BxQxHxE], axis=1), kv_pad)
-    out_BxHxQxE = jax.vmap(kernel)(q, k, v)
+    if documents is None:
+        out_BxHxQxE = jax.vmap(kernel)(q, k, v)
+    else:
+        _check_documents(documents, q_BxQxHxE.shape[0], q_len, prefix + q_len)
+        q_ids, kv_ids = (
+            jnp.pad(ids, ((0, 0), (0, length - ids.shape[1])), mode="edge")
+            for ids, length in zip(documents, (q_pad, kv_pad), strict=True)
+        )
+
+        def per_row(q, k, v, q_ids, kv_ids):
+            return kernel(q, k, v, segment_ids=sa.SegmentIds(q_ids, kv_ids))
+
+        out_BxHxQxE = jax.vmap(per_row)(q, k, v, q_ids, kv_ids)
     return jnp.swapaxes(out_BxHxQxE[:, :, :q_len], 1, 2)
+
+
+def _check_documents(documents, rows: int, q_len: int, kv_len: int):
+    shapes = tuple(ids.shape for ids in documents)
+    if shapes != ((rows, q_len), (rows, kv_len)):
+        raise ValueError(
+            f"documents have ids of shapes {shapes}; expected ({rows}, {q_len}) and "
+            f"({rows}, {kv_len}): the prefix, then the segment"
+        )
 
 
 def executed_flops(q_len: int, prefix_len: int, width: int, block: int = BLOCK) -> int:
