@@ -70,11 +70,11 @@ def resolve(
     compile_only: Callable[..., dict],
     budget: int | None,
 ) -> tuple[ConfigDict, Choice | None, dict | None]:
-    """`config` with `model.attention=auto` replaced by what runs on `devices`, the choice
-    (None where nothing was compiled to make it) and the chosen step's
-    `compile_only(config, devices, budget)` report (None where none was compiled); `budget`: bytes a device (default
-    `remat_auto.device_budget`). The
-    trainer passes its `compile_only` in, so that this module stays below it."""
+    """`config` with `model.attention=auto` replaced by what runs on `devices` (`budget`
+    bytes a device; default `remat_auto.device_budget`), the choice (None where nothing
+    was compiled to make it) and the chosen step's `compile_only(config, devices, budget)`
+    report (None where none was compiled). The trainer passes its `compile_only` in, so
+    that this module stays below it."""
     names = candidates(devices[0].platform)
     budget = device_budget(devices) if budget is None else budget
     if budget is None or len(names) == 1:

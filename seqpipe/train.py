@@ -682,7 +682,8 @@ def _compile_auto(config: ConfigDict, devices: list, budget: int | None) -> dict
     if config.model.attention == "auto":
         config, choice, report = attention_auto.resolve(config, devices, compile_only, budget)
         if choice is not None:
-            return {**report, "attention_auto": {**dataclasses.asdict(choice), "line": choice.line()}}
+            chosen = {**dataclasses.asdict(choice), "line": choice.line()}
+            return {**report, "attention_auto": chosen}
     return None
 
 

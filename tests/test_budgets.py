@@ -24,7 +24,7 @@ LINUX = sys.platform == "linux" and platform.machine() in ("x86_64", "aarch64")
 def param(row: dict):
     marks = [pytest.mark.slow] if row["suite"] == "paper" else []
     if row["target"] != "cpu":
-        marks.append(pytest.mark.skipif(not LINUX, reason="the TPU and GPU compilers are Linux-only"))
+        marks.append(pytest.mark.skipif(not LINUX, reason="TPU and GPU compilers: Linux only"))
     return pytest.param(row, id=row["name"], marks=marks)
 
 

@@ -154,7 +154,7 @@ def main(argv: list[str]) -> int:
             peaks[row["name"]] = report = measure(row)
             state, line = verdict(row, report["peak_memory_per_device_bytes"], data["tolerance"])
             rose |= state == "rose"
-            print(f"{state:4}  {line}", flush=True)
+            print(f"{state:4}  {line}; compiled in {report['compile_s']} s", flush=True)
     except BudgetError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
