@@ -103,7 +103,8 @@ def test_a_tpu_step_whose_splash_does_not_fit_compiles_with_blockwise(monkeypatc
     for key, value in TPU_ENV.items():
         monkeypatch.setenv(key, value)
     devices = topology.devices(topology.parse("v5p-8"))
-    config = config_lib.load("tiny", {**NO_REMAT, "model.attention": "auto"})
+    overrides = {key: str(value) for key, value in NO_REMAT.items()}
+    config = config_lib.load("tiny", {**overrides, "model.attention": "auto"})
     roomy = train.compile_only(config, devices, 95 * GiB)
     assert roomy["attention"] == "splash" and list(roomy["attention_auto"]["peaks"]) == ["splash"]
     blockwise = train.compile_only(attention_auto.with_attention(config, "blockwise"), devices)
