@@ -45,8 +45,11 @@ def summary(result: dict, target=None) -> str:
         )
     counts = ", ".join(f"{k} {v}" for k, v in result["collectives"].items())
     remat = f"{result['remat']}{' (auto)' if 'remat_auto' in result else ''}"
+    attention = f"{result['attention']} attention"
+    if "attention_auto" in result:  # chosen by fitting the step: say why
+        attention += f" ({result['attention_auto']['line']})"
     return (
-        f"{line}; {result['attention']} attention; remat {remat}; "
+        f"{line}; {attention}; remat {remat}; "
         f"{result['flops_per_step']:.3e} model FLOPs per step; collectives: {counts}"
     )
 

@@ -44,6 +44,8 @@ IMPLEMENTATIONS = ("auto", "xla", "blockwise", "splash", "pallas_gpu")
 # What `auto` runs on each JAX platform: the fused kernel where there is one; elsewhere
 # blockwise, exact like `xla` but without its [b, H, Q, P + Q] float32 scores. GPUs stay
 # on blockwise until a device run measures `pallas_gpu` faster (it has not run on one).
+# A TPU step compiled with a memory budget falls back to blockwise where splash's does not
+# fit (`seqpipe.attention_auto`).
 AUTO = {"tpu": "splash", "gpu": "blockwise", "cuda": "blockwise", "rocm": "blockwise"}
 AUTO_DEFAULT = "blockwise"
 

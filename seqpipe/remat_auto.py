@@ -81,7 +81,7 @@ def with_policy(config: ConfigDict, policy: str) -> ConfigDict:
 def resolve(
     config: ConfigDict,
     devices: list,
-    compile_only: Callable[[ConfigDict, list], dict],
+    compile_only: Callable[..., dict],
     budget: int | None = None,
 ) -> tuple[ConfigDict, Choice, dict | None]:
     """`config` with `pipeline.remat=auto` replaced by the policy chosen for `devices`
@@ -92,7 +92,8 @@ def resolve(
     reports = {}
 
     def peak_of(policy):
-        reports[policy] = compile_only(with_policy(config, policy), devices)
+        # The budget goes along: `model.attention=auto` may fit its choice to it too.
+        reports[policy] = compile_only(with_policy(config, policy), devices, budget)
         return reports[policy]["peak_memory_per_device_bytes"]
 
     choice = choose(peak_of, budget)

@@ -25,6 +25,7 @@ from ml_collections import ConfigDict
 
 from seqpipe import (
     attention,
+    attention_auto,
     checkpoint,
     data,
     hlo,
@@ -405,6 +406,10 @@ class Trainer:
         if config.pipeline.remat == "auto":
             config, choice, _ = remat_auto.resolve(config, jax.devices(), compile_only)
             self.log.print(f"pipeline.remat: {choice.line()}")
+        if config.model.attention == "auto":
+            config, choice, _ = attention_auto.resolve(config, jax.devices(), compile_only, None)
+            if choice is not None:
+                self.log.print(f"model.attention: {choice.line()}")
         step_fn = make_train_step(
             make_grad_fn(config, self.mesh),
             self.tx,
@@ -605,11 +610,9 @@ def compile_only(
     whatever its trip count)."""
     devices = jax.devices() if devices is None else devices
     config = config_lib.resolve(config, len(devices))
-    if config.pipeline.remat == "auto":
-        # The chosen policy's step was compiled to choose it: its report is this one.
-        config, choice, report = remat_auto.resolve(config, devices, compile_only, budget)
-        report = report or compile_only(config, devices)  # none compiled: no budget
-        return {**report, "remat_auto": dataclasses.asdict(choice)}
+    report = _compile_auto(config, devices, budget)
+    if report is not None:
+        return report
     # Resolved for the devices compiled for (a TPU slice's from this CPU, say), not this
     # process's default backend.
     platform = devices[0].platform
@@ -671,6 +674,22 @@ def compile_only(
         "flops_per_step": flops_per_token * t.global_batch_size * t.seq_len,
         "compile_s": round(seconds, 1),
     }
+
+
+def _compile_auto(config: ConfigDict, devices: list, budget: int | None) -> dict | None:
+    """`compile_only`'s report where `pipeline.remat` or `model.attention` is `auto` and
+    choosing compiles the step (the chosen step's report, with the choice), else None."""
+    if config.pipeline.remat == "auto":
+        # The chosen policy's step was compiled to choose it: its report is this one.
+        config, choice, report = remat_auto.resolve(config, devices, compile_only, budget)
+        report = report or compile_only(config, devices, budget)  # none compiled: no budget
+        return {**report, "remat_auto": dataclasses.asdict(choice)}
+    if config.model.attention == "auto":
+        config, choice, report = attention_auto.resolve(config, devices, compile_only, budget)
+        if choice is not None:
+            chosen = {**dataclasses.asdict(choice), "line": choice.line()}
+            return {**report, "attention_auto": chosen}
+    return None
 
 
 # The Pallas kernels and the platforms they compile for.

@@ -1,0 +1,89 @@
+"""`model.attention=auto` where its kernel may not fit: on a TPU, splash if the step it
+compiles fits the device's memory, else blockwise.
+
+splash is the fused kernel, but under `pipeline.remat=none` every layer keeps splash's
+residuals as long as the context: gpt_30b at 65536 on v5p-128 (seq1f1b K=4 M=16) needs
+109.8 GiB a chip with it and 53.8 with blockwise, of 95. Where a budget is known (the
+device's allocator, a `--topology` target), `auto` compiles the kernel's step and keeps it
+if its peak is within `remat_auto.HEADROOM` of the budget; else the exact fallback
+(`FALLBACK`) if that fits; else whichever needs less. Without a budget, or where `auto`
+picks no kernel with a fallback (CPUs, GPUs), `attention.resolve` picks without compiling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from ml_collections import ConfigDict
+
+from seqpipe import attention
+from seqpipe.remat_auto import HEADROOM, device_budget
+
+# The kernel `auto` prefers on a platform, and what it falls back to when that kernel's
+# step does not fit.
+FALLBACK = {"splash": "blockwise"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    name: str
+    budget: int  # bytes a device may use
+    peaks: dict[str, int]  # the implementations compiled, in order, and their peak bytes
+
+    def line(self) -> str:
+        """One line for the log: what was picked, and why."""
+        gib = lambda b: f"{b / 2**30:.1f}"  # noqa: E731
+        tried = ", ".join(f"{n} {gib(b)}" for n, b in self.peaks.items())
+        limit = f"{gib(HEADROOM * self.budget)} GiB ({HEADROOM:.0%} of {gib(self.budget)})"
+        verdict = "fits" if self.peaks[self.name] <= HEADROOM * self.budget else "least"
+        return f"auto -> {self.name} ({verdict}; peak GiB: {tried}; limit {limit})"
+
+
+def candidates(platform: str) -> tuple[str, ...]:
+    """What `auto` may run on `platform`, in order of preference."""
+    first = attention.resolve("auto", platform)
+    return (first, FALLBACK[first]) if first in FALLBACK else (first,)
+
+
+def choose(peak_of: Callable[[str], int], names: tuple[str, ...], budget: int) -> Choice:
+    """The first of `names` whose `peak_of(name)` (bytes a device) is within HEADROOM of
+    `budget`; if none is, the one that needs least."""
+    peaks = {}
+    for name in names:
+        peaks[name] = peak_of(name)
+        if peaks[name] <= HEADROOM * budget:
+            return Choice(name, budget, peaks)
+    return Choice(min(peaks, key=peaks.get), budget, peaks)
+
+
+def with_attention(config: ConfigDict, name: str) -> ConfigDict:
+    c = config.copy_and_resolve_references()
+    with c.unlocked():
+        c.model.attention = name
+    return c
+
+
+def resolve(
+    config: ConfigDict,
+    devices: list,
+    compile_only: Callable[..., dict],
+    budget: int | None,
+) -> tuple[ConfigDict, Choice | None, dict | None]:
+    """`config` with `model.attention=auto` replaced by what runs on `devices` (`budget`
+    bytes a device; default `remat_auto.device_budget`), the choice (None where nothing
+    was compiled to make it) and the chosen step's `compile_only(config, devices, budget)`
+    report (None where none was compiled). The trainer passes its `compile_only` in, so
+    that this module stays below it."""
+    names = candidates(devices[0].platform)
+    budget = device_budget(devices) if budget is None else budget
+    if budget is None or len(names) == 1:
+        return with_attention(config, names[0]), None, None
+    reports = {}
+
+    def peak_of(name):
+        reports[name] = compile_only(with_attention(config, name), devices, budget)
+        return reports[name]["peak_memory_per_device_bytes"]
+
+    choice = choose(peak_of, names, budget)
+    return with_attention(config, choice.name), choice, reports[choice.name]
