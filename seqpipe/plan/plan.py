@@ -1,0 +1,166 @@
+"""The planner's steps: enumerate, estimate, refine, compile the best, print."""
+
+from __future__ import annotations
+
+import sys
+
+from seqpipe import cli
+from seqpipe.plan import memory, rank, render, search, space
+from seqpipe.plan.space import Candidate
+
+GiB = 2**30
+REFINE = 5  # the fastest candidates whose equal-FLOP segments and layer split are tried
+
+
+def problem_of(config, target, seq_len: int, batch: int) -> space.Problem:
+    m = config.model
+    per_host = getattr(target, "chips", 8) if not hasattr(target, "hosts") else 8
+    return space.Problem(
+        num_layers=m.num_layers,
+        num_heads=m.num_heads,
+        num_kv_heads=m.get("num_kv_heads", 0) or m.num_heads,
+        devices=target.chips,
+        seq_len=seq_len,
+        global_batch=batch,
+        devices_per_host=min(per_host, 8),
+        partition_multiple=config.pipeline.partition_multiple,
+    )
+
+
+def hand_picked(config, p: space.Problem) -> list[tuple[str, Candidate]]:
+    """The README's recommended setting (the config's own pipeline, or the README's
+    8-stage Seq1F1B M=8 K=4 where the config does not pipeline), 1F1B with S = 8, M = 8,
+    and Seq1F1B with S = 8, M = 8, K = 4; the data replicas take the other devices."""
+    pp = config.pipeline
+    own = config.mesh.stage if config.mesh.stage > 1 else 0
+    data = max(1, p.devices // 8)
+    readme = (
+        Candidate(
+            p.devices // (own * config.mesh.tensor) or 1,
+            own,
+            config.mesh.tensor,
+            pp.schedule,
+            pp.microbatches,
+            pp.segments,
+            pp.virtual_stages,
+            str(pp.inflight),
+            pp.remat if pp.remat != "auto" else "full",
+        )
+        if own
+        else Candidate(data, 8, 1, "seq1f1b", 8, 4, 1, "full", "full")
+    )
+    return [
+        ("README's recommended", readme),
+        ("1f1b S=8 M=8", Candidate(data, 8, 1, "1f1b", 8, 1, 1, "full", "full")),
+        ("seq1f1b S=8 M=8 K=4", Candidate(data, 8, 1, "seq1f1b", 8, 4, 1, "full", "full")),
+    ]
+
+
+def estimate_all(config, p, rates, budget, Bar) -> list[dict]:
+    """Every candidate of the space, then the refinements of the fastest, estimated."""
+    cands = space.candidates(p)
+    bar = Bar("estimating", len(cands))
+    rows = []
+    for c in cands:
+        rows.append(search.evaluate(config, c, p.seq_len, p.global_batch, rates, budget))
+        bar.tick(c.label)
+    bar.done()
+    for row in rank.ranked(rows)[:REFINE]:
+        for c in space.refinements(row["candidate"]):
+            rows.append(search.evaluate(config, c, p.seq_len, p.global_batch, rates, budget))
+    return rows
+
+
+def fits_nowhere(rows: list[dict], budget: int, target) -> str:
+    """The one line for a model no candidate fits."""
+    low = rank.smallest(rows)
+    if low is None:
+        return f"no valid setting on {target.name}"
+    need = low["memory_per_device_bytes"]
+    where = "compiled" if low.get("memory_source") == "compiled" else "estimated"
+    least = need if where == "compiled" else need * memory.LOW
+    return (
+        f"the model fits nowhere on {target.name}: the smallest candidate ({low['label']}) "
+        f"needs {least / GiB:.1f} GiB a device ({where}) of {budget / GiB:.1f}; use a slice "
+        f"with at least {least / budget:.1f}x the devices or the memory a device"
+    )
+
+
+def run(args, config, overrides, target, seq_len, batch, Bar) -> int:
+    from seqpipe import errors
+    from seqpipe.plan import confirm, timing
+
+    p = problem_of(config, target, seq_len, batch)
+    try:
+        space.check(p)
+    except space.PlanError as e:
+        cli.fail(str(e))
+    rates, budget = timing.rates_for(target), target.budget()
+    rows = estimate_all(config, p, rates, budget, Bar)
+    if not rank.ranked(rows):
+        cli.fail(fits_nowhere(rows, budget, target))
+    try:
+        devices = target.devices()
+    except errors.TopologyError as e:
+        cli.fail(str(e))
+    bar = Bar("compiling", args.compile)
+    rows = confirm.confirm_best(rows, devices, budget, args.compile, 3 * args.compile, bar.tick)
+    bar.done()
+    best = rank.winner(rows)
+    if best is None:
+        cli.fail(fits_nowhere(rows, budget, target))
+    picks = [
+        (name, search.evaluate(config, c, seq_len, batch, rates, budget))
+        for name, c in hand_picked(config, p)
+    ]
+    report(args, config, overrides, target, rows, best, picks, rates, budget)
+    return 0
+
+
+def report(args, config, overrides, target, rows, best, picks, rates, budget) -> None:
+    """Print the table, the rejected, the comparison, the time model and the command."""
+    seq_len, batch = best["config"].train.seq_len, best["config"].train.global_batch_size
+    order = rank.ranked(rows)
+    shown = order[: args.top]
+    others = [r for r in rows if r is not best and "invalid" not in r]
+    lost = [r for r in rows if not rank.runnable(r) or r not in shown]
+    cmd = render.command(args.config, best["candidate"], seq_len, batch, overrides)
+    out = sys.stdout
+    print(
+        f"{target.headline()}: {sum('invalid' not in r for r in rows)} candidates for "
+        f"{args.config} at {seq_len} tokens x {batch}; budget {budget / GiB:.1f} GiB a "
+        f"device",
+        file=out,
+    )
+    print(
+        f"time model: {rates.basis}; the schedule's tick model with the head on the last "
+        "stage (estimates that rank, not measurements)",
+        file=out,
+    )
+    print(
+        f"memory: 'compiled' is the target's compiler ({target.name}), 'estimated' the "
+        f"analytic model (rejected alone only above {1 / memory.LOW:.2f}x the budget)\n",
+        file=out,
+    )
+    print(render.table(shown), "\n", file=out)
+    print("rejected:", file=out)
+    print(
+        render.rejected([r for r in lost if "invalid" not in r], best, budget, 12), "\n", file=out
+    )
+    comp = rank.comparison(best, picks)
+    print("the winner against hand-picked settings (same model):", file=out)
+    print(render.comparison(comp), "\n", file=out)
+    print(
+        f"winner: {best['label']}, {best['step_s']:.3f} s a step (estimated), "
+        f"{best['memory_per_device_bytes'] / GiB:.2f} GiB a device (compiled)",
+        file=out,
+    )
+    print(cmd, file=out)
+    if args.json:
+        extra = {
+            "topology": target.name,
+            "time_model": rates.basis,
+            "budget_bytes": budget,
+            "comparison": comp,
+        }
+        print(render.last_line(best, cmd, others, extra), file=out, flush=True)

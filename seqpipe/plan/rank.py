@@ -1,0 +1,74 @@
+"""Ranking rows and saying why the others lost: pure functions over `search.evaluate` rows."""
+
+from __future__ import annotations
+
+GiB = 2**30
+
+
+def runnable(row: dict) -> bool:
+    """Valid, not rejected by the analytic model, and not refused by a compile."""
+    return "invalid" not in row and row["verdict"] != "over" and row.get("fits", True)
+
+
+def ranked(rows: list[dict]) -> list[dict]:
+    """The runnable rows, fastest first (ties: less memory, then the label)."""
+    return sorted(
+        (r for r in rows if runnable(r)),
+        key=lambda r: (r["step_s"], r["memory_per_device_bytes"], r["label"]),
+    )
+
+
+def winner(rows: list[dict]) -> dict | None:
+    """The fastest row whose memory a compile confirmed."""
+    return next((r for r in ranked(rows) if r.get("memory_source") == "compiled"), None)
+
+
+def reason(row: dict, best: dict | None, budget: int) -> str:
+    """Why `row` is not the winner, one line."""
+    if "invalid" in row:
+        return f"not a valid setting: {row['invalid']}"
+    if row.get("fits") is False:
+        got = row["memory_per_device_bytes"]
+        return (
+            f"does not fit (compiled): {got / GiB:.2f} GiB of {budget / GiB:.2f}, "
+            f"over by {(got - budget) / GiB:.2f} GiB"
+        )
+    if row["verdict"] == "over":
+        from seqpipe.plan import memory
+
+        low = row["memory_per_device_bytes"] * memory.LOW
+        return (
+            f"does not fit (estimated): at least {low / GiB:.2f} GiB of {budget / GiB:.2f}, "
+            f"over by {(low - budget) / GiB:.2f} GiB"
+        )
+    if best is None:
+        return "not compiled"
+    slower = row["step_s"] / best["step_s"] - 1
+    return f"slower than the winner by {100 * slower:.1f}%"
+
+
+def smallest(rows: list[dict]) -> dict | None:
+    """The valid row of least memory (for a model that fits nowhere)."""
+    valid = [r for r in rows if "invalid" not in r]
+    return min(valid, key=lambda r: r["memory_per_device_bytes"], default=None)
+
+
+def comparison(best: dict, picks: list[tuple[str, dict]]) -> list[dict]:
+    """The winner against hand-picked settings under the same model: each pick's step,
+    whether it fits, and the winner's speed-up over it (None where a pick is invalid)."""
+    out = []
+    for name, row in picks:
+        if "invalid" in row:
+            out.append({"setting": name, "label": row["label"], "invalid": row["invalid"]})
+            continue
+        out.append(
+            {
+                "setting": name,
+                "label": row["label"],
+                "step_s": row["step_s"],
+                "verdict": row["verdict"] if row.get("fits", True) else "over (compiled)",
+                "winner_speedup": row["step_s"] / best["step_s"],
+                "winner_no_worse": best["step_s"] <= row["step_s"],
+            }
+        )
+    return out

@@ -1,0 +1,69 @@
+"""Evaluating candidates on the models alone: memory estimate, verdict, step time.
+
+`evaluate` is the one place a candidate meets the config: it applies the candidate's keys
+to the user's config, builds its `PipelineSpec` (one table per shape, shared by the remat
+policies) and prices it with `plan.memory` and `plan.timing`. Nothing is compiled here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from seqpipe import config as config_lib
+from seqpipe.plan import memory, timing
+from seqpipe.plan.space import Candidate
+
+
+def config_of(base, c: Candidate, seq_len: int, global_batch: int):
+    """A copy of `base` with the candidate's keys, the sequence and the batch, validated
+    for its devices (ConfigError if the trainer would refuse it)."""
+    cfg = base.copy_and_resolve_references()
+    with cfg.unlocked():
+        cfg.train.seq_len = seq_len
+        cfg.train.global_batch_size = global_batch
+        for key, value in c.overrides().items():
+            section, name = key.split(".")
+            cfg[section][name] = value
+    config_lib.validate(cfg, c.data * c.stage * c.tensor)
+    return cfg
+
+
+def spec_of(config, c: Candidate):
+    """The candidate's spec; the table, its lowering and the segments built once for
+    candidates that differ only in remat."""
+    from seqpipe import spec
+
+    key = dataclasses.replace(c, remat="full")
+    if key not in _TABLES:
+        _TABLES[key] = spec.make_spec(config)
+    return dataclasses.replace(_TABLES[key], remat=c.remat)
+
+
+_TABLES: dict = {}  # a candidate with remat "full" -> its spec
+
+
+def evaluate(base, c: Candidate, seq_len: int, global_batch: int, rates, budget: int) -> dict:
+    """The candidate's row: its estimated memory (by term), verdict against `budget`, and
+    estimated step time, bubble, tokens/s and MFU. A candidate the trainer refuses gets
+    `invalid` and the reason."""
+    from seqpipe import schedule
+
+    row = {"candidate": c, "label": c.label}
+    try:
+        config = config_of(base, c, seq_len, global_batch)
+        spec = spec_of(config, c)
+    except (config_lib.ConfigError, schedule.ScheduleError, ValueError) as e:
+        return row | {"invalid": str(e)}
+    rows = global_batch // (c.data * c.microbatches)
+    shard = config_lib.shards_optimizer(config)
+    est = memory.estimate(spec, rows, c.data, shard)
+    state = memory.state_bytes(spec.cfg, spec.chunk_layers * spec.virtual, c.data, shard)
+    time = timing.step_time(spec, rows, c.data, shard, state, rates)
+    return row | {
+        "config": config,
+        "memory_estimate": est,
+        "memory_per_device_bytes": est["total"],
+        "memory_source": "estimated",
+        "verdict": memory.verdict(est["total"], budget),
+        **time,
+    }
