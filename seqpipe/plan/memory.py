@@ -74,56 +74,76 @@ def state_bytes(cfg, stage_layers: int, data: int, shard_optimizer: bool) -> dic
     return {"params": params, "moments": moments, "stage": stage, "count": stage // itemsize}
 
 
-@functools.lru_cache(maxsize=4096)
-def layer_residual_bytes(cfg, length: int, rows: int, prefix: int) -> int:
-    """Bytes of one layer's vjp residuals for `rows` x `length` tokens after `prefix`
-    cached ones (what `remat=none` keeps), traced on one device with tensor = 1 and
-    divided by the tensor devices (their activations and matmul outputs are split)."""
+PROBE = 128  # tokens of the one trace per policy: residuals grow linearly in tokens
+
+
+@functools.lru_cache(maxsize=64)
+def residual_per_token(cfg, remat: str) -> float:
+    """Bytes one layer's forward keeps per token under `remat` (`remat=none`: every vjp
+    residual; what `dots` or `layer` keep), traced once on one device with tensor = 1 for
+    a segment of PROBE tokens after PROBE cached ones, divided by the tensor devices
+    (their activations and matmul outputs are split)."""
     import dataclasses
 
     from seqpipe import schedule, units
     from seqpipe.spec import PipelineSpec
 
     whole = dataclasses.replace(cfg, tensor=1)
-    lengths = (prefix, length) if prefix else (length,)
-    table = schedule.build("seq1f1b" if prefix else "1f1b", 2, 2, len(lengths))
-    spec = PipelineSpec(whole, table, schedule.lower(table), lengths, "none", (1,) * 2)
-    unit = units.SegmentUnit(spec, len(lengths) - 1, layers=1)
-    stored = unit.layer_layout(rows).stored
-    total = sum(math.prod(a.shape) * a.dtype.itemsize for a in stored)
-    return total // cfg.tensor
+    table = schedule.build("seq1f1b", 2, 2, 2)
+    spec = PipelineSpec(whole, table, schedule.lower(table), (PROBE, PROBE), remat, (1, 1))
+    stored = units.SegmentUnit(spec, 1, layers=1).layer_layout(1).stored
+    return sum(math.prod(a.shape) * a.dtype.itemsize for a in stored) / PROBE / cfg.tensor
 
 
-def working_bytes(spec, rows: int) -> dict:
-    """The terms beyond the state and the carry (see the module docstring)."""
-    cfg = spec.cfg
-    longest = max(range(spec.segments), key=lambda k: (spec.lengths[k], k))
-    one = max(
-        layer_residual_bytes(cfg, spec.lengths[k], rows, spec.offsets[k])
-        for k in {longest, spec.segments - 1}
-    )
-    unit = one * (spec.chunk_layers if spec.remat == "full" else 1)
+def carry_bytes(spec_full, rows: int, remat: str) -> int:
+    """The carry's bytes under `remat`, from the carry of the same table under `full`
+    (exact, `tools.memory.carry_bytes`): a policy that keeps residuals keeps each stash
+    slot's n layers' residuals instead of its input."""
+    from seqpipe import remat as remat_lib
+
+    full = _full_carry(spec_full, rows)
+    if not remat_lib.POLICIES[remat].keeps_residuals:
+        return full["carry"]
+    cfg = spec_full.cfg
     act = 2 if cfg.dtype == "bfloat16" else 4
-    loss_len = cfg.loss_chunk if cfg.loss_chunk > 0 else spec.seg_max
-    head = 2 * rows * min(loss_len, spec.seg_max) * (cfg.vocab_size // cfg.tensor) * 4
-    return {"unit": unit, "head": head, "act": act}
+    slots = full["stash"] / (rows * spec_full.msg_len * cfg.d_model * act)
+    tokens = rows * spec_full.seg_max
+    res = slots * spec_full.chunk_layers * tokens * residual_per_token(cfg, remat)
+    return int(full["carry"] - full["stash"] + res)
 
 
-def estimate(spec, rows: int, data: int, shard_optimizer: bool) -> dict:
-    """The model's bytes per device of the step, by term, and `total`."""
+_CARRIES: dict = {}
+
+
+def _full_carry(spec_full, rows: int) -> dict:
     from seqpipe.tools import memory as tool_memory
 
-    st = state_bytes(spec.cfg, spec.chunk_layers * spec.virtual, data, shard_optimizer)
-    carry = tool_memory.carry_bytes(spec, rows)["carry"]
-    work = working_bytes(spec, rows)
-    per_param = work.pop("act") / 4  # compute dtype over float32
-    cast = int(st["stage"] * per_param) if spec.policy.casts_once else 0
+    key = (id(spec_full), rows)
+    if key not in _CARRIES:
+        _CARRIES[key] = (spec_full, tool_memory.carry_bytes(spec_full, rows))
+    return _CARRIES[key][1]
+
+
+def estimate(spec_full, remat: str, rows: int, data: int, shard_optimizer: bool) -> dict:
+    """The model's bytes per device of the step under `remat`, by term, and `total`;
+    `spec_full` is the candidate's spec with remat `full` (its table and segments)."""
+    from seqpipe import remat as remat_lib
+
+    cfg = spec_full.cfg
+    policy = remat_lib.POLICIES[remat]
+    st = state_bytes(cfg, spec_full.chunk_layers * spec_full.virtual, data, shard_optimizer)
+    act = 2 if cfg.dtype == "bfloat16" else 4
+    layer = rows * spec_full.seg_max * residual_per_token(cfg, "none")
+    loss_len = cfg.loss_chunk if cfg.loss_chunk > 0 else spec_full.seg_max
     out = {
         "state": st["params"] + st["moments"],
-        "carry": int(carry),
-        "cast": cast,
-        "unit": work["unit"],
-        "head": work["head"],
+        "carry": carry_bytes(spec_full, rows, remat),
+        "cast": int(st["stage"] * act / 4) if policy.casts_once else 0,
+        # One backward unit's working set: the recomputed chunk's residuals under `full`,
+        # one layer's otherwise.
+        "unit": int(layer * (spec_full.chunk_layers if remat == "full" else 1)),
+        # The last stage's logits of one segment, float32, and their cotangent.
+        "head": 2 * rows * min(loss_len, spec_full.seg_max) * (cfg.vocab_size // cfg.tensor) * 4,
         "update": st["params"] + st["moments"],
     }
     out["total"] = sum(out.values())

@@ -110,7 +110,7 @@ def run(args, config, overrides, target, seq_len, batch, Bar) -> int:
     if best is None:
         cli.fail(fits_nowhere(rows, budget, target))
     picks = [
-        (name, search.evaluate(config, c, seq_len, batch, rates, budget))
+        (name, search.evaluate(config, c, seq_len, batch, rates, budget, True))
         for name, c in hand_picked(config, p)
     ]
     report(args, config, overrides, target, rows, best, picks, rates, budget)

@@ -14,9 +14,10 @@ from seqpipe.plan import memory, timing
 from seqpipe.plan.space import Candidate
 
 
-def config_of(base, c: Candidate, seq_len: int, global_batch: int):
+def config_of(base, c: Candidate, seq_len: int, global_batch: int, validate: bool = True):
     """A copy of `base` with the candidate's keys, the sequence and the batch, validated
-    for its devices (ConfigError if the trainer would refuse it)."""
+    for its devices (ConfigError if the trainer would refuse it); the search leaves the
+    validation to the winners (it builds the table again)."""
     cfg = base.copy_and_resolve_references()
     with cfg.unlocked():
         cfg.train.seq_len = seq_len
@@ -24,25 +25,28 @@ def config_of(base, c: Candidate, seq_len: int, global_batch: int):
         for key, value in c.overrides().items():
             section, name = key.split(".")
             cfg[section][name] = value
-    config_lib.validate(cfg, c.data * c.stage * c.tensor)
+    if validate:
+        config_lib.validate(cfg, c.data * c.stage * c.tensor)
     return cfg
 
 
 def spec_of(config, c: Candidate):
-    """The candidate's spec; the table, its lowering and the segments built once for
-    candidates that differ only in remat."""
+    """The candidate's spec with remat `full`: the table, its lowering and the segments,
+    built once for candidates that differ only in remat."""
     from seqpipe import spec
 
     key = dataclasses.replace(c, remat="full")
     if key not in _TABLES:
         _TABLES[key] = spec.make_spec(config)
-    return dataclasses.replace(_TABLES[key], remat=c.remat)
+    return _TABLES[key]
 
 
 _TABLES: dict = {}  # a candidate with remat "full" -> its spec
 
 
-def evaluate(base, c: Candidate, seq_len: int, global_batch: int, rates, budget: int) -> dict:
+def evaluate(
+    base, c: Candidate, seq_len: int, global_batch: int, rates, budget: int, validate=False
+) -> dict:
     """The candidate's row: its estimated memory (by term), verdict against `budget`, and
     estimated step time, bubble, tokens/s and MFU. A candidate the trainer refuses gets
     `invalid` and the reason."""
@@ -50,14 +54,15 @@ def evaluate(base, c: Candidate, seq_len: int, global_batch: int, rates, budget:
 
     row = {"candidate": c, "label": c.label}
     try:
-        config = config_of(base, c, seq_len, global_batch)
-        spec = spec_of(config, c)
+        config = config_of(base, c, seq_len, global_batch, validate)
+        full = spec_of(config, c)
     except (config_lib.ConfigError, schedule.ScheduleError, ValueError) as e:
         return row | {"invalid": str(e)}
     rows = global_batch // (c.data * c.microbatches)
     shard = config_lib.shards_optimizer(config)
-    est = memory.estimate(spec, rows, c.data, shard)
-    state = memory.state_bytes(spec.cfg, spec.chunk_layers * spec.virtual, c.data, shard)
+    est = memory.estimate(full, c.remat, rows, c.data, shard)
+    state = memory.state_bytes(full.cfg, full.chunk_layers * full.virtual, c.data, shard)
+    spec = dataclasses.replace(full, remat=c.remat)
     time = timing.step_time(spec, rows, c.data, shard, state, rates)
     return row | {
         "config": config,

@@ -118,20 +118,32 @@ def unit_cost(spec, rows: int, rates: Rates) -> dict:
     return {"F": f, "B": b, "flops": fwd_flops + bwd_flops, "bytes": fwd_bytes + bwd_bytes}
 
 
+_STATS: dict = {}
+
+
+def table_stats(spec) -> dict:
+    """`schedule.stats` of the spec's table with each segment's FLOP share and the head's
+    and embedding's work on their chunks; once a table (the remat policies share it)."""
+    from seqpipe import schedule
+
+    key = (id(spec.schedule), spec.lengths, spec.layers_per_chunk, spec.cfg)
+    if key not in _STATS:
+        dims = partition.model_dims(spec.cfg)
+        costs = partition.segment_flops(spec.lengths, **dims)
+        chunks = partition.chunk_costs(
+            spec.stages * spec.virtual,
+            sum(spec.lengths),
+            **dims,
+            layers_per_chunk=spec.layers_per_chunk,
+        )
+        _STATS[key] = (spec.schedule, schedule.stats(spec.schedule, costs, spec.lengths, chunks))
+    return _STATS[key][1]
+
+
 def pipeline_time(spec, rows: int, rates: Rates) -> dict:
     """Seconds of the tick loop and its bubble, under `schedule.stats`'s tick model with
     each segment's FLOP share and the head's and embedding's work on their chunks."""
-    from seqpipe import schedule
-
-    dims = partition.model_dims(spec.cfg)
-    costs = partition.segment_flops(spec.lengths, **dims)
-    chunks = partition.chunk_costs(
-        spec.stages * spec.virtual,
-        sum(spec.lengths),
-        **dims,
-        layers_per_chunk=spec.layers_per_chunk,
-    )
-    st = schedule.stats(spec.schedule, costs, spec.lengths, chunks)
+    st = table_stats(spec)
     unit = unit_cost(spec, rows, rates)
     # stats counts a mean unit's forward as 1 and its backward as 2 (B + W when split).
     per = (unit["F"] + unit["B"]) / 3
