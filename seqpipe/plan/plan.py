@@ -56,13 +56,28 @@ def hand_picked(config, p: space.Problem) -> list[tuple[str, Candidate]]:
     ]
 
 
-def estimate_all(config, p, rates, budget, Bar) -> list[dict]:
-    """Every candidate of the space, then the refinements of the fastest, estimated."""
+def estimate_all(config, p, rates, budget, Bar, keep: int) -> list[dict]:
+    """The candidates in the order of their lower bound (`search.lower_bound`), each
+    estimated until the bound passes the `keep`-th fastest runnable estimate: the rest
+    are `pruned` (no schedule of theirs can be faster). Then the equal-FLOP segments and
+    layer splits of the fastest few."""
     cands = space.candidates(p)
-    bar = Bar("estimating", len(cands))
-    rows = []
-    for c in cands:
-        rows.append(search.evaluate(config, c, p.seq_len, p.global_batch, rates, budget))
+    order = sorted(
+        (
+            (search.lower_bound(config, c, p.seq_len, p.global_batch, rates), i, c)
+            for i, c in enumerate(cands)
+        ),
+    )
+    bar = Bar("estimating", len(order))
+    rows, times = [], []
+    for n, (bound, _, c) in enumerate(order):
+        if len(times) >= keep and bound > times[keep - 1]:
+            rows += [{"candidate": x, "label": x.label, "pruned": b} for b, _, x in order[n:]]
+            break
+        row = search.evaluate(config, c, p.seq_len, p.global_batch, rates, budget)
+        rows.append(row)
+        if rank.runnable(row):
+            times = sorted(times + [row["step_s"]])
         bar.tick(c.label)
     bar.done()
     for row in rank.ranked(rows)[:REFINE]:
@@ -96,7 +111,7 @@ def run(args, config, overrides, target, seq_len, batch, Bar) -> int:
     except space.PlanError as e:
         cli.fail(str(e))
     rates, budget = timing.rates_for(target), target.budget()
-    rows = estimate_all(config, p, rates, budget, Bar)
+    rows = estimate_all(config, p, rates, budget, Bar, args.top + 3 * args.compile)
     if not rank.ranked(rows):
         cli.fail(fits_nowhere(rows, budget, target))
     try:
@@ -122,12 +137,14 @@ def report(args, config, overrides, target, rows, best, picks, rates, budget) ->
     seq_len, batch = best["config"].train.seq_len, best["config"].train.global_batch_size
     order = rank.ranked(rows)
     shown = order[: args.top]
-    others = [r for r in rows if r is not best and "invalid" not in r]
-    lost = [r for r in rows if not rank.runnable(r) or r not in shown]
+    compiled = [r for r in rows if r.get("memory_source") == "compiled"]
+    ids = {id(r) for r in shown}
+    others = [r for r in shown + [c for c in compiled if id(c) not in ids] if r is not best]
+    lost = [r for r in rows if not rank.runnable(r) or id(r) not in ids]
     cmd = render.command(args.config, best["candidate"], seq_len, batch, overrides)
     out = sys.stdout
     print(
-        f"{target.headline()}: {sum('invalid' not in r for r in rows)} candidates for "
+        f"{target.headline()}: {len(rows)} candidates for "
         f"{args.config} at {seq_len} tokens x {batch}; budget {budget / GiB:.1f} GiB a "
         f"device",
         file=out,
@@ -151,7 +168,7 @@ def report(args, config, overrides, target, rows, best, picks, rates, budget) ->
     print("the winner against hand-picked settings (same model):", file=out)
     print(render.comparison(comp), "\n", file=out)
     print(
-        f"winner: {best['label']}, {best['step_s']:.3f} s a step (estimated), "
+        f"winner: {best['label']}, {best['step_s']:.4g} s a step (estimated), "
         f"{best['memory_per_device_bytes'] / GiB:.2f} GiB a device (compiled)",
         file=out,
     )

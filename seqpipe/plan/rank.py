@@ -7,7 +7,9 @@ GiB = 2**30
 
 def runnable(row: dict) -> bool:
     """Valid, not rejected by the analytic model, and not refused by a compile."""
-    return "invalid" not in row and row["verdict"] != "over" and row.get("fits", True)
+    if "invalid" in row or "pruned" in row:
+        return False
+    return row["verdict"] != "over" and row.get("fits", True)
 
 
 def ranked(rows: list[dict]) -> list[dict]:
@@ -27,6 +29,11 @@ def reason(row: dict, best: dict | None, budget: int) -> str:
     """Why `row` is not the winner, one line."""
     if "invalid" in row:
         return f"not a valid setting: {row['invalid']}"
+    if "pruned" in row:
+        if best is None:
+            return "pruned: slower than the best by its bound"
+        slower = row["pruned"] / best["step_s"] - 1
+        return f"slower than the winner by at least {100 * slower:.1f}% (its bound, not estimated)"
     if row.get("fits") is False:
         got = row["memory_per_device_bytes"]
         return (
@@ -49,7 +56,7 @@ def reason(row: dict, best: dict | None, budget: int) -> str:
 
 def smallest(rows: list[dict]) -> dict | None:
     """The valid row of least memory (for a model that fits nowhere)."""
-    valid = [r for r in rows if "invalid" not in r]
+    valid = [r for r in rows if "memory_per_device_bytes" in r]
     return min(valid, key=lambda r: r["memory_per_device_bytes"], default=None)
 
 

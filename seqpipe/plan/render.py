@@ -33,7 +33,7 @@ def table(rows: list[dict]) -> str:
     ]
     for i, r in enumerate(rows, 1):
         lines.append(
-            f"| {i} | {r['label']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | "
+            f"| {i} | {r['label']} | {r['step_s']:.4g} | {r['tokens_per_s']:,.0f} | "
             f"{_mfu(r)} | {r['memory_per_device_bytes'] / GiB:.2f} | {r['memory_source']} | "
             f"{r['bubble']:.3f} |"
         )
@@ -48,7 +48,7 @@ def rejected(rows: list[dict], best: dict | None, budget: int, limit: int) -> st
         key=lambda r: (
             r.get("memory_source") != "compiled",
             "invalid" in r,
-            r.get("step_s", float("inf")),
+            r.get("step_s", r.get("pruned", float("inf"))),
         ),
     )
     lines = [f"- {r['label']}: {rank.reason(r, best, budget)}" for r in order[:limit]]
@@ -56,6 +56,7 @@ def rejected(rows: list[dict], best: dict | None, budget: int, limit: int) -> st
         counts = {}
         for r in order[limit:]:
             key = rank.reason(r, best, budget).split(":")[0].split(" by ")[0]
+            key += " (bound)" if "pruned" in r else ""
             counts[key] = counts.get(key, 0) + 1
         more = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
         lines.append(f"- and {len(order) - limit} more: {more}")
@@ -74,7 +75,7 @@ def comparison(items: list[dict]) -> str:
             )
             continue
         lines.append(
-            f"| {it['setting']} | {it['label']} | {it['step_s']:.3f} | {it['verdict']} | "
+            f"| {it['setting']} | {it['label']} | {it['step_s']:.4g} | {it['verdict']} | "
             f"{it['winner_speedup']:.3f}x | {'yes' if it['winner_no_worse'] else 'NO'} |"
         )
     return "\n".join(lines)

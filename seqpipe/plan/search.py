@@ -72,3 +72,61 @@ def evaluate(
         "verdict": memory.verdict(est["total"], budget),
         **time,
     }
+
+
+def lower_bound(base, c: Candidate, seq_len: int, global_batch: int, rates) -> float:
+    """Seconds no schedule of the candidate beats: a stage's own units (M x K x V, bubble
+    0, the head left out) and the work after the loop. Needs no table, so the search
+    evaluates candidates in the order of this bound and stops where it passes the best."""
+    from seqpipe.spec import PipelineSpec
+
+    cfg, lengths, layers, shard, state = _shape_of(base, c, seq_len, global_batch)
+    spec = PipelineSpec(cfg, None, None, lengths, c.remat, layers)
+    rows = global_batch // (c.data * c.microbatches)
+    unit = timing.unit_cost(spec, rows, rates)
+    busy = c.microbatches * c.segments * c.virtual * (unit["F"] + unit["B"])
+    return busy + timing.after_loop(state, c.data, shard, rates)
+
+
+_SHAPES: dict = {}
+
+
+def _shape_of(base, c: Candidate, seq_len: int, global_batch: int) -> tuple:
+    """(model, segment lengths, layers per chunk, sharded optimizer, state bytes) of the
+    candidate's mesh, split and segments; once for all that share them."""
+    from seqpipe import layout, partition
+
+    key = (
+        id(base),
+        c.data,
+        c.stage,
+        c.tensor,
+        c.virtual,
+        c.segments,
+        c.partition,
+        c.layers_per_stage,
+        seq_len,
+        global_batch,
+    )
+    if key not in _SHAPES:
+        config = config_of(base, c, seq_len, global_batch, validate=False)
+        cfg = full_cfg(config)
+        lengths = partition.segment_lengths(
+            seq_len,
+            c.segments,
+            c.partition,
+            multiple=config_lib.segment_multiple(config),
+            **partition.model_dims(cfg),
+        )
+        layers = tuple(layout.of_config(config).layers_per_chunk)
+        shard = config_lib.shards_optimizer(config)
+        state = memory.state_bytes(cfg, max(layers) * c.virtual, c.data, shard)
+        _SHAPES[key] = (base, (cfg, tuple(lengths), layers, shard, state))
+    return _SHAPES[key][1]
+
+
+def full_cfg(config):
+    """The model as a stage of this mesh runs it (`GPTConfig` with its tensor devices)."""
+    from seqpipe.model import GPTConfig
+
+    return dataclasses.replace(GPTConfig.from_config(config.model), tensor=config.mesh.tensor)

@@ -50,6 +50,10 @@ class Rates:
     basis: str
 
 
+# This machine's CPU, for ranking on fake devices (scripts/plan_rank_agreement.py):
+# nominal rates, neither measured nor fitted; only their ratio shapes a ranking.
+CPU = Rates(5e10, 1e10, 1e10, 1e10, False, None, "nominal CPU rates (50 GFLOP/s, 10 GB/s)")
+
 TPU = {  # HBM bytes/s and ICI bytes/s a chip, from the Cloud TPU system architecture pages
     "v4": (1.228e12, 300e9),
     "v5p": (2.765e12, 600e9),
