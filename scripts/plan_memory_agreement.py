@@ -3,8 +3,7 @@
     python scripts/plan_memory_agreement.py --config gpt_1b --topology h200-8 \\
         --seq-len 8192 --global-batch 32 [--pick 10] [--config.key=value ...]
 
-Picks `--pick` candidates spread over meshes, schedules and remat policies (every
-n-th of the space, in its order), compiles each for the target (`train.compile_only`,
+Picks `--pick` candidates spread over meshes, schedules and remat policies (`pick`), compiles each for the target (`train.compile_only`,
 no evaluation) and prints estimate, compiled figure and their ratio as Markdown; the
 ratios bound `seqpipe.plan.memory.LOW` and `HIGH`.
 """
@@ -53,17 +52,20 @@ def main(argv):
 
 
 def pick(cands, count):
-    """`count` candidates spread over the space: varied meshes, schedules and remat."""
-    seen, out = set(), []
-    step = max(1, len(cands) // (count * 3))
-    for c in cands[::step]:
-        key = (c.stage, c.tensor, c.schedule, c.remat)
-        if key in seen or c.microbatches * c.segments > 64:
-            continue
-        seen.add(key)
-        out.append(c)
-    stride = max(1, len(out) // count)
-    return out[::stride][:count]
+    """`count` candidates spread over the space (a fixed seed): the remat policies, then
+    the schedules, in turn, each on a mesh drawn at random."""
+    import random
+
+    rng = random.Random(0)
+    small = [c for c in cands if c.microbatches * c.segments <= 64]
+    remats = sorted({c.remat for c in small})
+    names = sorted({c.schedule for c in small})
+    out = []
+    for i in range(count):
+        pool = [c for c in small if c.remat == remats[i % len(remats)]]
+        pool = [c for c in pool if c.schedule == names[i % len(names)]] or pool
+        out.append(rng.choice(pool))
+    return out
 
 
 if __name__ == "__main__":

@@ -101,9 +101,11 @@ TINY = [
 ]
 
 
-def test_memory_estimate_within_its_bounds_of_the_compiled_step():
-    """The boundary check: on CPU, each candidate's compiled peak over its estimate lies in
-    [LOW, HIGH], the bounds pruning trusts (the targets' figures: docs/planner.md)."""
+def test_memory_estimate_is_never_more_pessimistic_than_pruning_trusts():
+    """The boundary check: the analytic model alone rejects a candidate only when LOW times
+    its estimate exceeds the budget, so no compiled peak may fall below LOW times its
+    estimate. Here on CPU, across schedules, remat policies and meshes; on the targets,
+    scripts/plan_memory_agreement.py (docs/planner.md)."""
     from seqpipe import gpu_topology
 
     rates = timing.rates_for(gpu_topology.parse("h200-8"))
@@ -112,7 +114,7 @@ def test_memory_estimate_within_its_bounds_of_the_compiled_step():
         devices = jax.devices()[: c.data * c.stage * c.tensor]
         report = train.compile_only(row["config"], devices, with_evaluation=False)
         ratio = report["peak_memory_per_device_bytes"] / row["memory_per_device_bytes"]
-        assert memory.LOW <= ratio <= memory.HIGH, (row["label"], ratio)
+        assert ratio >= memory.LOW, (row["label"], ratio)
 
 
 def test_json_last_line_holds_the_winner_and_the_others():
@@ -165,3 +167,21 @@ def test_bad_input_is_one_line(args, message):
     assert out.returncode == 2 and out.stdout == ""
     lines = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
     assert len(lines) == 1 and message in lines[0], out.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_the_planner_end_to_end_on_a_small_slice():
+    """tiny on a v5p-8 (4 chips): the table, the winner compiled and fitting, its command,
+    and the JSON line (several minutes on 2 busy cores: the TPU compile)."""
+    out = _plan(
+        "--config", "tiny", "--topology", "v5p-8", "--seq-len", "512", "--compile", "1", "--json"
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    last = json.loads(out.stdout.strip().splitlines()[-1])
+    winner = last["winner"]
+    assert winner["memory_source"] == "compiled" and winner["fits"]
+    assert winner["command"].startswith("python train.py --config tiny")
+    assert winner["memory_per_device_bytes"] <= last["budget_bytes"]
+    assert all(r["step_s"] >= winner["step_s"] for r in last["candidates"] if r.get("fits") is True)
+    assert "time model: v5p's peak" in out.stdout and "not calibrated" in out.stdout
+    assert [c["setting"] for c in last["comparison"]][0] == "README's recommended"

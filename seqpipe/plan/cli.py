@@ -23,7 +23,7 @@ class Bar:
         from seqpipe.metrics import Progress
 
         self.phase, self.tty = phase, sys.stderr.isatty()
-        self.progress = Progress(total, stream=sys.stderr)
+        self.progress, self.total = Progress(total, stream=sys.stderr), total
         self.t0 = time.perf_counter()
 
     def tick(self, note: str = "") -> None:
@@ -32,7 +32,8 @@ class Bar:
             text = self.progress.text().split("  ")[0]
             sys.stderr.write(f"\r{self.phase} {text} {note[:60]}\x1b[K")
             sys.stderr.flush()
-        elif note:
+        elif self.phase != "estimating" or self.progress.step % max(1, self.total // 10) == 0:
+            # Not a terminal (a log): a line every tenth of the estimates, and every compile.
             print(
                 f"{self.phase} {self.progress.step}/{self.progress.total}: {note}",
                 file=sys.stderr,

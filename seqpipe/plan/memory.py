@@ -1,6 +1,6 @@
 """The analytic memory model: bytes per device of a candidate's step, without compiling it.
 
-    total = state + carry + cast + unit + head + update
+    total = state + carry + cast + max(unit, head) + update
 
 - state: parameters (param dtype) and the two AdamW moments (float32) this device holds,
   from each leaf's sharding (`sharding.leaf_spec`'s rules: layers over `stage`, the
@@ -147,7 +147,9 @@ def estimate(spec_full, remat: str, rows: int, data: int, shard_optimizer: bool)
         "head": 3 * rows * min(loss_len, spec_full.seg_max) * (cfg.vocab_size // cfg.tensor) * 4,
         "update": st["params"] + st["moments"],
     }
-    out["total"] = sum(out.values())
+    # The head runs in the last chunk's forward, the unit's working set in a backward:
+    # never live together.
+    out["total"] = sum(out.values()) - min(out["unit"], out["head"])
     return out
 
 
