@@ -185,3 +185,15 @@ def test_the_planner_end_to_end_on_a_small_slice():
     assert all(r["step_s"] >= winner["step_s"] for r in last["candidates"] if r.get("fits") is True)
     assert "time model: v5p's peak" in out.stdout and "not calibrated" in out.stdout
     assert [c["setting"] for c in last["comparison"]][0] == "README's recommended"
+
+
+def test_the_lower_bound_is_below_every_estimate():
+    """Pruning by the bound drops only candidates the time model would rank lower."""
+    from seqpipe import gpu_topology
+
+    base, rates = config_lib.load("tiny", {}), timing.rates_for(gpu_topology.parse("h200-8"))
+    cands = space.candidates(Problem(4, 4, 4, 8, 512, 16))
+    for c in cands[:: max(1, len(cands) // 12)]:
+        row = search.evaluate(base, c, 512, 16, rates, 2**40)
+        if "invalid" not in row:
+            assert search.lower_bound(base, c, 512, 16, rates) <= row["step_s"], c.label

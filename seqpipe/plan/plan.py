@@ -111,7 +111,7 @@ def run(args, config, overrides, target, seq_len, batch, Bar) -> int:
     except space.PlanError as e:
         cli.fail(str(e))
     rates, budget = timing.rates_for(target), target.budget()
-    rows = estimate_all(config, p, rates, budget, Bar, args.top + 3 * args.compile)
+    rows = estimate_all(config, p, rates, budget, Bar, args.top + args.compile)
     if not rank.ranked(rows):
         cli.fail(fits_nowhere(rows, budget, target))
     try:

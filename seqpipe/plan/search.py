@@ -75,9 +75,11 @@ def evaluate(
 
 
 def lower_bound(base, c: Candidate, seq_len: int, global_batch: int, rates) -> float:
-    """Seconds no schedule of the candidate beats: a stage's own units (M x K x V, bubble
-    0, the head left out) and the work after the loop. Needs no table, so the search
-    evaluates candidates in the order of this bound and stops where it passes the best."""
+    """Seconds no schedule of the candidate beats: the last stage's own units (M x K x V)
+    and its head's matmuls, the pipeline's fill and the work after the loop. Needs no
+    table, so the search evaluates candidates in the order of this bound and stops where
+    it passes the best."""
+    from seqpipe import partition, schedule
     from seqpipe.spec import PipelineSpec
 
     cfg, lengths, layers, shard, state = _shape_of(base, c, seq_len, global_batch)
@@ -85,7 +87,16 @@ def lower_bound(base, c: Candidate, seq_len: int, global_batch: int, rates) -> f
     rows = global_batch // (c.data * c.microbatches)
     unit = timing.unit_cost(spec, rows, rates)
     busy = c.microbatches * c.segments * c.virtual * (unit["F"] + unit["B"])
-    return busy + timing.after_loop(state, c.data, shard, rates)
+    # The fill: the first segment's forward reaches the last stage after S - 1 hops, and
+    # (unless W operations fill it) its backward returns as many; the first segment is the
+    # cheapest under causal attention, so its FLOP share prices the hop.
+    first = partition.segment_flops(lengths, **partition.model_dims(cfg))[0] * c.segments
+    split = schedule.generator(c.schedule).split
+    fill = (c.stage - 1) * first * (unit["F"] + (0 if split else unit["B"]))
+    # The last stage also runs the head: its matmuls, forward and backward, at least.
+    head = 6 * cfg.d_model * cfg.vocab_size * global_batch // c.data * seq_len
+    head_s = head / cfg.tensor / rates.flops
+    return busy + head_s + fill + timing.after_loop(state, c.data, shard, rates)
 
 
 _SHAPES: dict = {}
