@@ -3,9 +3,10 @@
     python scripts/plan_memory_agreement.py --config gpt_1b --topology h200-8 \\
         --seq-len 8192 --global-batch 32 [--pick 10] [--config.key=value ...]
 
-Picks `--pick` candidates spread over meshes, schedules and remat policies (`pick`), compiles each for the target (`train.compile_only`,
-no evaluation) and prints estimate, compiled figure and their ratio as Markdown; the
-ratios bound `seqpipe.plan.memory.LOW` and `HIGH`.
+Picks `--pick` candidates spread over meshes, schedules and remat policies (`pick`),
+compiles each for the target (`train.compile_only`, no evaluation) and prints estimate,
+compiled figure and their ratio as Markdown; the ratios bound `seqpipe.plan.memory.LOW`
+and `HIGH`.
 """
 
 import sys

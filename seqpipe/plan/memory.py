@@ -10,7 +10,7 @@
 - cast: the stage's weights in the compute dtype, cast once a step (`remat.Policy.casts_once`);
 - unit: one backward unit's working set: under `full` the recomputed chunk's residuals
   of its longest segment, every layer's; else one layer's (`units.ResidualLayout`);
-- head: the last stage's logits for one segment, float32: logits, softmax, cotangent;
+- head: the last stage's logits for one segment, float32 (one copy);
 - update: the optimizer's new parameters and moments before they replace the old.
 
 `LOW` and `HIGH` bound the compiled total over the estimate (measured,
@@ -142,9 +142,9 @@ def estimate(spec_full, remat: str, rows: int, data: int, shard_optimizer: bool)
         # One backward unit's working set: the recomputed chunk's residuals under `full`,
         # one layer's otherwise.
         "unit": int(layer * (spec_full.chunk_layers if remat == "full" else 1)),
-        # The last stage's logits of one segment, float32: the logits, their softmax and
-        # their cotangent.
-        "head": 3 * rows * min(loss_len, spec_full.seg_max) * (cfg.vocab_size // cfg.tensor) * 4,
+        # The last stage's logits of one segment, float32 (XLA fuses their softmax and
+        # cotangent into the buffer: one copy, on the compiled gpt_1b steps).
+        "head": rows * min(loss_len, spec_full.seg_max) * (cfg.vocab_size // cfg.tensor) * 4,
         "update": st["params"] + st["moments"],
     }
     # The head runs in the last chunk's forward, the unit's working set in a backward:
