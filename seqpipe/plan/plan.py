@@ -9,6 +9,7 @@ from seqpipe.plan import memory, rank, render, search, space
 from seqpipe.plan.space import Candidate
 
 GiB = 2**30
+LIMIT = 300  # candidates estimated at most, in the bound's order (the rest: unexplored)
 REFINE = 5  # the fastest candidates whose equal-FLOP segments and layer split are tried
 
 
@@ -68,12 +69,17 @@ def estimate_all(config, p, rates, budget, Bar, keep: int) -> list[dict]:
             for i, c in enumerate(cands)
         ),
     )
-    bar = Bar("estimating", len(order))
+    bar = Bar("estimating", min(len(order), LIMIT))
     rows, times = [], []
     for n, (bound, _, c) in enumerate(order):
-        if len(times) >= keep and bound > times[keep - 1]:
-            rows += [{"candidate": x, "label": x.label, "pruned": b} for b, _, x in order[n:]]
+        if (len(times) >= keep and bound > times[keep - 1]) or n >= LIMIT:
+            why = "pruned" if n < LIMIT else "unexplored"
+            rows += [{"candidate": x, "label": x.label, why: b} for b, _, x in order[n:]]
             break
+        state = search.state_of(config, c, p.seq_len, p.global_batch)
+        if state > budget:  # the parameters and moments alone: exact, no model
+            rows.append({"candidate": c, "label": c.label, "state_over": state})
+            continue
         row = search.evaluate(config, c, p.seq_len, p.global_batch, rates, budget)
         rows.append(row)
         if rank.runnable(row):
@@ -91,9 +97,11 @@ def fits_nowhere(rows: list[dict], budget: int, target) -> str:
     low = rank.smallest(rows)
     if low is None:
         return f"no valid setting on {target.name}"
-    need = low["memory_per_device_bytes"]
-    where = "compiled" if low.get("memory_source") == "compiled" else "estimated"
-    least = need if where == "compiled" else need * memory.LOW
+    need = rank.need(low)
+    where = {"compiled": "compiled", "estimated": "estimated"}.get(
+        low.get("memory_source"), "exact"
+    )
+    least = need * memory.LOW if where == "estimated" else need
     return (
         f"the model fits nowhere on {target.name}: the smallest candidate ({low['label']}) "
         f"needs {least / GiB:.1f} GiB a device ({where}) of {budget / GiB:.1f}; use a slice "

@@ -7,7 +7,7 @@ GiB = 2**30
 
 def runnable(row: dict) -> bool:
     """Valid, not rejected by the analytic model, and not refused by a compile."""
-    if "invalid" in row or "pruned" in row:
+    if any(k in row for k in ("invalid", "pruned", "unexplored", "state_over")):
         return False
     return row["verdict"] != "over" and row.get("fits", True)
 
@@ -29,6 +29,14 @@ def reason(row: dict, best: dict | None, budget: int) -> str:
     """Why `row` is not the winner, one line."""
     if "invalid" in row:
         return f"not a valid setting: {row['invalid']}"
+    if "state_over" in row:
+        got = row["state_over"]
+        return (
+            f"does not fit (exact): its parameters and moments alone take {got / GiB:.2f} GiB "
+            f"of {budget / GiB:.2f}"
+        )
+    if "unexplored" in row:
+        return "not estimated: past the 300 fastest by the lower bound"
     if "pruned" in row:
         if best is None:
             return "pruned: slower than the best by its bound"
@@ -56,8 +64,13 @@ def reason(row: dict, best: dict | None, budget: int) -> str:
 
 def smallest(rows: list[dict]) -> dict | None:
     """The valid row of least memory (for a model that fits nowhere)."""
-    valid = [r for r in rows if "memory_per_device_bytes" in r]
-    return min(valid, key=lambda r: r["memory_per_device_bytes"], default=None)
+    valid = [r for r in rows if "memory_per_device_bytes" in r or "state_over" in r]
+    return min(valid, key=need, default=None)
+
+
+def need(row: dict) -> int:
+    """The least memory a row may take: compiled, estimated, or its exact state."""
+    return row.get("memory_per_device_bytes", row.get("state_over", 0))
 
 
 def comparison(best: dict, picks: list[tuple[str, dict]]) -> list[dict]:

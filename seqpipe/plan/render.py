@@ -48,7 +48,7 @@ def rejected(rows: list[dict], best: dict | None, budget: int, limit: int) -> st
         key=lambda r: (
             r.get("memory_source") != "compiled",
             "invalid" in r,
-            r.get("step_s", r.get("pruned", float("inf"))),
+            r.get("step_s", r.get("pruned", r.get("unexplored", float("inf")))),
         ),
     )
     lines = [f"- {r['label']}: {rank.reason(r, best, budget)}" for r in order[:limit]]
@@ -57,6 +57,7 @@ def rejected(rows: list[dict], best: dict | None, budget: int, limit: int) -> st
         for r in order[limit:]:
             key = rank.reason(r, best, budget).split(":")[0].split(" by ")[0]
             key += " (bound)" if "pruned" in r else ""
+            key = key.split(" GiB")[0] if "state_over" in r else key
             counts[key] = counts.get(key, 0) + 1
         more = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
         lines.append(f"- and {len(order) - limit} more: {more}")

@@ -141,3 +141,10 @@ def full_cfg(config):
     from seqpipe.model import GPTConfig
 
     return dataclasses.replace(GPTConfig.from_config(config.model), tensor=config.mesh.tensor)
+
+
+def state_of(base, c: Candidate, seq_len: int, global_batch: int) -> int:
+    """Bytes of the parameters and AdamW moments a device of the candidate holds: exact
+    (from the shardings), and a floor under any compiled figure."""
+    state = _shape_of(base, c, seq_len, global_batch)[4]
+    return state["params"] + state["moments"]
