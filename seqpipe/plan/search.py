@@ -105,34 +105,36 @@ _SHAPES: dict = {}
 def _shape_of(base, c: Candidate, seq_len: int, global_batch: int) -> tuple:
     """(model, segment lengths, layers per chunk, sharded optimizer, state bytes) of the
     candidate's mesh, split and segments; once for all that share them."""
-    from seqpipe import layout, partition
+    from seqpipe import partition
 
-    key = (
-        id(base),
-        c.data,
-        c.stage,
-        c.tensor,
-        c.virtual,
-        c.segments,
-        c.partition,
-        c.layers_per_stage,
-        seq_len,
-        global_batch,
-    )
+    cfg, layers, shard, state, multiple = _mesh_of(base, c, seq_len, global_batch)
+    key = (c.segments, c.partition, multiple, seq_len, cfg)
+    if key not in _LENGTHS:
+        _LENGTHS[key] = tuple(
+            partition.segment_lengths(
+                seq_len, c.segments, c.partition, multiple=multiple, **partition.model_dims(cfg)
+            )
+        )
+    return cfg, _LENGTHS[key], layers, shard, state
+
+
+_LENGTHS: dict = {}
+
+
+def _mesh_of(base, c: Candidate, seq_len: int, global_batch: int) -> tuple:
+    """(model, layers per chunk, sharded optimizer, state bytes, segment multiple) of the
+    candidate's mesh and layer split; once for all candidates that share them."""
+    from seqpipe import layout
+
+    key = (id(base), c.data, c.stage, c.tensor, c.virtual, c.layers_per_stage, seq_len)
     if key not in _SHAPES:
         config = config_of(base, c, seq_len, global_batch, validate=False)
         cfg = full_cfg(config)
-        lengths = partition.segment_lengths(
-            seq_len,
-            c.segments,
-            c.partition,
-            multiple=config_lib.segment_multiple(config),
-            **partition.model_dims(cfg),
-        )
         layers = tuple(layout.of_config(config).layers_per_chunk)
         shard = config_lib.shards_optimizer(config)
         state = memory.state_bytes(cfg, max(layers) * c.virtual, c.data, shard)
-        _SHAPES[key] = (base, (cfg, tuple(lengths), layers, shard, state))
+        multiple = config_lib.segment_multiple(config)
+        _SHAPES[key] = (base, (cfg, layers, shard, state, multiple))
     return _SHAPES[key][1]
 
 
