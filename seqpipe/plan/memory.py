@@ -25,7 +25,7 @@ import math
 
 # The compiled peak over the estimate stayed within [LOW, HIGH] on the checked
 # candidates (docs/planner.md), with room to spare: pruning trusts no more than that.
-LOW = 0.75
+LOW = 0.7
 HIGH = 1.25
 
 
