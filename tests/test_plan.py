@@ -197,3 +197,20 @@ def test_the_lower_bound_is_below_every_estimate():
         row = search.evaluate(base, c, 512, 16, rates, 2**40)
         if "invalid" not in row:
             assert search.lower_bound(base, c, 512, 16, rates) <= row["step_s"], c.label
+
+
+def test_a_candidate_the_compiler_refuses_is_a_reason_not_a_crash():
+    from seqpipe.plan import confirm
+
+    row = {
+        "candidate": None,
+        "label": "x",
+        "config": None,
+        "memory_per_device_bytes": 1,
+        "verdict": "fits",
+        "step_s": 1.0,
+    }
+    out = confirm.confirm(row, jax.devices()[:1], 2**30)
+    assert out["fits"] is False and rank.reason(out, None, 2**30).startswith(
+        "does not compile for the target: "
+    )

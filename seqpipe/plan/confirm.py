@@ -9,7 +9,11 @@ def confirm(row: dict, devices, budget: int) -> dict:
     seconds, and the estimate's error against it."""
     from seqpipe import train
 
-    report = train.compile_only(row["config"], devices, with_evaluation=False)
+    try:
+        report = train.compile_only(row["config"], devices, with_evaluation=False)
+    except Exception as e:  # the compiler (or the trace) refused it: a reason, not a crash
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        return row | {"fits": False, "compile_error": f"{type(e).__name__}: {first}"}
     peak = int(report["peak_memory_per_device_bytes"])
     estimate = row["memory_per_device_bytes"]
     return row | {
@@ -31,6 +35,6 @@ def confirm_best(rows: list[dict], devices, budget: int, count: int, tries: int,
     for row in rank.ranked(rows)[:tries]:
         if sum(r["fits"] for r in done.values()) >= count:
             break
-        done[id(row)] = confirm(row, devices, budget)
+        done[id(row)] = confirm(row, devices, budget)  # fits False where it did not compile
         tick(row["label"])
     return [done.get(id(r), r) for r in rows]

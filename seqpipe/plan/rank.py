@@ -42,6 +42,8 @@ def reason(row: dict, best: dict | None, budget: int) -> str:
             return "pruned: slower than the best by its bound"
         slower = row["pruned"] / best["step_s"] - 1
         return f"slower than the winner by at least {100 * slower:.1f}% (its bound, not estimated)"
+    if "compile_error" in row:
+        return f"does not compile for the target: {row['compile_error']}"
     if row.get("fits") is False:
         got = row["memory_per_device_bytes"]
         return (
