@@ -73,23 +73,43 @@ def estimate_all(config, p, rates, budget, Bar, keep: int) -> list[dict]:
     rows, times = [], []
     for n, (bound, _, c) in enumerate(order):
         if (len(times) >= keep and bound > times[keep - 1]) or n >= LIMIT:
+            rest = order[n:]
+            if not times and n >= LIMIT:  # nothing fits yet: try the leanest next
+                rest.sort(key=lambda o: lean(o[2]))
+                rows += estimate_some(config, p, rates, budget, [o[2] for o in rest[:LIMIT]])
+                rest = rest[LIMIT:]
             why = "pruned" if n < LIMIT else "unexplored"
-            rows += [{"candidate": x, "label": x.label, why: b} for b, _, x in order[n:]]
+            rows += [{"candidate": x, "label": x.label, why: b} for b, _, x in rest]
             break
-        state = search.state_of(config, c, p.seq_len, p.global_batch)
-        if state > budget:  # the parameters and moments alone: exact, no model
-            rows.append({"candidate": c, "label": c.label, "state_over": state})
-            continue
-        row = search.evaluate(config, c, p.seq_len, p.global_batch, rates, budget)
-        rows.append(row)
-        if rank.runnable(row):
-            times = sorted(times + [row["step_s"]])
+        rows += estimate_some(config, p, rates, budget, [c])
+        if rank.runnable(rows[-1]):
+            times = sorted(times + [rows[-1]["step_s"]])
         bar.tick(c.label)
     bar.done()
     for row in rank.ranked(rows)[:REFINE]:
         for c in space.refinements(row["candidate"]):
             rows.append(search.evaluate(config, c, p.seq_len, p.global_batch, rates, budget))
     return rows
+
+
+REMAT_LEAN = ("full_layer", "full", "layer", "dots", "none")  # least memory first
+
+
+def lean(c: Candidate) -> tuple:
+    """Memory-lean first: most stages, then most segments, then the least-keeping remat."""
+    return (-c.stage * c.tensor, -c.segments, REMAT_LEAN.index(c.remat), c.label)
+
+
+def estimate_some(config, p, rates, budget, cands: list) -> list[dict]:
+    """Rows for `cands`: exact rejections by the state alone, else the models' estimates."""
+    out = []
+    for c in cands:
+        state = search.state_of(config, c, p.seq_len, p.global_batch)
+        if state > budget:  # the parameters and moments alone: exact, no model
+            out.append({"candidate": c, "label": c.label, "state_over": state})
+        else:
+            out.append(search.evaluate(config, c, p.seq_len, p.global_batch, rates, budget))
+    return out
 
 
 def fits_nowhere(rows: list[dict], budget: int, target) -> str:
@@ -102,8 +122,10 @@ def fits_nowhere(rows: list[dict], budget: int, target) -> str:
         low.get("memory_source"), "exact"
     )
     least = need * memory.LOW if where == "estimated" else need
+    priced = sum("memory_per_device_bytes" in r or "state_over" in r for r in rows)
     return (
-        f"the model fits nowhere on {target.name}: the smallest candidate ({low['label']}) "
+        f"the model fits nowhere on {target.name} ({priced} candidates priced): the "
+        f"smallest ({low['label']}) "
         f"needs {least / GiB:.1f} GiB a device ({where}) of {budget / GiB:.1f}; use a slice "
         f"with at least {least / budget:.1f}x the devices or the memory a device"
     )
