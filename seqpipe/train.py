@@ -598,7 +598,10 @@ class Trainer:
 
 
 def compile_only(
-    config: ConfigDict, devices: list | None = None, budget: int | None = None
+    config: ConfigDict,
+    devices: list | None = None,
+    budget: int | None = None,
+    with_evaluation: bool = True,
 ) -> dict:
     """Compile the training step for the configured mesh over `devices` (default: this
     process's) without allocating parameters. `pipeline.remat=auto` is chosen for `budget`
@@ -607,7 +610,9 @@ def compile_only(
     Returns per-device memory from XLA's `memory_analysis()` (of the step, and of the
     evaluation beside the train state), the collectives in each compiled program, and the
     model's analytic FLOPs per step (XLA's `cost_analysis` counts a loop body once,
-    whatever its trip count)."""
+    whatever its trip count). Without `with_evaluation` the evaluation is not compiled (its
+    memory is reported as none: the planner's confirmations, where the step's peak is the
+    larger)."""
     devices = jax.devices() if devices is None else devices
     config = config_lib.resolve(config, len(devices))
     report = _compile_auto(config, devices, budget)
@@ -637,8 +642,11 @@ def compile_only(
     memory = _memory(compiled)
     # The evaluation runs while the whole train state (the step's arguments) stays on the
     # device; its own arguments (parameters, a batch) are among them.
-    eval_compiled = make_eval_fn(config, mesh).lower(state["params"], batch).compile()
-    evaluation = _memory(eval_compiled)
+    eval_compiled = None
+    evaluation = dict.fromkeys(memory, 0)
+    if with_evaluation:
+        eval_compiled = make_eval_fn(config, mesh).lower(state["params"], batch).compile()
+        evaluation = _memory(eval_compiled)
     evaluation["total"] = memory["arguments"] + evaluation["outputs"] + evaluation["temporaries"]
     peak = max(memory["total"], evaluation["total"])
     cfg = GPTConfig.from_config(config.model)
@@ -669,7 +677,7 @@ def compile_only(
         "peak_memory_per_device_bytes": peak,  # the larger of the two totals
         "memory_per_device_gib": round(peak / 2**30, 3),
         "collectives": hlo.count_collectives(compiled.as_text()),
-        "eval_collectives": hlo.count_collectives(eval_compiled.as_text()),
+        "eval_collectives": hlo.count_collectives(eval_compiled.as_text()) if eval_compiled else {},
         "flops_per_token": flops_per_token,
         "flops_per_step": flops_per_token * t.global_batch_size * t.seq_len,
         "compile_s": round(seconds, 1),

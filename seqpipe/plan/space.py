@@ -1,0 +1,175 @@
+"""The search space: every pipelined setting of a model on a slice, as `Candidate`s.
+
+Pure Python: a candidate is a handful of config keys, and `candidates` enumerates the
+ones the trainer would accept, without building a table or importing jax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+
+from seqpipe import remat
+
+SEGMENTS = (2, 4, 8, 16, 32)  # Seq1F1B's segment counts tried (K = 1 is the 1F1B family)
+VIRTUAL = (2, 4)  # chunks per stage for the interleaved schedules
+SCHEDULES = ("1f1b", "seq1f1b", "interleaved_1f1b", "seq1f1b_interleaved", "zb_h1", "seq_zb_h1")
+DEPTHS = ("full", "minimal")
+MICROBATCH_FACTORS = (1, 2, 4)  # M = S x these (a 1F1B pipeline fills at M >= S)
+BLOCK = 128  # segment lengths a multiple of this: the attention kernels' block
+TENSOR = (1, 2, 4, 8)
+
+
+class PlanError(ValueError):
+    """Bad input for the planner; the message is one line."""
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Candidate:
+    """One setting: the mesh and the pipeline keys the trainer reads."""
+
+    data: int
+    stage: int
+    tensor: int
+    schedule: str
+    microbatches: int
+    segments: int
+    virtual: int
+    inflight: str
+    remat: str
+    partition: str = "uniform"
+    layers_per_stage: str = "even"
+
+    def overrides(self) -> dict[str, object]:
+        """The config keys that make this candidate (`--config.KEY=VALUE`)."""
+        return {
+            "mesh.data": self.data,
+            "mesh.stage": self.stage,
+            "mesh.tensor": self.tensor,
+            "pipeline.schedule": self.schedule,
+            "pipeline.microbatches": self.microbatches,
+            "pipeline.segments": self.segments,
+            "pipeline.virtual_stages": self.virtual,
+            "pipeline.inflight": self.inflight,
+            "pipeline.remat": self.remat,
+            "pipeline.partition": self.partition,
+            "pipeline.layers_per_stage": self.layers_per_stage,
+        }
+
+    @property
+    def label(self) -> str:
+        """Short: mesh DxSxT, schedule, M, K, V, depth, remat (and the non-default splits)."""
+        parts = [
+            f"{self.data}x{self.stage}x{self.tensor}",
+            self.schedule,
+            f"M={self.microbatches}",
+        ]
+        parts += [f"K={self.segments}"] * (self.segments > 1)
+        parts += [f"V={self.virtual}"] * (self.virtual > 1)
+        parts += [self.inflight, self.remat]
+        parts += [f"part={self.partition}"] * (self.partition != "uniform")
+        parts += [f"layers={self.layers_per_stage}"] * (self.layers_per_stage != "even")
+        return " ".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """What is planned: the model's shape, the devices, the sequence and the batch."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    devices: int
+    seq_len: int
+    global_batch: int
+    devices_per_host: int = 8  # tensor parallelism stays inside a host's fast links
+    partition_multiple: int = 1
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def meshes(p: Problem) -> list[tuple[int, int, int]]:
+    """(data, stage, tensor): tensor divides the heads and stays in a host; two or more
+    stages dividing the layers; data divides the global batch."""
+    out = []
+    kv = p.num_kv_heads or p.num_heads
+    for t in TENSOR:
+        if p.devices % t or p.num_heads % t or kv % t or t > p.devices_per_host:
+            continue
+        for s in divisors(p.devices // t):
+            d = p.devices // (t * s)
+            if s >= 2 and p.num_layers % s == 0 and p.global_batch % d == 0:
+                out.append((d, s, t))
+    return out
+
+
+def segment_counts(p: Problem, tensor: int) -> list[int]:
+    """K > 1 that split the sequence into equal segments, each a multiple of the block,
+    the tensor devices and `pipeline.partition_multiple`."""
+    unit = math.lcm(BLOCK, tensor, p.partition_multiple)
+    return [k for k in SEGMENTS if p.seq_len % (k * unit) == 0]
+
+
+def schedule_shapes(p: Problem, stage: int, tensor: int) -> list[tuple[str, int, int]]:
+    """(schedule, K, V) for a stage count."""
+    ks = segment_counts(p, tensor)
+    out = []
+    for name in SCHEDULES:
+        seq = name.startswith("seq")
+        for k in ks if seq else [1]:
+            for v in VIRTUAL if "interleaved" in name else [1]:
+                if p.num_layers % (stage * v) == 0:
+                    out.append((name, k, v))
+    return out
+
+
+def microbatch_counts(p: Problem, data: int, stage: int, virtual: int) -> list[int]:
+    rows = p.global_batch // data
+    ms = [stage * f for f in MICROBATCH_FACTORS if rows % (stage * f) == 0]
+    if virtual == 1 and not ms:  # fewer rows than stages: a short pipeline is all there is
+        ms = [m for m in divisors(rows) if m < stage][-1:]
+    return ms
+
+
+def candidates(p: Problem, remats=tuple(remat.POLICIES)) -> list[Candidate]:
+    """Every candidate of the space (uniform segments, even layers), before any pruning.
+    The partition and the layer split are refined for the best few (`refinements`)."""
+    out = []
+    for d, s, t in meshes(p):
+        for name, k, v in schedule_shapes(p, s, t):
+            for m, depth, rm in itertools.product(microbatch_counts(p, d, s, v), DEPTHS, remats):
+                out.append(Candidate(d, s, t, name, m, k, v, depth, rm))
+    return out
+
+
+def refinements(c: Candidate) -> list[Candidate]:
+    """The same candidate with equal-FLOP segments and a FLOP-balanced layer split (the
+    head's work moved off the last stage) where they apply."""
+    parts = ["uniform", "flops"] if c.segments > 1 else ["uniform"]
+    splits = ["even", "flops"] if c.virtual == 1 else ["even"]
+    return [
+        dataclasses.replace(c, partition=pa, layers_per_stage=sp)
+        for pa in parts
+        for sp in splits
+        if (pa, sp) != ("uniform", "even")
+    ]
+
+
+def check(p: Problem) -> None:
+    """PlanError (one line) if nothing of the space applies to the problem."""
+    if not meshes(p):
+        raise PlanError(
+            f"no mesh of {p.devices} devices fits: the stages (2 or more) must divide "
+            f"model.num_layers={p.num_layers} and the data replicas --global-batch "
+            f"{p.global_batch}; change --global-batch or the topology"
+        )
+    if not any(segment_counts(p, t) for _, _, t in meshes(p)):
+        unit = math.lcm(BLOCK, p.partition_multiple)
+        raise PlanError(
+            f"--seq-len {p.seq_len}: no segment count in {', '.join(map(str, SEGMENTS))} "
+            f"divides it into equal segments of a multiple of {unit} tokens; use a multiple "
+            f"of {2 * unit}"
+        )
