@@ -65,8 +65,9 @@ class GPTConfig:
     norm_eps: float = 1e-6
     qkv_bias: bool = False  # biases on the Q, K and V projections (Qwen 2)
     rope_scaling: RopeScaling = NO_SCALING
-    # Packed rows: each token attends only within its document (`seqpipe.packing`).
-    document_mask: bool = False
+    # On packed rows (`seqpipe.packing`), each token attends only within its document;
+    # rows without document ids are plain causal rows either way.
+    document_mask: bool = True
 
     def __post_init__(self):
         # A config section (a dict or ConfigDict) becomes the hashable dataclass.
