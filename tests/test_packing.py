@@ -18,10 +18,11 @@ import numpy as np
 import pytest
 from packed_rows import layouts, on_device, packed_batch
 from pairwise import all_pairs, full_product
+from test_attention import _in_cache
 from test_pipeline import LLAMA, SEQ_LEN, make_config, randomized_gains
 from test_tensor import tensor_config
 
-from seqpipe import attention, model, packing, pipeline, reference, sharding
+from seqpipe import attention, blockwise, model, packing, pipeline, reference, sharding
 from seqpipe import schedule as schedule_lib
 from seqpipe.tools.verify import GRAD_RTOL, LOSS_RTOL, canonical_loss_and_grads, max_relative_error
 
@@ -73,15 +74,23 @@ def out_and_grads(fn, arrays, g):
     return (out, *vjp(g))
 
 
+def cached_small_blocks(q, kp, vp, ks, vs, documents):
+    """`blockwise.cached_attention` reading the prefix from a cache (test_attention's);
+    kp, vp themselves are the sinks, so their cotangents are the prefix's."""
+    cache = _in_cache(kp, vp, q.dtype)
+    return blockwise.cached_attention(q, cache, kp, vp, ks, vs, kp.shape[1], 4, 3, documents)
+
+
 @functools.cache
-def _jitted(name, **blocks):
+def _jitted(name):
     def run(arrays, g, documents):
         if name == "dense":
             fn = lambda *a: dense_masked_attention(*a, *documents)  # noqa: E731
-        elif name == "blockwise":
-            from seqpipe import blockwise
-
-            fn = functools.partial(blockwise.blockwise_attention, documents=documents, **blocks)
+        elif name == "blockwise_small":  # blocks of 4 queries and 3 keys
+            fn = functools.partial(blockwise.blockwise_attention, documents=documents)
+            fn = functools.partial(fn, block_q=4, block_k=3)
+        elif name == "blockwise_cached":
+            fn = lambda *a: cached_small_blocks(*a, documents)  # noqa: E731
         else:
             fn = functools.partial(attention.attend, name, documents=documents)
         return out_and_grads(fn, arrays, g)
@@ -92,14 +101,25 @@ def _jitted(name, **blocks):
 SEGMENTS = ((0, 20), (0, 7), (7, 6), (13, 7), (4, 1), (19, 1))  # (prefix, queries)
 
 
+IMPLEMENTATIONS = ("xla", "blockwise", "blockwise_small", "blockwise_cached")
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 @pytest.mark.parametrize("kv", [3, 1])
 @pytest.mark.parametrize("cut", SEGMENTS, ids=lambda c: f"P{c[0]}Q{c[1]}")
-def test_xla_document_mask_matches_the_explicit_mask(cut, kv):
+def test_document_mask_matches_the_explicit_mask(cut, kv, impl):
+    """Output and the five cotangents against the dense oracle, masked keys' exactly 0."""
     arrays, g, documents = segment_case(*cut, kv=kv)
     want = _jitted("dense")(arrays, g, documents)
-    got = _jitted("xla")(arrays, g, documents)
+    got = _jitted(impl)(arrays, g, documents)
     for name, x, y in zip(NAMES, got, want, strict=True):
         np.testing.assert_allclose(x, y, rtol=TOL, atol=TOL, err_msg=f"{name} at {cut}")
+    # Keys no query of their row sees get exact zeros.
+    unseen = ~np.asarray(packing.mask(*documents).any(1))  # [b, P + Q]
+    prefix_len = cut[0]
+    for name, x in zip(NAMES[2:], got[2:], strict=True):
+        keys = unseen[:, :prefix_len] if "prefix" in name else unseen[:, prefix_len:]
+        assert not np.any(np.asarray(x)[keys]), f"{name}: a key no query sees is not 0"
 
 
 def test_masked_keys_get_exact_zero_cotangents():
