@@ -396,11 +396,20 @@ def _cached_bwd(prefix_len, block_q, block_k, residuals, d_out):
 cached_attention.defvjp(_cached_fwd, _cached_bwd)
 
 
-def executed_flops(q_len: int, prefix_len: int, width: int, block_q=BLOCK_Q, block_k=BLOCK_K):
+def executed_flops(
+    q_len: int, prefix_len: int, width: int, block_q=BLOCK_Q, block_k=BLOCK_K, documents=None
+):
     """Forward matmul FLOPs (QK and PV, per row) the loops run for one segment, `width` =
     H * E: the blocks visited, each whole (the diagonal's masked half and an overlapping
-    last block included)."""
+    last block included). `documents` (q ids [1, Q], kv ids [1, P + Q]): the packed row's,
+    whose skipped key blocks are not counted (the backward visits the same blocks)."""
     qb, pb, kb = _Blocks(q_len, block_q), _Blocks(prefix_len, block_k), _Blocks(q_len, block_k)
-    own = sum(int(_own_blocks_seen(qb, kb, i)) for i in range(qb.count))
-    keys = qb.count * pb.count * pb.size + own * kb.size
+    seen = np.array([int(_own_blocks_seen(qb, kb, i)) for i in range(qb.count)])
+    prefix_from = own_from = np.zeros(qb.count, int)
+    if documents is not None:
+        skips = _Skips(tuple(jnp.asarray(x) for x in documents), qb, pb, kb)
+        prefix_from, own_from = np.asarray(skips.prefix), np.asarray(skips.own)
+    prefix_blocks = int(np.sum(pb.count - prefix_from)) if pb.count else 0
+    own_blocks = int(np.sum(np.maximum(seen - own_from, 0)))
+    keys = prefix_blocks * pb.size + own_blocks * kb.size
     return 2 * 2 * qb.size * keys * width

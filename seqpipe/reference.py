@@ -23,13 +23,16 @@ def loss_and_grads(
     whole (XLA partitions it over whatever mesh the arguments are on): a pipeline's
     `cfg.tensor` does not apply here."""
     cfg = dataclasses.replace(cfg, tensor=1)
-    batch = tokens_BxL1 if isinstance(tokens_BxL1, dict) else {"tokens": tokens_BxL1}
+    return jax.value_and_grad(batch_loss)(params, tokens_BxL1, cfg, checkpoint)
+
+
+def batch_loss(params: Params, batch, cfg: GPTConfig, checkpoint: str | None = None):
+    """`model.loss` of a batch: tokens [B, L+1], or a dict of them and, packed rows,
+    "documents" and "positions" (`seqpipe.packing`)."""
+    if not isinstance(batch, dict):
+        return model.loss(params, batch, cfg, None, checkpoint)
     packed = {k: batch[k] for k in ("documents", "positions") if k in batch}
-
-    def loss(params):
-        return model.loss(params, batch["tokens"], cfg, None, checkpoint, **packed)
-
-    return jax.value_and_grad(loss)(params)
+    return model.loss(params, batch["tokens"], cfg, None, checkpoint, **packed)
 
 
 def per_shard(fn, mesh: jax.sharding.Mesh):

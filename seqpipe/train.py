@@ -186,13 +186,36 @@ def make_train_step(
     return jax.jit(train_step, donate_argnums=0)
 
 
+def global_batch(local, mesh: jax.sharding.Mesh, batch_size: int):
+    """One step's global batch from this process's rows (`data`'s batches: a dict with
+    "tokens", or an array of them; held-out batches are arrays): the tokens [B, L+1]
+    alone, or, packed rows, the dict of tokens, "documents" and "positions"."""
+    if not isinstance(local, dict):
+        return data.to_global(local, mesh, batch_size)
+    if "documents" not in local and "positions" not in local:
+        return data.to_global(local["tokens"], mesh, batch_size)
+    return {k: data.to_global(v, mesh, batch_size) for k, v in local.items()}
+
+
+def abstract_batch(config: ConfigDict, mesh: jax.sharding.Mesh):
+    """The step's batch, abstract: tokens, and with `data.packing` the packed rows' ids
+    and positions (`seqpipe.packing`)."""
+    t = config.train
+    rows = jax.ShapeDtypeStruct(
+        (t.global_batch_size, t.seq_len + 1), jnp.int32, sharding=sharding.batch_sharding(mesh)
+    )
+    if config.data.get("packing", "none") == "none":
+        return rows
+    return {"tokens": rows, "documents": rows, "positions": rows}
+
+
 def make_eval_fn(config: ConfigDict, mesh: jax.sharding.Mesh) -> Callable:
     """Mean loss of a [B, L+1] batch, no gradients: through the pipeline's forwards alone
     (the training step's stages, segments and micro-batches) when there is a pipeline."""
     if config.pipeline.schedule == "none":
         cfg = unpipelined_cfg(config, mesh)
         return jax.jit(
-            _unpipelined(lambda params, tokens: model.loss(params, tokens, cfg), cfg, mesh)
+            _unpipelined(lambda params, batch: reference.batch_loss(params, batch, cfg), cfg, mesh)
         )
     spec = spec_lib.forward_only(pipeline.make_spec(config))
     return jax.jit(lambda params, tokens: pipeline.eval_loss(params, tokens, spec, mesh))
@@ -352,7 +375,7 @@ class Trainer:
             held_out = (
                 data.eval_batches(config, eval_tokens, t.eval_batches, rows) if t.eval_every else []
             )
-            self.eval_set = [data.to_global(b, self.mesh, t.global_batch_size) for b in held_out]
+            self.eval_set = [global_batch(b, self.mesh, t.global_batch_size) for b in held_out]
             self.tx = optim.make_optimizer(t)
             self.manager = checkpoint.make_manager(workdir, config)
             restored = self.restore()
@@ -418,7 +441,7 @@ class Trainer:
         )
         with self._as_training_errors(), StopRequest(kept) as stop:
             for step in range(self.start + 1, self.end + 1):
-                batch = data.to_global(next(self.batches)["tokens"], self.mesh, t.global_batch_size)
+                batch = global_batch(next(self.batches), self.mesh, t.global_batch_size)
                 self.state, metrics = step_fn(self.state, batch)
                 if pending:
                     self._finished(pending[0], pending[1])
@@ -616,9 +639,7 @@ def compile_only(
     mesh = sharding.mesh_of(config, devices)
     tx = optim.make_optimizer(t)
     state = abstract_state(config, mesh, tx)
-    batch = jax.ShapeDtypeStruct(
-        (t.global_batch_size, t.seq_len + 1), jnp.int32, sharding=sharding.batch_sharding(mesh)
-    )
+    batch = abstract_batch(config, mesh)
     shard_optimizer = config_lib.shards_optimizer(config)
     step_fn = make_train_step(
         make_grad_fn(config, mesh), tx, optim.lr_schedule(t), mesh, shard_optimizer
