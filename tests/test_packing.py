@@ -394,3 +394,17 @@ def test_packed_rows_layouts_hold_every_case():
     rows = layouts(12, SEQ_LEN + 1)
     assert any(1 in r for r in rows) and any(r == (SEQ_LEN + 1,) for r in rows)
     assert any(sum(r) < SEQ_LEN + 1 for r in rows)
+
+
+def test_verify_compares_a_packed_batch():
+    """`python -m seqpipe.verify`'s comparison on packed rows (a packed config's batch:
+    tokens, documents, positions), seq1f1b over two stages and two replicas."""
+    from seqpipe.tools import verify
+
+    config = packed_config("seq1f1b", (2, 2), 3, "flops", attention_name="blockwise")
+    mesh = sharding.mesh_of(config)
+    batch = packed_batch(config.train.global_batch_size, SEQ_LEN, config.model.vocab_size)
+    result = verify.compare(config, on_device(batch, sharding.batch_sharding(mesh)), mesh)
+    assert result["ok"], result
+    plain = verify.compare(config, jnp.asarray(batch["tokens"]), mesh)
+    assert abs(plain["loss"] - result["loss"]) > 1e-4  # the rows were read packed

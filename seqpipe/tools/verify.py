@@ -43,7 +43,8 @@ def canonical_loss_and_grads(params, tokens_BxL1, spec, mesh):
 
 
 def compare(config, tokens_BxL1, mesh) -> dict:
-    """Loss and gradient differences between the configured pipeline and the reference."""
+    """Loss and gradient differences between the configured pipeline and the reference,
+    on a batch of tokens [B, L+1] or of packed rows (a dict: `seqpipe.packing`)."""
     from seqpipe import model, pipeline, reference
 
     config = config.copy_and_resolve_references()
@@ -90,11 +91,14 @@ def main(argv: list[str]) -> int:
     # A check writes nothing: no workdir, only the token cache.
     train_tokens, _ = cli.run_or_exit(lambda: data.load_tokens(config, ""))
     rows = cli.run_or_exit(lambda: data.local_rows(config, mesh))
-    batch = next(data.train_iterator(config, train_tokens, rows))["tokens"]
-    tokens = data.to_global(batch, mesh, config.train.global_batch_size)
+    from seqpipe.train import global_batch
+
+    batch = next(data.train_iterator(config, train_tokens, rows))
+    tokens = global_batch(batch, mesh, config.train.global_batch_size)
     r = cli.run_or_exit(lambda: compare(config, tokens, mesh))
+    packed = " on packed rows" if isinstance(tokens, dict) else ""
     print(
-        f"schedule {config.pipeline.schedule}  loss {r['loss']:.6f} (reference "
+        f"schedule {config.pipeline.schedule}{packed}  loss {r['loss']:.6f} (reference "
         f"{r['reference_loss']:.6f}, rel err {r['loss_rel_err']:.1e} <= {LOSS_RTOL:.0e})  "
         f"max grad rel err {r['grad_rel_err']:.1e} <= {GRAD_RTOL:.0e} at {r['worst_leaf']}  "
         f"{'OK' if r['ok'] else 'MISMATCH'}"
