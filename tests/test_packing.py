@@ -408,3 +408,20 @@ def test_verify_compares_a_packed_batch():
     assert result["ok"], result
     plain = verify.compare(config, jnp.asarray(batch["tokens"]), mesh)
     assert abs(plain["loss"] - result["loss"]) > 1e-4  # the rows were read packed
+
+
+def test_the_trainer_takes_packed_batches_and_unpacked_ones_as_today():
+    """train.py's step batch: packed rows as the dict of global arrays (every key split
+    over `data`), unpacked rows as the tokens array alone (today's program)."""
+    from seqpipe import train
+
+    config = packed_config("seq1f1b", (2, 2), 2, "uniform")
+    mesh = sharding.mesh_of(config)
+    rows = packed_batch(4, SEQ_LEN, 61)
+    got = train.global_batch(rows, mesh, 4)
+    assert sorted(got) == ["documents", "positions", "tokens"]
+    assert all(x.sharding == sharding.batch_sharding(mesh) for x in got.values())
+    assert np.array_equal(np.asarray(got["documents"]), rows["documents"])
+    plain = train.global_batch({"tokens": rows["tokens"]}, mesh, 4)
+    assert isinstance(plain, jax.Array) and np.array_equal(np.asarray(plain), rows["tokens"])
+    assert isinstance(train.abstract_batch(config, mesh), jax.ShapeDtypeStruct)
