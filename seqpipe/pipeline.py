@@ -322,8 +322,7 @@ def _backward_unit(ctx: Context, inp: StageInputs, op: TickOps, k: int, saved, d
     cotangent caches with its prefix dK and dV added). `saved`: what its forward kept, or
     the `units.Stash` slot holding it; `caches`: the carry's K/V and K/V cotangent buffers
     (storage words, every slot). Each is read and updated where it lies."""
-    spec, chunk = ctx.spec, op["bwd_chunk"]
-    unit = ctx.units[k].with_packing(inp.packing(spec, op["bwd_mb"], k))
+    spec, unit, chunk = ctx.spec, ctx.units[k], op["bwd_chunk"]
     words_k, words_v, words_dk, words_dv = caches
     act = jnp.dtype(spec.cfg.dtype)
     off = spec.offsets[k]
@@ -337,6 +336,8 @@ def _backward_unit(ctx: Context, inp: StageInputs, op: TickOps, k: int, saved, d
     else:  # no segment attends to the last one
         dk_own = dv_own = jnp.zeros(own.shape, spec.cfg.dtype)
     tokens, _ = inp.tokens(spec, op["bwd_mb"], k)
+    if spec.packed:  # this micro-batch's rows' ids and positions
+        unit = unit.with_packing(inp.packing(spec, op["bwd_mb"], k))
     k_prefix, v_prefix, cache = _prefix_args(ctx, words_k, words_v, op["bwd_kv"], k)
     # With one segment there is no prefix: nothing to add to.
     into = (
