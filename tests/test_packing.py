@@ -425,3 +425,18 @@ def test_the_trainer_takes_packed_batches_and_unpacked_ones_as_today():
     plain = train.global_batch({"tokens": rows["tokens"]}, mesh, 4)
     assert isinstance(plain, jax.Array) and np.array_equal(np.asarray(plain), rows["tokens"])
     assert isinstance(train.abstract_batch(config, mesh), jax.ShapeDtypeStruct)
+
+
+def test_the_pipelined_evaluation_of_packed_rows_is_the_models_loss():
+    from seqpipe import spec as spec_lib
+
+    config = packed_config("seq1f1b", (2, 2), 3, "uniform", attention_name="blockwise")
+    spec = spec_lib.forward_only(pipeline.make_spec(config))
+    mesh = sharding.mesh_of(config)
+    params = model.init_params(spec.cfg, jax.random.key(0))
+    batch = packed_batch(config.train.global_batch_size, SEQ_LEN, spec.cfg.vocab_size)
+    rows = on_device(batch, sharding.batch_sharding(mesh))
+    got = jax.jit(lambda p, b: pipeline.eval_loss(p, b, spec, mesh))(params, rows)
+    oracle = dataclasses.replace(spec.cfg, attention="xla")
+    want = reference.batch_loss(params, {k: jnp.asarray(v) for k, v in batch.items()}, oracle)
+    np.testing.assert_allclose(float(got), float(want), rtol=LOSS_RTOL)
