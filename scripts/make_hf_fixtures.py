@@ -113,6 +113,41 @@ def oracle(model, ids: np.ndarray) -> tuple[np.ndarray, float]:
     return out.logits.float().numpy(), float(out.loss)
 
 
+# Packed rows of LENGTH tokens (issue 35): documents of these lengths in order, then
+# padding (document 0), positions restarted at each document.
+PACKED_ROWS = ((7, 1, 20, 12), (25, 10))
+
+
+def packed_rows() -> tuple[np.ndarray, np.ndarray]:
+    """(documents, positions) int64 [BATCH, LENGTH] of PACKED_ROWS."""
+    docs = np.zeros((BATCH, LENGTH), np.int64)
+    pos = np.zeros_like(docs)
+    for b, lengths in enumerate(PACKED_ROWS):
+        at = 0
+        for i, n in enumerate(lengths):
+            docs[b, at : at + n], pos[b, at : at + n] = i + 1, np.arange(n)
+            at += n
+        pos[b, at:] = np.arange(LENGTH - at)
+    return docs, pos
+
+
+def packed_oracle(model, ids: np.ndarray, docs: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """transformers' float32 logits of packed rows: a 4D float mask [B, 1, L, L], 0 where
+    query i sees key j (j <= i, one document) and float32's lowest value elsewhere (eager
+    attention adds it to the scores), and the positions restarted per document."""
+    length = ids.shape[1]
+    allowed = (docs[:, :, None] == docs[:, None, :]) & np.tril(np.ones((length, length), bool))
+    mask = np.where(allowed, 0.0, np.finfo(np.float32).min).astype(np.float32)[:, None]
+    with torch.no_grad():
+        out = model(
+            input_ids=torch.from_numpy(ids),
+            attention_mask=torch.from_numpy(mask),
+            position_ids=torch.from_numpy(pos),
+            use_cache=False,
+        )
+    return out.logits.float().numpy()
+
+
 def write(name: str, out: Path) -> None:
     model = build(name)
     target = out / name
@@ -122,6 +157,7 @@ def write(name: str, out: Path) -> None:
     ids = tokens(model.config.vocab_size)
     logits, loss = oracle(model, ids)
     np.savez_compressed(target / "oracle.npz", tokens=ids.astype(np.int32), logits=logits)
+    write_packed(model, target)
     meta = {
         "loss": loss,
         "transformers": transformers.__version__,
@@ -132,6 +168,16 @@ def write(name: str, out: Path) -> None:
     (target / "oracle.json").write_text(json.dumps(meta, indent=1) + "\n")
     spread = float(logits.std())
     print(f"{name}: loss {loss:.6f}, logit std {spread:.3f}, files {sorted(os.listdir(target))}")
+
+
+def write_packed(model, target: Path) -> None:
+    """oracle_packed.npz: transformers' logits of PACKED_ROWS over the fixture's tokens."""
+    ids = tokens(model.config.vocab_size)[:, :LENGTH]
+    docs, pos = packed_rows()
+    logits = packed_oracle(model, ids, docs, pos)
+    i32 = lambda x: x.astype(np.int32)  # noqa: E731
+    arrays = dict(tokens=i32(ids), documents=i32(docs), positions=i32(pos), logits=logits)
+    np.savez_compressed(target / "oracle_packed.npz", **arrays)
 
 
 def tokenizer(vocab_size: int):
@@ -160,8 +206,16 @@ def bf16_copy(out: Path) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=str(Path(__file__).parent.parent / "tests/fixtures/hf"))
-    out = Path(parser.parse_args().out)
+    parser.add_argument(
+        "--packed_only", action="store_true", help="(re)write only oracle_packed.npz"
+    )
+    args = parser.parse_args()
+    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name in MODELS:
-        write(name, out)
-    bf16_copy(out)
+        if args.packed_only:
+            write_packed(build(name), out / name)
+        else:
+            write(name, out)
+    if not args.packed_only:
+        bf16_copy(out)

@@ -13,6 +13,8 @@ would be wrong here whenever Q < number of keys.
 Pallas Triton kernel for NVIDIA GPUs); `auto` picks per backend (`resolve`).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,21 +24,60 @@ from seqpipe.rope import tables as rope_tables
 
 
 def rope(
-    x_BxQxHxE: jax.Array, offset: int, base: float, scaling: RopeScaling = NO_SCALING
+    x_BxQxHxE: jax.Array,
+    offset: int,
+    base: float,
+    scaling: RopeScaling = NO_SCALING,
+    positions_BxQ: jax.Array | None = None,
 ) -> jax.Array:
-    """Rotary position embedding at absolute positions offset .. offset + Q - 1, the first
-    half of each head paired with the second (HF Llama's `rotate_half`), the frequencies
-    as `scaling` extends them (`seqpipe.rope`).
+    """Rotary position embedding at absolute positions offset .. offset + Q - 1 (or, given
+    `positions_BxQ`, at those: packed rows restart them per document), the first half of
+    each head paired with the second (HF Llama's `rotate_half`), the frequencies as
+    `scaling` extends them (`seqpipe.rope`).
 
-    The angles depend only on static shapes, so they are NumPy constants: a backward
-    that keeps residuals never has to store them.
+    Without positions the angles depend only on static shapes, so they are NumPy
+    constants: a backward that keeps residuals never has to store them. With positions
+    they are gathered from a NumPy table of the offset + Q positions a segment can hold
+    (a position never exceeds its index in the row), the static path's values exactly.
     """
     _, q_len, _, head_dim = x_BxQxHxE.shape
+    if positions_BxQ is not None:
+        return _rope_at(x_BxQxHxE, positions_BxQ, offset + q_len, base, scaling)
     pos = np.arange(q_len, dtype=np.int64) + offset
     cos, sin = (t[None, :, None, :] for t in rope_tables(pos, head_dim, base, scaling))
-    x1, x2 = jnp.split(x_BxQxHxE.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
-    return out.astype(x_BxQxHxE.dtype)
+    return _rotate(x_BxQxHxE, cos, sin)
+
+
+def _rotate(x, cos, sin):
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)
+
+
+def _angles_at(positions_BxQ, table_len: int, head_dim: int, base, scaling):
+    """(cos, sin) [b, Q, 1, E/2] gathered at the positions from the static tables."""
+    tables = rope_tables(np.arange(table_len), head_dim, base, scaling)
+    at = jnp.clip(positions_BxQ, 0, table_len - 1)
+    return tuple(jnp.asarray(t)[at][:, :, None, :] for t in tables)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _rope_at(x, positions_BxQ, table_len: int, base: float, scaling: RopeScaling):
+    """`rope` at run-time positions. Its backward (the rotation by minus the angles) keeps
+    the positions alone, not the gathered cos and sin."""
+    cos, sin = _angles_at(positions_BxQ, table_len, x.shape[-1], base, scaling)
+    return _rotate(x, cos, sin)
+
+
+def _rope_at_fwd(x, positions_BxQ, table_len, base, scaling):
+    return _rope_at(x, positions_BxQ, table_len, base, scaling), positions_BxQ
+
+
+def _rope_at_bwd(table_len, base, scaling, positions_BxQ, d_out):
+    cos, sin = _angles_at(positions_BxQ, table_len, d_out.shape[-1], base, scaling)
+    return _rotate(d_out, cos, -sin), None
+
+
+_rope_at.defvjp(_rope_at_fwd, _rope_at_bwd)
 
 
 NAME_SCOPE = "segment_attention"
@@ -73,23 +114,25 @@ def attend(
     documents: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
     """Segment attention (the contract of `segment_attention`) by implementation `name`;
-    `documents` (q_ids [b, Q], kv_ids [b, P + Q]) keeps each query to its document."""
+    `documents` (q ids [b, Q], kv ids [b, P + Q]; `seqpipe.document_mask`): the document mask."""
     args = (q_BxQxHxE, k_prefix_BxPxHxE, v_prefix_BxPxHxE, k_seg_BxQxHxE, v_seg_BxQxHxE)
     _check(*args[:4])
+    _check_documents(documents, q_BxQxHxE.shape[1], k_prefix_BxPxHxE.shape[1])
+    extra = {} if documents is None else {"documents": documents}
     impl = resolve(name)
     if impl == "blockwise":
         from seqpipe import blockwise
 
-        return blockwise.blockwise_attention(*args)
+        return blockwise.blockwise_attention(*args, **extra)
     if impl == "splash":
         from seqpipe import splash
 
-        return splash.splash_attention(*args, documents=documents)
+        return splash.splash_attention(*args, **extra)
     if impl == "pallas_gpu":
         from seqpipe import gpu_attention
 
-        return gpu_attention.pallas_gpu_attention(*args, documents=documents)
-    return segment_attention(*args)
+        return gpu_attention.pallas_gpu_attention(*args, **extra)
+    return segment_attention(*args, documents)
 
 
 def attend_cached(
@@ -100,19 +143,22 @@ def attend_cached(
     cotangents of `sink_k`, `sink_v` ([b, >= prefix_len, H, E], values unread: zeros).
     `blockwise` and `pallas_gpu` read the cache block by block; `xla` and `splash` (whose
     kernel takes the prefix as an array) get it copied out of the cache (per layer) and
-    add the sinks to it, so their gradients flow as before."""
+    add the sinks to it, so their gradients flow as before. `documents`: as `attend`'s,
+    the kv ids over the prefix's `prefix_len` positions and the segment's."""
     impl = resolve(name)
+    _check_documents(documents, q_BxQxHxE.shape[1], prefix_len)
+    extra = {} if documents is None else {"documents": documents}
     if impl == "blockwise":
         from seqpipe import blockwise
 
         return blockwise.cached_attention(
-            q_BxQxHxE, prefix, sink_k, sink_v, k_seg, v_seg, prefix_len
+            q_BxQxHxE, prefix, sink_k, sink_v, k_seg, v_seg, prefix_len, **extra
         )
     if impl == "pallas_gpu":
         from seqpipe import gpu_attention
 
         return gpu_attention.cached_attention(
-            q_BxQxHxE, prefix, sink_k, sink_v, k_seg, v_seg, prefix_len, documents=documents
+            q_BxQxHxE, prefix, sink_k, sink_v, k_seg, v_seg, prefix_len, **extra
         )
     dtype = q_BxQxHxE.dtype
     k_prefix, v_prefix = (
@@ -120,6 +166,17 @@ def attend_cached(
         for which, sink in ((0, sink_k), (1, sink_v))
     )
     return attend(name, q_BxQxHxE, k_prefix, v_prefix, k_seg, v_seg, documents)
+
+
+def _check_documents(documents, q_len: int, prefix_len: int):
+    if documents is None:
+        return
+    q_ids, kv_ids = documents
+    if q_ids.shape[1] != q_len or kv_ids.shape[1] != prefix_len + q_len:
+        raise ValueError(
+            f"document ids cover {q_ids.shape[1]} queries and {kv_ids.shape[1]} keys; "
+            f"expected {q_len} and {prefix_len} prefix + {q_len} segment"
+        )
 
 
 def _check(q_BxQxHxE, k_prefix_BxPxHxE, v_prefix_BxPxHxE, k_seg_BxQxKxE):
@@ -149,13 +206,14 @@ def ungrouped(x_BxQxKxGxE: jax.Array) -> jax.Array:
     return x_BxQxKxGxE.reshape(b, q_len, kv * group, width)
 
 
-def _probs(q, k_prefix, k_seg):
+def _probs(q, k_prefix, k_seg, documents=None):
     """Softmax probabilities [b, K, G, Q, *] of the segment's (grouped) queries over
     (prefix, own) keys, as two blocks.
 
     The diagonal block's mask is an additive NumPy constant (0 on and below, -inf above).
     The row maximum over the own block is finite (the diagonal is never masked), so an
-    empty prefix needs no special case.
+    empty prefix needs no special case. `documents` (q ids, kv ids) also masks every key
+    of another document (`document_mask.mask`); the diagonal stays unmasked.
     """
     scale = q.shape[-1] ** -0.5
 
@@ -166,6 +224,12 @@ def _probs(q, k_prefix, k_seg):
     q_len = q.shape[1]
     diagonal = np.where(np.tril(np.ones((q_len, q_len), bool)), 0.0, -np.inf).astype(np.float32)
     s_prefix, s_seg = scores(k_prefix), scores(k_seg) + diagonal
+    if documents is not None:
+        q_ids, kv_ids = documents
+        same = (q_ids[:, :, None] == kv_ids[:, None, :])[:, None, None]  # [b, 1, 1, Q, P+Q]
+        prefix_len = k_prefix.shape[1]
+        s_prefix = jnp.where(same[..., :prefix_len], s_prefix, -np.inf)
+        s_seg = jnp.where(same[..., prefix_len:], s_seg, -np.inf)
     row_max = jnp.maximum(
         s_prefix.max(-1, keepdims=True, initial=-np.inf), s_seg.max(-1, keepdims=True)
     )
@@ -187,6 +251,7 @@ def segment_attention(
     v_prefix_BxPxKxE: jax.Array,
     k_seg_BxQxKxE: jax.Array,
     v_seg_BxQxKxE: jax.Array,
+    documents: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
     """Softmax attention of a segment's queries over the cached prefix and themselves.
 
@@ -200,27 +265,30 @@ def segment_attention(
     prefix by reference: it already lives in the KV cache, never copied per unit) and
     the probabilities once, in the compute dtype. Autodiff of a softmax followed by
     sliced PV products would keep them twice: the softmax output and the slices.
+
+    `documents` (q ids [b, Q], kv ids [b, P + Q], never decreasing along a row;
+    `seqpipe.document_mask`): a query also sees only keys of its own document (the oracle of
+    every implementation's document mask); masked keys get exact zero cotangents.
     """
-    return _attention_fwd(
-        q_BxQxHxE, k_prefix_BxPxKxE, v_prefix_BxPxKxE, k_seg_BxQxKxE, v_seg_BxQxKxE
-    )[0]
+    args = (q_BxQxHxE, k_prefix_BxPxKxE, v_prefix_BxPxKxE, k_seg_BxQxKxE, v_seg_BxQxKxE)
+    return _attention_fwd(*args, documents)[0]
 
 
 # The name scope marks the attention's equations for `flops.breakdown`: once autodiff
 # inlines a custom_vjp's rules, their source frames are the caller's.
 @jax.named_scope(NAME_SCOPE)
-def _attention_fwd(q, k_prefix, v_prefix, k_seg, v_seg):
+def _attention_fwd(q, k_prefix, v_prefix, k_seg, v_seg, documents=None):
     _check(q, k_prefix, v_prefix, k_seg)
-    p_prefix, p_seg = _probs(grouped(q, k_seg.shape[2]), k_prefix, k_seg)
+    p_prefix, p_seg = _probs(grouped(q, k_seg.shape[2]), k_prefix, k_seg, documents)
     out = ungrouped(_weighted_values(p_prefix, p_seg, v_prefix, v_seg))
-    return out, (q, k_prefix, v_prefix, k_seg, v_seg, p_prefix, p_seg)
+    return out, (q, k_prefix, v_prefix, k_seg, v_seg, p_prefix, p_seg, documents)
 
 
 @jax.named_scope(NAME_SCOPE)
 def _attention_bwd(residuals, d_out):
     """The softmax backward per block: dS = P * (dP - rowsum(P * dP)) * scale; each K/V
     head's cotangent sums over the query heads of its group."""
-    q, k_prefix, v_prefix, k_seg, v_seg, p_prefix, p_seg = residuals
+    q, k_prefix, v_prefix, k_seg, v_seg, p_prefix, p_seg, documents = residuals
     f32, scale = jnp.float32, q.shape[-1] ** -0.5
     q, d_out = grouped(q, k_seg.shape[2]), grouped(d_out, k_seg.shape[2])
 
@@ -243,7 +311,8 @@ def _attention_bwd(residuals, d_out):
     def d_values(p):
         return jnp.einsum("bhgqk,bqhge->bkhe", p, d_out)
 
-    return ungrouped(dq), d_keys(ds_prefix), d_values(p_prefix), d_keys(ds_seg), d_values(p_seg)
+    grads = (ungrouped(dq), d_keys(ds_prefix), d_values(p_prefix), d_keys(ds_seg), d_values(p_seg))
+    return (*grads, None if documents is None else (None, None))
 
 
 segment_attention.defvjp(_attention_fwd, _attention_bwd)

@@ -17,6 +17,13 @@ Grouped-query attention: the H query heads are viewed as [K, G] (K K/V heads, G 
 query heads each) and every block product runs per K/V head over its group, so K/V are
 never repeated; dK and dV sum over the group inside the products.
 
+Packed documents (`documents`: q ids [b, Q], kv ids [b, P + Q], never decreasing along a
+row; `seqpipe.document_mask`): a query also sees only its own document's keys. Key blocks wholly
+before the first key any row of a query block sees (its first query's document start,
+the earliest of the block's rows) are not visited: the loops start past them (run-time
+bounds), forward and backward, so a segment whose queries all start new documents reads
+no prefix block at all. Within the blocks visited the ids mask the scores.
+
 Letters: b rows, Q queries (the segment), P prefix keys, H query heads of width E (as
 [K, G] inside), K K/V heads; bq, bk the block sizes (capped by the lengths).
 """
@@ -25,6 +32,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from seqpipe import kv_cache
 
@@ -86,6 +94,38 @@ def _first_query_block(qb: _Blocks, kb: _Blocks, j):
     return jnp.minimum(kb.start(j) // qb.size, qb.count - 1)
 
 
+class _Skips:
+    """Where each query block's key loops start, from the document ids (None: at 0): the
+    first prefix block and own block holding a key any of its rows sees."""
+
+    def __init__(self, documents, qb: _Blocks, pb: _Blocks, kb: _Blocks):
+        q_ids, kv_ids = documents
+        self.q_ids, self.kv_ids, self.prefix_len = q_ids, kv_ids, pb.length
+        starts = np.minimum(np.arange(qb.count) * qb.size, qb.length - qb.size)
+        # The first key each row's first query sees: ids never decrease along a row.
+        first = jax.vmap(jnp.searchsorted)(kv_ids, q_ids[:, starts]).min(0)  # [query blocks]
+        wholly_before = jnp.where(first >= pb.length, pb.count, first // max(pb.size, 1))
+        self.prefix = wholly_before.astype(jnp.int32)  # first prefix block, per query block
+        self.own = (jnp.maximum(first - pb.length, 0) // kb.size).astype(jnp.int32)
+
+    def query_ids(self, start, size):
+        return jax.lax.dynamic_slice_in_dim(self.q_ids, start, size, axis=1)
+
+    def key_ids(self, start, size, own: bool):
+        at = start + (self.prefix_len if own else 0)
+        return jax.lax.dynamic_slice_in_dim(self.kv_ids, at, size, axis=1)
+
+    def readers_end(self, first_blocks, j):
+        """The query blocks that visit key block j: those before this end (their first
+        blocks never decrease)."""
+        return jnp.sum(first_blocks <= j).astype(jnp.int32)
+
+
+def _same_document(q_ids_b, k_ids_b):
+    """[b, 1, 1, bq, bk]: whether each query and key lie in one document."""
+    return (q_ids_b[:, :, None] == k_ids_b[:, None, :])[:, None, None]
+
+
 def _reader(k_prefix, v_prefix):
     """(read, prefix length) of prefix arrays: read(which, start, size) is block
     [b, size, H, E] of K (which 0) or V (1)."""
@@ -94,7 +134,7 @@ def _reader(k_prefix, v_prefix):
     )
 
 
-def _forward(q, prefix, k_seg, v_seg, block_q, block_k):
+def _forward(q, prefix, k_seg, v_seg, block_q, block_k, documents=None):
     """(out [b, Q, H, E], log-sum-exp [b, K, G, Q] float32)."""
     read, prefix_len = prefix
     b, q_len, heads, e = q.shape
@@ -106,16 +146,22 @@ def _forward(q, prefix, k_seg, v_seg, block_q, block_k):
         _Blocks(prefix_len, block_k),
         _Blocks(q_len, block_k),
     )
+    skips = None if documents is None else _Skips(documents, qb, pb, kb)
 
     def query_block(i, carry):
         out, lse = carry
         q_i = _slice(q, qb.start(i), qb.size)
         rows = qb.positions(i)
+        q_ids = None if skips is None else skips.query_ids(qb.start(i), qb.size)
 
-        def visit(state, k_j, v_j, mask_QxK):
+        def visit(state, k_j, v_j, mask_QxK, k_ids=None):
             m, total, acc = state
+            if k_ids is not None:
+                mask_QxK = mask_QxK & _same_document(q_ids, k_ids)
             s = jnp.where(mask_QxK, _scores(q_i, k_j), -jnp.inf)
             m_new = jnp.maximum(m, s.max(-1))
+            if k_ids is not None:  # a row may have seen no key yet: no -inf - -inf
+                m_new = jnp.where(m_new == -jnp.inf, 0.0, m_new)
             p = jnp.exp(s - m_new[..., None])
             alpha = jnp.exp(m - m_new)
             pv = jnp.einsum(
@@ -124,23 +170,30 @@ def _forward(q, prefix, k_seg, v_seg, block_q, block_k):
             acc = acc * _rows_second(alpha)[..., None] + pv
             return m_new, total * alpha + p.sum(-1), acc
 
+        def key_ids(blocks, j, own):
+            return None if skips is None else skips.key_ids(blocks.start(j), blocks.size, own)
+
         def prefix_block(j, state):
             k_j, v_j = (read(which, pb.start(j), pb.size) for which in (0, 1))
-            return visit(state, k_j, v_j, pb.fresh(j)[None, :])
+            return visit(state, k_j, v_j, pb.fresh(j)[None, :], key_ids(pb, j, False))
 
         def own_block(j, state):
             k_j, v_j = (_slice(x, kb.start(j), kb.size) for x in (k_seg, v_seg))
             cols = kb.positions(j)
-            return visit(state, k_j, v_j, kb.fresh(j)[None, :] & (cols[None, :] <= rows[:, None]))
+            causal = kb.fresh(j)[None, :] & (cols[None, :] <= rows[:, None])
+            return visit(state, k_j, v_j, causal, key_ids(kb, j, True))
 
         state = (
             jnp.full((b, h, g, qb.size), -jnp.inf, jnp.float32),
             jnp.zeros((b, h, g, qb.size), jnp.float32),
             jnp.zeros((b, qb.size, h, g, e), jnp.float32),
         )
+        # Key blocks before the first key the block's rows see are skipped, not masked.
+        prefix_from, own_from = (0, 0) if skips is None else (skips.prefix[i], skips.own[i])
         if pb.count:  # an empty prefix has no blocks to trace
-            state = jax.lax.fori_loop(0, pb.count, prefix_block, state)
-        m, total, acc = jax.lax.fori_loop(0, _own_blocks_seen(qb, kb, i), own_block, state)
+            state = jax.lax.fori_loop(prefix_from, pb.count, prefix_block, state)
+        seen = _own_blocks_seen(qb, kb, i)
+        m, total, acc = jax.lax.fori_loop(own_from, seen, own_block, state)
         o_i = (acc / _rows_second(total)[..., None]).astype(out.dtype)
         out = jax.lax.dynamic_update_slice_in_dim(out, o_i, qb.start(i), axis=1)
         lse = jax.lax.dynamic_update_slice_in_dim(lse, m + jnp.log(total), qb.start(i), axis=3)
@@ -151,7 +204,9 @@ def _forward(q, prefix, k_seg, v_seg, block_q, block_k):
     return out.reshape(b, q_len, heads, e), lse
 
 
-def _backward(q, prefix, k_seg, v_seg, out, lse, d_out, block_q, block_k, out_len=None):
+def _backward(
+    q, prefix, k_seg, v_seg, out, lse, d_out, block_q, block_k, out_len=None, documents=None
+):
     """(dq, prefix dK, prefix dV, own dK, own dV) in q's dtype, the prefix's `out_len` long
     (default: the prefix's length; zeros past it).
 
@@ -171,14 +226,18 @@ def _backward(q, prefix, k_seg, v_seg, out, lse, d_out, block_q, block_k, out_le
     )
     # D = rowsum(dO * O): the softmax backward's row term, once for all blocks.
     delta = _rows_last(jnp.sum(d_out.astype(f32) * out.astype(f32), -1))
+    skips = None if documents is None else _Skips(documents, qb, pb, kb)
 
     def key_pass(blocks: _Blocks, read_kv, first_query_block, causal):
-        """dK, dV of one key range (float32) and what its blocks add to dq."""
+        """dK, dV of one key range (float32) and what its blocks add to dq. With
+        documents, only the query blocks whose rows see key block j visit it."""
+        own = blocks is kb
 
         def key_block(j, carry):
             dq, dk, dv = carry
             k_j, v_j = (read_kv(which, blocks.start(j), blocks.size) for which in (0, 1))
             cols, fresh = blocks.positions(j), blocks.fresh(j)
+            k_ids = None if skips is None else skips.key_ids(blocks.start(j), blocks.size, own)
 
             def query_block(i, inner):
                 dq, dk_j, dv_j = inner
@@ -191,6 +250,8 @@ def _backward(q, prefix, k_seg, v_seg, out, lse, d_out, block_q, block_k, out_le
                 mask = fresh[None, :] & (rows >= i * qb.size)[:, None]
                 if causal:
                     mask &= cols[None, :] <= rows[:, None]
+                if k_ids is not None:
+                    mask = mask & _same_document(skips.query_ids(start, qb.size), k_ids)
                 p = jnp.where(mask, jnp.exp(_scores(q_i, k_j) - lse_i[..., None]), 0.0)
                 dv_j += jnp.einsum(
                     "bhgqk,bqhge->bkhe", p.astype(q.dtype), do_i, preferred_element_type=f32
@@ -205,8 +266,10 @@ def _backward(q, prefix, k_seg, v_seg, out, lse, d_out, block_q, block_k, out_le
                 return dq, dk_j, dv_j
 
             zeros = jnp.zeros((b, blocks.size, h, e), f32)
-            lo = first_query_block(j)
-            dq, dk_j, dv_j = jax.lax.fori_loop(lo, qb.count, query_block, (dq, zeros, zeros))
+            lo, hi = first_query_block(j), qb.count
+            if skips is not None:
+                hi = skips.readers_end(skips.own if own else skips.prefix, j)
+            dq, dk_j, dv_j = jax.lax.fori_loop(lo, hi, query_block, (dq, zeros, zeros))
 
             def add(words, block):  # an overlapping last block keeps what the one before wrote
                 start = blocks.start(j)
@@ -226,12 +289,15 @@ def _backward(q, prefix, k_seg, v_seg, out, lse, d_out, block_q, block_k, out_le
     dq = jnp.zeros(q.shape, f32)
     dkp = dvp = words(prefix_len if out_len is None else out_len)
     prefix_pass = key_pass(pb, read, lambda j: 0, causal=False)
+    # Key blocks no query block visits (before the first one's first) are skipped: their
+    # cotangents stay zero.
+    prefix_from, own_from = (0, 0) if skips is None else (skips.prefix[0], skips.own[0])
     if pb.count:
-        dq, dkp, dvp = jax.lax.fori_loop(0, pb.count, prefix_pass, (dq, dkp, dvp))
+        dq, dkp, dvp = jax.lax.fori_loop(prefix_from, pb.count, prefix_pass, (dq, dkp, dvp))
     dks = dvs = words(q_len)
     own_kv = _reader(k_seg, v_seg)[0]
     own = key_pass(kb, own_kv, functools.partial(_first_query_block, qb, kb), causal=True)
-    dq, dks, dvs = jax.lax.fori_loop(0, kb.count, own, (dq, dks, dvs))
+    dq, dks, dvs = jax.lax.fori_loop(own_from, kb.count, own, (dq, dks, dvs))
     dq = dq.reshape(b, q_len, heads, e).astype(dtype)
     return (dq, *(kv_cache.from_words(g, dtype) for g in (dkp, dvp, dks, dvs)))
 
@@ -245,23 +311,29 @@ def blockwise_attention(
     v_seg_BxQxHxE: jax.Array,
     block_q: int = BLOCK_Q,
     block_k: int = BLOCK_K,
+    documents: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
-    """`attention.segment_attention`'s contract, one [b, H, bq, bk] score block at a time."""
+    """`attention.segment_attention`'s contract, one [b, H, bq, bk] score block at a time;
+    `documents` (q ids, kv ids): the document mask, key blocks before it skipped."""
     prefix = _reader(k_prefix_BxPxHxE, v_prefix_BxPxHxE)
-    return _forward(q_BxQxHxE, prefix, k_seg_BxQxHxE, v_seg_BxQxHxE, block_q, block_k)[0]
+    args = (q_BxQxHxE, prefix, k_seg_BxQxHxE, v_seg_BxQxHxE, block_q, block_k, documents)
+    return _forward(*args)[0]
 
 
-def _fwd(q, k_prefix, v_prefix, k_seg, v_seg, block_q, block_k):
-    out, lse = _forward(q, _reader(k_prefix, v_prefix), k_seg, v_seg, block_q, block_k)
-    return out, (q, k_prefix, v_prefix, k_seg, v_seg, out, lse)
+def _fwd(q, k_prefix, v_prefix, k_seg, v_seg, block_q, block_k, documents=None):
+    prefix = _reader(k_prefix, v_prefix)
+    out, lse = _forward(q, prefix, k_seg, v_seg, block_q, block_k, documents)
+    return out, (q, k_prefix, v_prefix, k_seg, v_seg, out, lse, documents)
 
 
 def _bwd(block_q, block_k, residuals, d_out):
-    q, k_prefix, v_prefix, k_seg, v_seg, out, lse = residuals
+    q, k_prefix, v_prefix, k_seg, v_seg, out, lse, documents = residuals
     prefix = _reader(k_prefix, v_prefix)
-    grads = _backward(q, prefix, k_seg, v_seg, out, lse, d_out, block_q, block_k)
+    args = (q, prefix, k_seg, v_seg, out, lse, d_out, block_q, block_k, None, documents)
+    grads = _backward(*args)
     like = (q, k_prefix, v_prefix, k_seg, v_seg)
-    return tuple(g.astype(x.dtype) for g, x in zip(grads, like, strict=True))
+    grads = tuple(g.astype(x.dtype) for g, x in zip(grads, like, strict=True))
+    return (*grads, None if documents is None else (None, None))
 
 
 blockwise_attention.defvjp(_fwd, _bwd)
@@ -287,41 +359,57 @@ def cached_attention(
     prefix_len: int,
     block_q: int = BLOCK_Q,
     block_k: int = BLOCK_K,
+    documents: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
     """`blockwise_attention` with the prefix's first `prefix_len` positions read block by
     block from `cache` (a `kv_cache.Prefix`: the cache's storage words, the slot and the
     layer), so no copy of the prefix is made, nor kept for the backward. The cache carries
     no gradient (its words may be integers); the prefix's dK and dV are returned as the
     cotangents of the sinks, arrays [b, >= prefix_len, H, E] whose values are never read
-    (zeros, as the executor passes them; positions past the prefix get zero cotangents)."""
+    (zeros, as the executor passes them; positions past the prefix get zero cotangents).
+    `documents`: as `blockwise_attention`'s (kv ids over the prefix's `prefix_len` keys and
+    the segment's)."""
     prefix = _cache_reader(cache, prefix_len, q_BxQxHxE.dtype)
-    return _forward(q_BxQxHxE, prefix, k_seg_BxQxHxE, v_seg_BxQxHxE, block_q, block_k)[0]
+    args = (q_BxQxHxE, prefix, k_seg_BxQxHxE, v_seg_BxQxHxE, block_q, block_k, documents)
+    return _forward(*args)[0]
 
 
-def _cached_fwd(q, cache, sink_k, sink_v, k_seg, v_seg, prefix_len, block_q, block_k):
+def _cached_fwd(
+    q, cache, sink_k, sink_v, k_seg, v_seg, prefix_len, block_q, block_k, documents=None
+):
     prefix = _cache_reader(cache, prefix_len, q.dtype)
-    out, lse = _forward(q, prefix, k_seg, v_seg, block_q, block_k)
+    out, lse = _forward(q, prefix, k_seg, v_seg, block_q, block_k, documents)
     # The sinks are not kept, only their length: their values are never read.
     sink_len = jnp.zeros((0, sink_k.shape[1]), jnp.int8)
-    return out, (q, cache, k_seg, v_seg, out, lse, sink_len)
+    return out, (q, cache, k_seg, v_seg, out, lse, sink_len, documents)
 
 
 def _cached_bwd(prefix_len, block_q, block_k, residuals, d_out):
-    q, cache, k_seg, v_seg, out, lse, sink_len = residuals
+    q, cache, k_seg, v_seg, out, lse, sink_len, documents = residuals
     prefix = _cache_reader(cache, prefix_len, q.dtype)
-    grads = _backward(q, prefix, k_seg, v_seg, out, lse, d_out, block_q, block_k, sink_len.shape[1])
-    dq, dkp, dvp, dks, dvs = grads
-    return dq, cache.no_gradient(), dkp, dvp, dks, dvs
+    args = (q, prefix, k_seg, v_seg, out, lse, d_out, block_q, block_k, sink_len.shape[1])
+    dq, dkp, dvp, dks, dvs = _backward(*args, documents)
+    grads = (dq, cache.no_gradient(), dkp, dvp, dks, dvs)
+    return (*grads, None if documents is None else (None, None))
 
 
 cached_attention.defvjp(_cached_fwd, _cached_bwd)
 
 
-def executed_flops(q_len: int, prefix_len: int, width: int, block_q=BLOCK_Q, block_k=BLOCK_K):
+def executed_flops(
+    q_len: int, prefix_len: int, width: int, block_q=BLOCK_Q, block_k=BLOCK_K, documents=None
+):
     """Forward matmul FLOPs (QK and PV, per row) the loops run for one segment, `width` =
     H * E: the blocks visited, each whole (the diagonal's masked half and an overlapping
-    last block included)."""
+    last block included). `documents` (q ids [1, Q], kv ids [1, P + Q]): the packed row's,
+    whose skipped key blocks are not counted (the backward visits the same blocks)."""
     qb, pb, kb = _Blocks(q_len, block_q), _Blocks(prefix_len, block_k), _Blocks(q_len, block_k)
-    own = sum(int(_own_blocks_seen(qb, kb, i)) for i in range(qb.count))
-    keys = qb.count * pb.count * pb.size + own * kb.size
+    seen = np.array([int(_own_blocks_seen(qb, kb, i)) for i in range(qb.count)])
+    prefix_from = own_from = np.zeros(qb.count, int)
+    if documents is not None:
+        skips = _Skips(tuple(jnp.asarray(x) for x in documents), qb, pb, kb)
+        prefix_from, own_from = np.asarray(skips.prefix), np.asarray(skips.own)
+    prefix_blocks = int(np.sum(pb.count - prefix_from)) if pb.count else 0
+    own_blocks = int(np.sum(np.maximum(seen - own_from, 0)))
+    keys = prefix_blocks * pb.size + own_blocks * kb.size
     return 2 * 2 * qb.size * keys * width

@@ -117,6 +117,7 @@ SCHEMA = {
     "model.tie_embeddings": Key(bool),
     "model.norm_eps": _POSITIVE,
     "model.qkv_bias": Key(bool),
+    "model.document_mask": Key(bool),
     "model.rope_scaling.type": Key(str, choices=ROPE_SCALINGS),
     "model.rope_scaling.factor": _POSITIVE,
     "model.rope_scaling.low_freq_factor": _POSITIVE,
@@ -200,6 +201,9 @@ def base_config() -> ml_collections.ConfigDict:
         tie_embeddings=False,
         norm_eps=1e-6,
         qkv_bias=False,
+        # On packed rows (data.packing concat or best_fit), each token attends only within
+        # its document (`seqpipe.packing`); unpacked rows have no documents to mask by.
+        document_mask=True,
         # How rotary embeddings extend a context (`seqpipe.rope`, as transformers'
         # rope_type): none, linear (factor), llama3 (factor, low_freq_factor,
         # high_freq_factor, original_max_position_embeddings), yarn (factor,

@@ -581,8 +581,12 @@ def eval_batches(
     return [rows_of((b * batch + ids) % num_rows) for b in range(num_batches)]
 
 
-def global_batch(local: dict[str, np.ndarray], mesh, batch_size: int) -> dict[str, jax.Array]:
-    """`to_global` of each of a batch's arrays."""
+def global_batch(local: dict[str, np.ndarray], mesh, batch_size: int):
+    """One step's global batch from this process's rows: `to_global` of the tokens alone
+    (unpacked rows: the step's program as it always was), or, packed rows, of each of
+    "tokens", "documents" and "positions"."""
+    if "documents" not in local and "positions" not in local:
+        return to_global(local["tokens"], mesh, batch_size)
     return {key: to_global(rows, mesh, batch_size) for key, rows in local.items()}
 
 

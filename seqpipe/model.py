@@ -32,8 +32,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from seqpipe import tensor
+from seqpipe import document_mask, tensor
 from seqpipe.attention import attend, attend_cached, rope
+from seqpipe.document_mask import Packing
 from seqpipe.rope import NO_SCALING, RopeScaling
 
 Params = dict[str, Any]
@@ -63,6 +64,9 @@ class GPTConfig:
     norm_eps: float = 1e-6
     qkv_bias: bool = False  # biases on the Q, K and V projections (Qwen 2)
     rope_scaling: RopeScaling = NO_SCALING
+    # On packed rows (`seqpipe.document_mask`), each token attends only within its document;
+    # rows without document ids are plain causal rows either way.
+    document_mask: bool = True
 
     def __post_init__(self):
         # A config section (a dict or ConfigDict) becomes the hashable dataclass.
@@ -291,6 +295,7 @@ def layer(
     cfg: GPTConfig,
     taps: Params | None = None,
     cache=None,
+    packing: Packing | None = None,
 ):
     """One pre-norm decoder layer on a segment: (x_seg, kv_prefix, offset) -> (y_seg, kv_seg).
 
@@ -304,7 +309,10 @@ def layer(
 
     `taps` (a split backward): {matmul: zeros of its output}, added to the outputs so that
     their cotangents are the matmuls' output cotangents; the layer then also returns the
-    matmuls' inputs ({MATMULS input name: array})."""
+    matmuls' inputs ({MATMULS input name: array}).
+
+    `packing` (a `document_mask.Packing`, the whole segment's): the document ids the attention
+    masks by and the positions RoPE reads; None: a plain causal row."""
     p = _own_kv_head(jax.tree.map(lambda w: w.astype(cfg.dtype), p), cfg)
     inputs = {}
 
@@ -330,8 +338,10 @@ def layer(
     q, k_seg, v_seg = column_parallel(("wq", "wk", "wv"), h_BxQxD)
     if cfg.qkv_bias:
         q, k_seg, v_seg = q + p["bq"], k_seg + p["bk"], v_seg + p["bv"]
-    q = rope(q, offset, cfg.rope_base, cfg.rope_scaling)
-    k_seg = rope(k_seg, offset, cfg.rope_base, cfg.rope_scaling)
+    positions = None if packing is None else packing.positions
+    q = rope(q, offset, cfg.rope_base, cfg.rope_scaling, positions)
+    k_seg = rope(k_seg, offset, cfg.rope_base, cfg.rope_scaling, positions)
+    documents = None if packing is None else packing.documents(q.shape[1])
     if cache is None:
         attn_BxQxHxE = attend(
             cfg.attention,
@@ -340,10 +350,19 @@ def layer(
             v_prefix_BxPxHxE.astype(v_seg.dtype),
             k_seg,
             v_seg,
+            documents,
         )
     else:
         attn_BxQxHxE = attend_cached(
-            cfg.attention, q, cache, k_prefix_BxPxHxE, v_prefix_BxPxHxE, offset, k_seg, v_seg
+            cfg.attention,
+            q,
+            cache,
+            k_prefix_BxPxHxE,
+            v_prefix_BxPxHxE,
+            offset,
+            k_seg,
+            v_seg,
+            documents,
         )
     x_BxQxD = x_BxQxD + tensor.scatter(mm("wo", attn_BxQxHxE), t)
     h_BxQxD = rms_norm(x_BxQxD, p["mlp_norm"], cfg.norm_eps)
@@ -430,6 +449,7 @@ def layers(
     taps: Params | None = None,
     depth: jax.Array | None = None,
     cache=None,
+    packing: Packing | None = None,
 ):
     """A stack of layers (leading axis N) on one segment; returns y and the segment's K/V
     (and with `taps`, stacked per layer, each layer's matmul inputs: see `layer`).
@@ -439,11 +459,12 @@ def layers(
     rest pass x through and give zeros (a pipeline stage's padding, `seqpipe.layout`).
     `cache` (a `kv_cache.Prefix`): the prefix is read from the KV cache, layer by layer, and
     the K/V prefix arguments are zero sinks for its cotangents (`layer`).
+    `packing`: the segment's document ids and positions (`layer`).
     """
 
     def run(x, p, k_prefix, v_prefix, tap, i=None):
         at = None if cache is None else cache.at_layer(i)
-        return tuple(layer(p, x, k_prefix, v_prefix, offset, cfg, tap, at))
+        return tuple(layer(p, x, k_prefix, v_prefix, offset, cfg, tap, at, packing))
 
     def skip(x, *args):
         _, *rest = jax.eval_shape(run, x, *args)
@@ -496,19 +517,29 @@ def token_loss_sum(logits_BxQxV: jax.Array, targets_BxQ: jax.Array) -> jax.Array
     return jnp.sum(logz - target_logit)
 
 
-def head_loss_sum(params: Params, x_BxQxD: jax.Array, targets_BxQ: jax.Array, cfg: GPTConfig):
+def head_loss_sum(
+    params: Params,
+    x_BxQxD: jax.Array,
+    targets_BxQ: jax.Array,
+    cfg: GPTConfig,
+    counted_BxQ: jax.Array | None = None,
+):
     """`token_loss_sum(logits(params, x))`, with the [B, Q, V] float32 logits never whole:
     the tokens go through the head `cfg.loss_chunk` at a time (`chunked_xent`). Under
-    tensor parallelism x holds this device's positions, targets the whole segment's."""
+    tensor parallelism x holds this device's positions, targets the whole segment's.
+    `counted_BxQ` (bool, packed rows: `document_mask.counted_targets`): only those targets add."""
     h_BxQxD = rms_norm(x_BxQxD, params["final_norm"].astype(cfg.dtype), cfg.norm_eps)
     h_BxQxD = tensor.gather(h_BxQxD, cfg.tensor)
     w_DxV = head_weight(params, cfg)
-    return chunked_xent(h_BxQxD, w_DxV, targets_BxQ, cfg.dtype, cfg.loss_chunk, cfg.tensor)
+    weights = None if counted_BxQ is None else counted_BxQ.astype(jnp.float32)
+    args = (h_BxQxD, w_DxV, targets_BxQ, cfg.dtype, cfg.loss_chunk, cfg.tensor)
+    return chunked_xent(*args) if weights is None else chunked_xent(*args, weights)
 
 
-def _chunks(h_BxQxD, targets_BxQ, chunk: int):
-    """Tokens as C chunks of T ([C, T, D] and [C, T]; the last padded) and the [C, T] mask
-    of real tokens (None without padding)."""
+def _chunks(h_BxQxD, targets_BxQ, chunk: int, weights_BxQ=None):
+    """Tokens as C chunks of T ([C, T, D] and [C, T]; the last padded) and the [C, T]
+    weights of the tokens: 0 for the padding, else `weights_BxQ` (or 1; None where that
+    leaves nothing to weigh)."""
     d = h_BxQxD.shape[-1]
     n = targets_BxQ.size
     t = n if chunk <= 0 or chunk >= n else chunk
@@ -516,6 +547,8 @@ def _chunks(h_BxQxD, targets_BxQ, chunk: int):
     pad = c * t - n
     h_CxTxD = jnp.pad(h_BxQxD.reshape(n, d), ((0, pad), (0, 0))).reshape(c, t, d)
     targets_CxT = jnp.pad(targets_BxQ.reshape(n), (0, pad)).reshape(c, t)
+    if weights_BxQ is not None:
+        return h_CxTxD, targets_CxT, jnp.pad(weights_BxQ.reshape(n), (0, pad)).reshape(c, t)
     mask = (np.arange(c * t) < n).reshape(c, t).astype(np.float32) if pad else None
     return h_CxTxD, targets_CxT, mask
 
@@ -557,9 +590,9 @@ def _chunk_xent(h_TxD, w_DxV, targets_T, mask_T, dtype, grads: bool, t: int = 1)
     return loss, dh.astype(h_TxD.dtype), dw
 
 
-def _xent_scan(h_BxQxD, w_DxV, targets_BxQ, dtype, chunk, grads: bool, t: int = 1):
+def _xent_scan(h_BxQxD, w_DxV, targets_BxQ, dtype, chunk, grads: bool, t: int = 1, weights=None):
     """Chunk by chunk: a loop when there is more than one, so one chunk's logits are live."""
-    h_CxTxD, targets_CxT, mask_CxT = _chunks(h_BxQxD, targets_BxQ, chunk)
+    h_CxTxD, targets_CxT, mask_CxT = _chunks(h_BxQxD, targets_BxQ, chunk, weights)
     one = lambda h, y, m: _chunk_xent(h, w_DxV, y, m, dtype, grads, t)  # noqa: E731
     if h_CxTxD.shape[0] == 1:  # no loop: XLA's cost analysis counts a loop body once
         out = one(h_CxTxD[0], targets_CxT[0], None if mask_CxT is None else mask_CxT[0])
@@ -579,25 +612,31 @@ def _xent_scan(h_BxQxD, w_DxV, targets_BxQ, dtype, chunk, grads: bool, t: int = 
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def chunked_xent(h_BxQxD, w_DxV, targets_BxQ, dtype: str, chunk: int, t: int = 1) -> jax.Array:
+def chunked_xent(
+    h_BxQxD, w_DxV, targets_BxQ, dtype: str, chunk: int, t: int = 1, weights_BxQ=None
+) -> jax.Array:
     """Summed cross-entropy of logits h @ w (float32, from `dtype` operands), `chunk`
     tokens at a time. Its gradients are computed in the forward, chunk by chunk (the loss's
     cotangent is a scalar that only scales them): what the backward keeps is dh and dw, not
     the logits, and no chunk's logits are recomputed. With t tensor devices, w holds this
-    device's columns of the vocabulary (`_chunk_xent`); the loss is the whole one."""
-    return _xent_scan(h_BxQxD, w_DxV, targets_BxQ, dtype, chunk, False, t)
+    device's columns of the vocabulary (`_chunk_xent`); the loss is the whole one.
+    `weights_BxQ` (float32; None: all 1) weigh each token's loss (0: not counted)."""
+    return _xent_scan(h_BxQxD, w_DxV, targets_BxQ, dtype, chunk, False, t, weights_BxQ)
 
 
-def _chunked_xent_fwd(h_BxQxD, w_DxV, targets_BxQ, dtype, chunk, t):
-    loss, dh_CxTxD, dw = _xent_scan(h_BxQxD, w_DxV, targets_BxQ, dtype, chunk, True, t)
+def _chunked_xent_fwd(h_BxQxD, w_DxV, targets_BxQ, dtype, chunk, t, weights_BxQ=None):
+    args = (h_BxQxD, w_DxV, targets_BxQ, dtype, chunk, True, t, weights_BxQ)
+    loss, dh_CxTxD, dw = _xent_scan(*args)
     dh_BxQxD = dh_CxTxD.reshape(-1, h_BxQxD.shape[-1])[: targets_BxQ.size]
-    return loss, (dh_BxQxD.reshape(h_BxQxD.shape), dw.astype(w_DxV.dtype), targets_BxQ)
+    saved = (dh_BxQxD.reshape(h_BxQxD.shape), dw.astype(w_DxV.dtype), targets_BxQ)
+    return loss, saved + (() if weights_BxQ is None else (weights_BxQ,))
 
 
 def _chunked_xent_bwd(dtype, chunk, t, saved, g):
-    dh, dw, targets = saved
+    dh, dw, targets, *weights = saved
     zeros = np.zeros(targets.shape, jax.dtypes.float0)
-    return (g * dh).astype(dh.dtype), (g * dw).astype(dw.dtype), zeros
+    grads = (g * dh).astype(dh.dtype), (g * dw).astype(dw.dtype), zeros
+    return grads + ((jnp.zeros_like(weights[0]),) if weights else (None,))
 
 
 chunked_xent.defvjp(_chunked_xent_fwd, _chunked_xent_bwd)
@@ -609,8 +648,14 @@ def hidden(
     cfg: GPTConfig,
     segment_lengths: tuple[int, ...] | None = None,
     checkpoint: str | None = None,
+    *,
+    document_ids: jax.Array | None = None,
+    positions: jax.Array | None = None,
 ) -> jax.Array:
-    """The last layer's outputs [B, L, D]; with `segment_lengths`, segment by segment."""
+    """The last layer's outputs [B, L, D]; with `segment_lengths`, segment by segment.
+    `document_ids` [B, L] (packed rows, 0 padding; `seqpipe.document_mask`): each token attends
+    only within its document; `positions` [B, L]: where RoPE puts each token (default: its
+    index in the row)."""
     batch, seq_len = tokens_BxL.shape
     segment_lengths = segment_lengths or (seq_len,)
     if sum(segment_lengths) != seq_len:
@@ -619,7 +664,17 @@ def hidden(
     outputs, offset = [], 0
     for length in segment_lengths:
         x = embed(params, tokens_BxL[:, offset : offset + length], cfg)
-        y, k_seg, v_seg = layers(params["layers"], x, k_cache, v_cache, offset, cfg, checkpoint)
+        seg_packing = document_mask.of_rows(document_ids, positions, offset, length, True)
+        y, k_seg, v_seg = layers(
+            params["layers"],
+            x,
+            k_cache,
+            v_cache,
+            offset,
+            cfg,
+            checkpoint,
+            packing=seg_packing,
+        )
         k_cache = jnp.concatenate([k_cache, k_seg], axis=2)
         v_cache = jnp.concatenate([v_cache, v_seg], axis=2)
         outputs.append(y)
@@ -633,9 +688,16 @@ def forward(
     cfg: GPTConfig,
     segment_lengths: tuple[int, ...] | None = None,
     checkpoint: str | None = None,
+    *,
+    document_ids: jax.Array | None = None,
+    positions: jax.Array | None = None,
 ) -> jax.Array:
-    """Logits of the whole model; with `segment_lengths`, computed segment by segment."""
-    return logits(params, hidden(params, tokens_BxL, cfg, segment_lengths, checkpoint), cfg)
+    """Logits of the whole model; with `segment_lengths`, computed segment by segment;
+    packed rows with `document_ids` and `positions` (`hidden`)."""
+    packed = dict(document_ids=document_ids, positions=positions)
+    return logits(
+        params, hidden(params, tokens_BxL, cfg, segment_lengths, checkpoint, **packed), cfg
+    )
 
 
 def loss(
@@ -644,11 +706,26 @@ def loss(
     cfg: GPTConfig,
     segment_lengths: tuple[int, ...] | None = None,
     checkpoint: str | None = None,
+    *,
+    documents: jax.Array | None = None,
+    positions: jax.Array | None = None,
 ) -> jax.Array:
-    """Mean next-token cross-entropy of a [B, L+1] token window."""
+    """Mean next-token cross-entropy of a [B, L+1] token window. Packed rows
+    (`documents`, `positions` [B, L+1]): the mean over the counted targets
+    (`document_mask.counted_targets`), each token attending within its document where
+    `cfg.document_mask` says so."""
     inputs, targets = tokens_BxL1[:, :-1], tokens_BxL1[:, 1:]
-    y = hidden(params, inputs, cfg, segment_lengths, checkpoint)
-    return head_loss_sum(params, y, targets, cfg) / targets.size
+    if documents is None and positions is None:
+        y = hidden(params, inputs, cfg, segment_lengths, checkpoint)
+        return head_loss_sum(params, y, targets, cfg) / targets.size
+    ids = documents[:, :-1] if documents is not None and cfg.document_mask else None
+    pos = None if positions is None else positions[:, :-1]
+    y = hidden(params, inputs, cfg, segment_lengths, checkpoint, document_ids=ids, positions=pos)
+    if documents is None:
+        return head_loss_sum(params, y, targets, cfg) / targets.size
+    counted = document_mask.counted_targets(documents)
+    total = head_loss_sum(params, y, targets, cfg, counted)
+    return total / jnp.maximum(jnp.sum(counted), 1)
 
 
 def flops_per_token(cfg: GPTConfig, seq_len: int) -> float:

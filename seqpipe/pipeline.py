@@ -29,7 +29,7 @@ from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 from jax.sharding import PartitionSpec as P
 
 from seqpipe import carry as carry_lib
-from seqpipe import kv_cache, model, sharding, units
+from seqpipe import document_mask, kv_cache, model, sharding, units
 from seqpipe.carry import Carry, put_slot, write_slot
 from seqpipe.model import Params
 from seqpipe.sharding import DATA, STAGE, TENSOR
@@ -91,6 +91,11 @@ class StageInputs:
     shared: Params  # embedding, final norm, head
     tokens_MxbxL1: jax.Array  # the replica's micro-batches, with the next-token targets
     stage: jax.Array  # this device's stage index
+    # Packed rows (`seqpipe.document_mask`): the micro-batches' document ids and positions, and
+    # 1 / the global batch's count of counted targets (the loss's scale); else None.
+    documents_MxbxL1: jax.Array | None = None
+    positions_MxbxL1: jax.Array | None = None
+    scale: jax.Array | None = None
 
     def chunk(self, c) -> Params:
         return jax.tree.map(
@@ -113,6 +118,32 @@ class StageInputs:
         off, length = spec.offsets[seg], spec.lengths[seg]
         window = jax.lax.dynamic_index_in_dim(self.tokens_MxbxL1, mb, keepdims=False)
         return window[:, off : off + length], window[:, off + 1 : off + length + 1]
+
+    def packing(self, spec: PipelineSpec, mb, seg: int):
+        """The `document_mask.Packing` of segment `seg` of micro-batch `mb` (its own rows' ids
+        and positions), or None (unpacked rows)."""
+        if not spec.packed:
+            return None
+        docs, pos = (
+            jax.lax.dynamic_index_in_dim(x, mb, keepdims=False) if on else None
+            for x, on in (
+                (self.documents_MxbxL1, spec.documents),
+                (self.positions_MxbxL1, spec.positions),
+            )
+        )
+        return document_mask.of_rows(docs, pos, spec.offsets[seg], spec.lengths[seg], True)
+
+    def counted(self, spec: PipelineSpec, mb, seg: int):
+        """[b, L_k] which targets of the segment count (None: unpacked rows, all)."""
+        if self.documents_MxbxL1 is None:
+            return None
+        off, length = spec.offsets[seg], spec.lengths[seg]
+        window = jax.lax.dynamic_index_in_dim(self.documents_MxbxL1, mb, keepdims=False)
+        return document_mask.counted_targets(window[:, off : off + length + 1])
+
+    def loss_scale(self, ctx: "Context"):
+        """What each unit's summed loss is scaled by: 1 / the global batch's target count."""
+        return ctx.scale if self.scale is None else self.scale
 
 
 class TickOps:
@@ -199,7 +230,7 @@ def forward(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps) -> tuple[
         kv_k, kv_v = kv or (carry.kv_k, carry.kv_v)
         k_prefix, v_prefix, cache = _prefix_args(ctx, kv_k, kv_v, kv_slot, k)
         args = (x_in, k_prefix, v_prefix)
-        unit = ctx.units[k]
+        unit = ctx.units[k].with_packing(inp.packing(spec, mb, k))
         if spec.forward_only:  # nothing to keep for a backward
             y, k_seg, v_seg = unit.body(tokens, first, depth, cache)(*params, *args)
         else:
@@ -241,7 +272,10 @@ def head(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps, y: jax.Array
 
     def run(k, loss, acc, dy_buf):
         _, targets = inp.tokens(spec, mb, k)
-        loss_k, d_shared, dy = ctx.units[k].head(inp.shared, y, targets, ctx.scale)
+        counted = inp.counted(spec, mb, k)
+        loss_k, d_shared, dy = ctx.units[k].head(
+            inp.shared, y, targets, inp.loss_scale(ctx), counted
+        )
         dy_buf = put_slot(dy_buf, op["fwd_head"], dy[:, : dy_buf.shape[2]])
         return loss + loss_k, _accumulate(acc, d_shared), dy_buf
 
@@ -264,7 +298,8 @@ def _eval_loss(ctx: Context, inp: StageInputs, op: TickOps, y: jax.Array, on) ->
 
     def run(k):
         _, targets = inp.tokens(ctx.spec, op["fwd_mb"], k)
-        return ctx.units[k].head_loss(inp.shared, y, targets, ctx.scale)
+        counted = inp.counted(ctx.spec, op["fwd_mb"], k)
+        return ctx.units[k].head_loss(inp.shared, y, targets, inp.loss_scale(ctx), counted)
 
     branches = [functools.partial(run, k) for k in range(ctx.spec.segments)]
     zero = jnp.zeros((), jnp.float32)
@@ -301,6 +336,8 @@ def _backward_unit(ctx: Context, inp: StageInputs, op: TickOps, k: int, saved, d
     else:  # no segment attends to the last one
         dk_own = dv_own = jnp.zeros(own.shape, spec.cfg.dtype)
     tokens, _ = inp.tokens(spec, op["bwd_mb"], k)
+    if spec.packed:  # this micro-batch's rows' ids and positions
+        unit = unit.with_packing(inp.packing(spec, op["bwd_mb"], k))
     k_prefix, v_prefix, cache = _prefix_args(ctx, words_k, words_v, op["bwd_kv"], k)
     # With one segment there is no prefix: nothing to add to.
     into = (
@@ -483,12 +520,16 @@ def stage_step(
     shared: Params,
     tokens_BxL1: jax.Array,
     scatter: bool = False,
+    packed: tuple = (),
 ):
     """Runs on one (data, stage) device: the replica's loss and this stage's gradients
-    (the loss alone in an evaluation); with `scatter`, this replica's share of them."""
+    (the loss alone in an evaluation); with `scatter`, this replica's share of them.
+    `packed` (packed rows): the replica's (documents, positions) [B, L+1] (either may be
+    None) and the global batch's count of counted targets."""
     M = spec.schedule.microbatches
     rows, seq_len = tokens_BxL1.shape[0] // M, tokens_BxL1.shape[1] - 1
     ctx = Context(spec, rows, 1.0 / (tokens_BxL1.shape[0] * seq_len))
+    documents, positions, count = packed or (None, None, None)
     init = carry_lib.zeros(carry_lib.abstract(spec, rows, layers_VxN, shared))
     if spec.policy.casts_once:
         # Once a step, not in every unit's every layer: a vjp keeps the compute-dtype
@@ -498,11 +539,22 @@ def stage_step(
         # M=8 K=4).
         act = jnp.dtype(spec.cfg.dtype)
         layers_VxN, shared = jax.tree.map(lambda w: w.astype(act), (layers_VxN, shared))
+
+    def micro(x):  # [B, L+1] -> [M, b, L+1]
+        return None if x is None else x.reshape(M, rows, seq_len + 1)
+
     inp = StageInputs(
         layers_VxN,
         shared,
-        tokens_BxL1.reshape(M, rows, seq_len + 1),
+        micro(tokens_BxL1),
         jax.lax.axis_index(STAGE),
+        micro(documents),
+        micro(positions),
+        # The gradients and the loss are averaged over `data` (`reduce`): each replica's
+        # sum is scaled by the replica count over the global count.
+        None
+        if count is None
+        else jax.lax.axis_size(DATA) / jnp.maximum(count, 1).astype(jnp.float32),
     )
     final, _ = jax.lax.scan(lambda c, row: (tick(ctx, inp, c, row), None), init, program_rows(spec))
     return reduce(final, scatter, spec.tensor, spec.cfg.kv_replicated)
@@ -516,11 +568,14 @@ def param_specs(params: Params, tensor: int, data: int = 1) -> Params:
     )
 
 
-def _on_stages(params: Params, tokens_BxL1, spec: PipelineSpec, mesh, out_specs, scatter=False):
+def _on_stages(params: Params, batch, spec: PipelineSpec, mesh, out_specs, scatter=False):
     """`stage_step` on every (data, stage, tensor) device of the mesh. `params["layers"]`
     is in stage order (`seqpipe.layout`): each stage's block is its V chunks, viewed as
     [V, n, ...] where it lies; the layer gradients return in the same order. Each tensor
-    device reads its share of the split weights (`sharding.leaf_spec`)."""
+    device reads its share of the split weights (`sharding.leaf_spec`). `batch`: tokens
+    [B, L+1], or a dict of them and, packed, "documents" and "positions" (`packing`)."""
+    tokens_BxL1, packed = _unpack(batch)
+    spec = spec.packed_as(batch)
     if mesh.shape[TENSOR] != spec.tensor:
         raise ValueError(f"the mesh has tensor={mesh.shape[TENSOR]}, the spec {spec.tensor}")
     V, n = spec.virtual, spec.chunk_layers
@@ -529,25 +584,44 @@ def _on_stages(params: Params, tokens_BxL1, spec: PipelineSpec, mesh, out_specs,
 
     platform = mesh.devices.flat[0].platform
 
-    def local(layers, sh, tok):  # this stage's [V * n] layers, as V chunks and back
+    def local(layers, sh, tok, *packed):  # this stage's [V * n] layers, as V chunks and back
         chunks = jax.tree.map(lambda w: w.reshape(V, n, *w.shape[1:]), layers)
         with kv_cache.layouts_for(platform):
             if spec.forward_only:
-                return stage_step(spec, chunks, sh, tok)
-            loss, grads, grads_shared = stage_step(spec, chunks, sh, tok, scatter)
+                return stage_step(spec, chunks, sh, tok, packed=packed)
+            loss, grads, grads_shared = stage_step(spec, chunks, sh, tok, scatter, packed)
         return loss, jax.tree.map(lambda g: g.reshape(V * n, *g.shape[3:]), grads), grads_shared
 
+    rows = P(DATA)
     body = jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(specs["layers"], {k: specs[k] for k in shared}, P(DATA)),
+        in_specs=(
+            specs["layers"],
+            {k: specs[k] for k in shared},
+            rows,
+            *(rows, rows, P())[: len(packed)],
+        ),
         out_specs=out_specs,
         # Every value here is per-device and every vjp is local: with no implicit
         # invariant-to-varying casts, no psum can sneak into the tick loop (a test reads
         # the HLO to make sure); the reductions are the explicit ones after it.
         check_vma=False,
     )
-    return body(params["layers"], shared, tokens_BxL1)
+    return body(params["layers"], shared, tokens_BxL1, *packed)
+
+
+def _unpack(batch) -> tuple[jax.Array, tuple]:
+    """(tokens, packed) of a batch: packed rows give (documents, positions, the global
+    count of counted targets), each [B, L+1] but the count (documents or positions None
+    where the batch lacks them); unpacked rows ()."""
+    if not isinstance(batch, dict):
+        return batch, ()
+    documents, positions = batch.get("documents"), batch.get("positions")
+    if documents is None and positions is None:
+        return batch["tokens"], ()
+    count = None if documents is None else jnp.sum(document_mask.counted_targets(documents))
+    return batch["tokens"], (documents, positions, count)
 
 
 def loss_and_grads(

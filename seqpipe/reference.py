@@ -11,16 +11,28 @@ from seqpipe.sharding import DATA
 
 
 def loss_and_grads(
-    params: Params, tokens_BxL1: jax.Array, cfg: GPTConfig, checkpoint: str | None = None
+    params: Params, tokens_BxL1, cfg: GPTConfig, checkpoint: str | None = None
 ) -> tuple[jax.Array, Params]:
     """Mean next-token loss of whole sequences, and its gradient w.r.t. every parameter.
 
+    `tokens_BxL1`: the tokens, or a batch dict of them and, packed rows, "documents" and
+    "positions" (`seqpipe.document_mask`: the mean over the counted targets, each token
+    attending within its document where `cfg.document_mask` says so).
     `checkpoint`: a `model.CHECKPOINT_POLICIES` key applied to every layer, or None
     (`remat.POLICIES[name].reference` for a `pipeline.remat` setting). The model runs
     whole (XLA partitions it over whatever mesh the arguments are on): a pipeline's
     `cfg.tensor` does not apply here."""
     cfg = dataclasses.replace(cfg, tensor=1)
-    return jax.value_and_grad(model.loss)(params, tokens_BxL1, cfg, None, checkpoint)
+    return jax.value_and_grad(batch_loss)(params, tokens_BxL1, cfg, checkpoint)
+
+
+def batch_loss(params: Params, batch, cfg: GPTConfig, checkpoint: str | None = None):
+    """`model.loss` of a batch: tokens [B, L+1], or a dict of them and, packed rows,
+    "documents" and "positions" (`seqpipe.document_mask`)."""
+    if not isinstance(batch, dict):
+        return model.loss(params, batch, cfg, None, checkpoint)
+    packed = {k: batch[k] for k in ("documents", "positions") if k in batch}
+    return model.loss(params, batch["tokens"], cfg, None, checkpoint, **packed)
 
 
 def per_shard(fn, mesh: jax.sharding.Mesh):

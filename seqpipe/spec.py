@@ -19,12 +19,30 @@ class PipelineSpec:
     remat: str = "full"  # a key of `seqpipe.remat.POLICIES`: what a forward keeps for its backward
     # Layers of each global chunk (chunk c * stages + r is stage r's c-th); () = even.
     layers_per_chunk: tuple[int, ...] = ()
+    # Packed rows (`seqpipe.document_mask`): the attention masks by the rows' document ids
+    # (`documents`), RoPE reads their positions (`positions`). `packed_as` sets them
+    # from a batch.
+    documents: bool = False
+    positions: bool = False
 
     def __post_init__(self):
         if not self.layers_per_chunk:
             chunks = self.stages * self.virtual
             even = (self.cfg.num_layers // chunks,) * chunks
             object.__setattr__(self, "layers_per_chunk", even)
+
+    def packed_as(self, batch) -> "PipelineSpec":
+        """This spec for `batch` (a dict; an array of tokens is unpacked): the document
+        mask where the rows carry ids and `model.document_mask` is on, RoPE at the rows'
+        positions where they carry them."""
+        has = batch.keys() if isinstance(batch, dict) else ()
+        documents = "documents" in has and self.cfg.document_mask
+        return dataclasses.replace(self, documents=documents, positions="positions" in has)
+
+    @property
+    def packed(self) -> bool:
+        """Whether units read a `document_mask.Packing` (document ids or positions)."""
+        return self.documents or self.positions
 
     @property
     def forward_only(self) -> bool:

@@ -188,13 +188,25 @@ def make_train_step(
     return jax.jit(train_step, donate_argnums=0)
 
 
+def abstract_batch(config: ConfigDict, mesh: jax.sharding.Mesh):
+    """The step's batch, abstract: tokens, and with `data.packing` the packed rows' ids
+    and positions (`seqpipe.document_mask`)."""
+    t = config.train
+    rows = jax.ShapeDtypeStruct(
+        (t.global_batch_size, t.seq_len + 1), jnp.int32, sharding=sharding.batch_sharding(mesh)
+    )
+    if config.data.packing == "none":
+        return rows
+    return {"tokens": rows, "documents": rows, "positions": rows}
+
+
 def make_eval_fn(config: ConfigDict, mesh: jax.sharding.Mesh) -> Callable:
     """Mean loss of a [B, L+1] batch, no gradients: through the pipeline's forwards alone
     (the training step's stages, segments and micro-batches) when there is a pipeline."""
     if config.pipeline.schedule == "none":
         cfg = unpipelined_cfg(config, mesh)
         return jax.jit(
-            _unpipelined(lambda params, tokens: model.loss(params, tokens, cfg), cfg, mesh)
+            _unpipelined(lambda params, batch: reference.batch_loss(params, batch, cfg), cfg, mesh)
         )
     spec = spec_lib.forward_only(pipeline.make_spec(config))
     return jax.jit(lambda params, tokens: pipeline.eval_loss(params, tokens, spec, mesh))
@@ -332,11 +344,6 @@ class Trainer:
 
     def _start(self, config: ConfigDict, workdir: str) -> None:
         t = config.train
-        if config.data.get("packing", "none") != "none":  # until the model reads documents
-            raise data.DataError(
-                f"data.packing={config.data.packing} needs the model's document mask, which "
-                "this build lacks; use data.packing=none"
-            )
         self.mesh = sharding.mesh_of(config)
         rows = data.local_rows(config, self.mesh)
         # The data is checked before the workdir is touched: a refusal leaves nothing.
@@ -346,7 +353,7 @@ class Trainer:
 
             hf.check(t.init_from, GPTConfig.from_config(config.model))
         # What the checkpoints' data position counts: with packing, the documents too.
-        packed = config.data.get("packing", "none") != "none"
+        packed = config.data.packing != "none"
         self.data_id = data.identity(train_stream.tokens, train_stream.starts if packed else None)
         self.lock = workdir_lib.Lock(workdir, jax.process_index())  # one run per workdir
         self.manager = None
@@ -429,7 +436,7 @@ class Trainer:
         with self._as_training_errors(), StopRequest(kept) as stop:
             for step in range(self.start + 1, self.end + 1):
                 batch = data.global_batch(next(self.batches), self.mesh, t.global_batch_size)
-                self.state, metrics = step_fn(self.state, batch["tokens"])
+                self.state, metrics = step_fn(self.state, batch)
                 if pending:
                     self._finished(pending[0], pending[1])
                     self._report(*pending)
@@ -466,7 +473,7 @@ class Trainer:
         losses = []
         try:
             for i, batch in enumerate(self.eval_set):
-                losses.append(eval_fn(self.state["params"], batch["tokens"]))
+                losses.append(eval_fn(self.state["params"], batch))
                 if i:
                     jax.block_until_ready(losses[i - 1])
             return jax.block_until_ready(losses)
@@ -629,9 +636,7 @@ def compile_only(
     mesh = sharding.mesh_of(config, devices)
     tx = optim.make_optimizer(t)
     state = abstract_state(config, mesh, tx)
-    batch = jax.ShapeDtypeStruct(
-        (t.global_batch_size, t.seq_len + 1), jnp.int32, sharding=sharding.batch_sharding(mesh)
-    )
+    batch = abstract_batch(config, mesh)
     shard_optimizer = config_lib.shards_optimizer(config)
     step_fn = make_train_step(
         make_grad_fn(config, mesh), tx, optim.lr_schedule(t), mesh, shard_optimizer

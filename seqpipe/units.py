@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from seqpipe import attention, kv_cache, model, tensor
+from seqpipe import attention, document_mask, kv_cache, model, tensor
 from seqpipe.model import Params
 from seqpipe.spec import PipelineSpec
 
@@ -287,7 +287,7 @@ def strategy(spec: PipelineSpec):
     if not spec.policy.keeps_residuals:
         return LayerwiseRecompute() if spec.remat == "full_layer" else RecomputeInput()
     key = (spec.cfg, spec.remat, spec.lengths, spec.chunk_layers, spec.schedule.split)
-    key += (spec.uneven, jax.sharding.get_abstract_mesh())
+    key += (spec.uneven, jax.sharding.get_abstract_mesh(), spec.documents, spec.positions)
     if key not in _SHARED:
         stored = {SegmentUnit(spec, k).layer_layout(1).stored for k in range(spec.segments)}
         _SHARED[key] = len(stored) == 1
@@ -299,11 +299,18 @@ _SHARED: dict = {}  # what `strategy` depends on -> whether the segments share a
 
 @dataclasses.dataclass(frozen=True)
 class SegmentUnit:
-    """Segment `seg` through a chunk of `layers` layers (default: the schedule's)."""
+    """Segment `seg` through a chunk of `layers` layers (default: the schedule's); on
+    packed rows, `packing` (a `document_mask.Packing` of this micro-batch's rows: document ids
+    and RoPE positions) goes to every layer (`with_packing`)."""
 
     spec: PipelineSpec
     seg: int
     layers: int | None = None
+    packing: Any = dataclasses.field(default=None, compare=False, hash=False)
+
+    def with_packing(self, packing) -> "SegmentUnit":
+        """This unit on rows packed as `packing` (None: unpacked rows, this unit)."""
+        return self if packing is None else dataclasses.replace(self, packing=packing)
 
     @property
     def n(self) -> int:
@@ -352,6 +359,7 @@ class SegmentUnit:
                 taps,
                 depth,
                 cache,
+                self.packing,
             )
             return jnp.pad(y, ((0, 0), (0, spec.msg_len - length), (0, 0))), *rest
 
@@ -392,14 +400,29 @@ class SegmentUnit:
     def length(self) -> int:
         return self.spec.lengths[self.seg]
 
-    def head_loss(self, shared: Params, y, targets_bxL, scale: float = 1.0):
-        """The head on the segment's rows of y: its summed token loss, scaled."""
-        length, cfg = self.spec.local_length(self.seg), self.spec.cfg
-        return model.head_loss_sum(shared, y[:, :length], targets_bxL, cfg) * scale
+    def packing_avals(self, rows: int):
+        """The abstract `document_mask.Packing` this unit's rows carry (None: unpacked): kernel
+        ids of the prefix and the segment [b, P + L_k], positions [b, L_k]."""
+        spec, sds, i32 = self.spec, jax.ShapeDtypeStruct, jnp.int32
+        if not spec.packed:
+            return None
+        keys = spec.offsets[self.seg] + self.length
+        ids = sds((rows, keys), i32) if spec.documents else None
+        return document_mask.Packing(ids, sds((rows, self.length), i32) if spec.positions else None)
 
-    def head(self, shared: Params, y, targets_bxL, scale: float = 1.0):
+    def head_loss(self, shared: Params, y, targets_bxL, scale=1.0, counted_bxL=None):
+        """The head on the segment's rows of y: its summed token loss (of the `counted_bxL`
+        targets alone, on packed rows), scaled."""
+        length, cfg = self.spec.local_length(self.seg), self.spec.cfg
+        return model.head_loss_sum(shared, y[:, :length], targets_bxL, cfg, counted_bxL) * scale
+
+    def head(self, shared: Params, y, targets_bxL, scale=1.0, counted_bxL=None):
         """(loss, d shared, dy) of the head on y, its backward run at once."""
-        loss, vjp = jax.vjp(lambda sh, y: self.head_loss(sh, y, targets_bxL, scale), shared, y)
+
+        def loss_of(sh, y):
+            return self.head_loss(sh, y, targets_bxL, scale, counted_bxL)
+
+        loss, vjp = jax.vjp(loss_of, shared, y)
         d_shared, dy = vjp(jnp.ones((), loss.dtype))
         return loss, d_shared, dy
 
@@ -509,24 +532,26 @@ class SegmentUnit:
         spec, cfg = self.spec, self.spec.cfg
         offset = spec.offsets[self.seg]
 
-        def run(p, x, k_prefix, v_prefix, at, taps=None):
-            return model.layer(p, x, k_prefix, v_prefix, offset, cfg, taps, at)
+        def run(p, x, k_prefix, v_prefix, at, packing, taps=None):
+            return model.layer(p, x, k_prefix, v_prefix, offset, cfg, taps, at, packing)
 
         if spec.policy.checkpoint is not None:
             run = jax.checkpoint(run, policy=model.CHECKPOINT_POLICIES[spec.policy.checkpoint])
+        # The packing is an argument too: what of it a layer keeps (ids, positions) is
+        # re-read from the backward's inputs, never stashed per layer.
         if not self.split:
-            return jax.vjp(run, p, x, k_prefix, v_prefix, at)
+            return jax.vjp(run, p, x, k_prefix, v_prefix, at, self.packing)
         taps = _zero_taps(cfg, (x.shape[0], self.length))
-        outputs, vjp, inputs = _split_vjp(run, p, x, k_prefix, v_prefix, at, taps)
+        outputs, vjp, inputs = _split_vjp(run, p, x, k_prefix, v_prefix, at, self.packing, taps)
         return outputs, (vjp, inputs)
 
     def _pull_layer(self, pullback, d_out):
         """(d p, dx, dK prefix, dV prefix, what W reads) of a `_layer_vjp` pullback."""
         if not self.split:
-            d_p, dx, dk, dv, _ = pullback(d_out)
+            d_p, dx, dk, dv, *_ = pullback(d_out)
             return d_p, dx, dk, dv, ()
         vjp, inputs = pullback
-        d_rest, dx, dk, dv, _, d_taps = vjp(d_out)
+        d_rest, dx, dk, dv, *_, d_taps = vjp(d_out)
         return d_rest, dx, dk, dv, (inputs, d_taps)
 
     def stashing_forward(
@@ -545,7 +570,8 @@ class SegmentUnit:
         def live(i, p, x, words_k, words_v, slot):
             prefix = self._layer_prefix(rows, kv_cache.Prefix(words_k, words_v, slot, i))
             (y, k, v), pullback = self._layer_vjp(p, x, *prefix)
-            return y, k, v, layout.take(pullback, (p, *prefix), f"segment {self.seg}")
+            inputs = (p, *prefix, self.packing)
+            return y, k, v, layout.take(pullback, inputs, f"segment {self.seg}")
 
         def step(carry, per):
             x, stash = carry
@@ -588,7 +614,8 @@ class SegmentUnit:
         layout = self.layer_layout(rows, cache)
 
         def pull(i, p, leaves, d_out):
-            pullback = layout.rebuild(leaves, (p, *self._layer_prefix(rows, cache.at_layer(i))))
+            prefix = self._layer_prefix(rows, cache.at_layer(i))
+            pullback = layout.rebuild(leaves, (p, *prefix, self.packing))
             return self._pull_layer(pullback, d_out)
 
         def step(carry, per):
@@ -638,7 +665,7 @@ class SegmentUnit:
 
         def run(i, p, x, k_prefix, v_prefix, taps=None):
             at = None if cache is None else cache.at_layer(i)
-            return model.layer(p, x, k_prefix, v_prefix, offset, cfg, taps, at)
+            return model.layer(p, x, k_prefix, v_prefix, offset, cfg, taps, at, self.packing)
 
         def alive(i, live, dead, *args):  # past `depth` a layer is padding (`model.layers`)
             return live(*args) if depth is None else jax.lax.cond(i < depth, live, dead, *args)
@@ -729,7 +756,7 @@ class SegmentUnit:
         words = (1, self.n, rows, spec.kv_len, cfg.local_kv_heads, cfg.head_dim)
         words = words if cache is None else cache.words_k.shape
         key = (spec.cfg, spec.remat, spec.lengths, self.seg, self.n, rows, self.split, words)
-        key += (jax.sharding.get_abstract_mesh(),)
+        key += (jax.sharding.get_abstract_mesh(), spec.documents, spec.positions)
         if key not in _LAYOUTS:
             _LAYOUTS[key] = _probe_layer_layout(self, rows, words)
         return _LAYOUTS[key]
@@ -741,10 +768,11 @@ _LAYOUTS: dict = {}  # what a layout depends on -> the layout (probes are abstra
 def _probe_layer_layout(unit: SegmentUnit, rows: int, words: tuple) -> ResidualLayout:
     found = []
 
-    def probe(p, x, words_k, words_v, slot, layer):
+    def probe(p, x, words_k, words_v, slot, layer, packing):
         prefix = unit._layer_prefix(rows, kv_cache.Prefix(words_k, words_v, slot, layer))
-        _, pullback = unit._layer_vjp(p, x, *prefix)
-        layout, stored = ResidualLayout.split(pullback, (p, *prefix))
+        packed = dataclasses.replace(unit, packing=packing)
+        _, pullback = packed._layer_vjp(p, x, *prefix)
+        layout, stored = ResidualLayout.split(pullback, (p, *prefix, packing))
         found.append(layout)
         return stored
 
@@ -754,7 +782,8 @@ def _probe_layer_layout(unit: SegmentUnit, rows: int, words: tuple) -> ResidualL
     x = sds((rows, spec.local_length(unit.seg), cfg.d_model), x_in.dtype)
     words = sds(words, kv_cache.storage_dtype(cfg.dtype))
     index = sds((), jnp.int32)
-    jax.eval_shape(tensor.bound(probe, spec.tensor), p, x, words, words, index, index)
+    packing = unit.packing_avals(rows)
+    jax.eval_shape(tensor.bound(probe, spec.tensor), p, x, words, words, index, index, packing)
     return found[0]
 
 

@@ -50,6 +50,29 @@ def test_logits_and_loss_equal_transformers(name):
     assert abs(loss - expected_loss) <= LOSS_RTOL * expected_loss
 
 
+def packed_oracle(name: str) -> dict:
+    """transformers' logits of packed rows (issue 35): tokens, documents, positions, logits."""
+    return dict(np.load(FIXTURES / name / "oracle_packed.npz"))
+
+
+@pytest.mark.parametrize("segments", [None, (10, 10, 10, 10)], ids=["whole", "four-segments"])
+@pytest.mark.parametrize("name", MODELS)
+def test_packed_logits_equal_transformers(name, segments):
+    """A packed row (documents crossing the segment cuts, a one-token document, padding)
+    against transformers with a block-diagonal 4D float mask and positions restarted per
+    document: seqpipe's document mask and RoPE at the rows' positions, whole or by
+    segments against their prefix."""
+    cfg, params = hf.load(FIXTURES / name)
+    o = packed_oracle(name)
+    packed = dict(document_ids=o["documents"], positions=o["positions"])
+    logits = model.forward(params, o["tokens"], cfg, segments, **packed)
+    error = float(np.max(np.abs(np.asarray(logits) - o["logits"])))
+    print(f"{name} packed ({segments or 'whole'}): max |logit - transformers| {error:.2e}")
+    assert error <= LOGIT_ATOL
+    unpacked = np.asarray(model.forward(params, o["tokens"], cfg))
+    assert float(np.max(np.abs(unpacked - o["logits"]))) > 100 * LOGIT_ATOL  # it was packed
+
+
 def _interleave_rotary(params):
     """What a converter for an interleaved rotary layout leaves: each q and k head's
     columns permuted so pairs (i, i + E/2) sit side by side, as MaxText stores them."""
@@ -255,6 +278,18 @@ def test_live_transformers_computes_the_fixtures(name):
     live_logits, live_loss = script.oracle(model_, tokens.astype(np.int64))
     np.testing.assert_allclose(live_logits, logits, atol=1e-5)
     assert abs(live_loss - loss) <= 1e-6 * loss
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_live_transformers_computes_the_packed_fixtures(name):
+    """The committed packed oracle is what transformers computes now."""
+    pytest.importorskip("transformers")
+    script = _script()
+    o = packed_oracle(name)
+    docs, pos = script.packed_rows()
+    assert np.array_equal(docs, o["documents"]) and np.array_equal(pos, o["positions"])
+    live = script.packed_oracle(script.build(name), o["tokens"].astype(np.int64), docs, pos)
+    np.testing.assert_allclose(live, o["logits"], atol=1e-5)
 
 
 @pytest.mark.parametrize("name", MODELS)

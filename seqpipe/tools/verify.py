@@ -43,7 +43,8 @@ def canonical_loss_and_grads(params, tokens_BxL1, spec, mesh):
 
 
 def compare(config, tokens_BxL1, mesh) -> dict:
-    """Loss and gradient differences between the configured pipeline and the reference."""
+    """Loss and gradient differences between the configured pipeline and the reference,
+    on a batch of tokens [B, L+1] or of packed rows (a dict: `seqpipe.packing`)."""
     from seqpipe import model, pipeline, reference
 
     config = config.copy_and_resolve_references()
@@ -94,10 +95,10 @@ def main(argv: list[str]) -> int:
     batch = data.global_batch(
         next(data.train_iterator(config, train_stream, rows)), mesh, config.train.global_batch_size
     )
-    tokens = batch["tokens"]
-    r = cli.run_or_exit(lambda: compare(config, tokens, mesh))
+    r = cli.run_or_exit(lambda: compare(config, batch, mesh))
+    packed = " on packed rows" if isinstance(batch, dict) else ""
     print(
-        f"schedule {config.pipeline.schedule}  loss {r['loss']:.6f} (reference "
+        f"schedule {config.pipeline.schedule}{packed}  loss {r['loss']:.6f} (reference "
         f"{r['reference_loss']:.6f}, rel err {r['loss_rel_err']:.1e} <= {LOSS_RTOL:.0e})  "
         f"max grad rel err {r['grad_rel_err']:.1e} <= {GRAD_RTOL:.0e} at {r['worst_leaf']}  "
         f"{'OK' if r['ok'] else 'MISMATCH'}"
