@@ -1,30 +1,77 @@
-# One tool stack: every target runs inside .venv, created on first use.
-PY      := .venv/bin/python
-STAMP   := .venv/.installed
-CONFIG  ?= configs/tiny.py
-WORKDIR ?= runs/demo
+# One tool stack: every target runs inside .venv, created on first use with the newest
+# Python 3.12+ on the machine and the newest JAX (the tested platform). .venv-oldest holds
+# the oldest supported release (Python 3.11, the lower bounds in pyproject.toml exactly),
+# for `make test-oldest`.
+PY        := .venv/bin/python
+STAMP     := .venv/.installed
+OLD_PY    := .venv-oldest/bin/python
+OLD_STAMP := .venv-oldest/.installed
+CONFIG    ?= configs/tiny.py
+WORKDIR   ?= runs/demo
+# Empty: the newest Python 3.12+ found (pyenv's versions and the PATH's), else python3.
+PYTHON    ?=
+OLDEST_PYTHON ?= $(firstword $(wildcard $(or $(PYENV_ROOT),$(HOME)/.pyenv)/versions/3.11*/bin/python3) python3.11)
 
-.PHONY: install train test test-all budgets budgets-update lint bench bench-accelerator bench-device clean
+.PHONY: install install-oldest which-python train test test-oldest test-all budgets budgets-update lint bench bench-accelerator bench-device clean
+
+# Each candidate prints "<minor> <path>" when it is a final CPython 3.12+ release with venv
+# and ensurepip and without the free-threaded build (no wheels for that); a pyenv shim of
+# a version not selected fails and prints nothing.
+NEWEST_PYTHON = for c in $${PYENV_ROOT:-$$HOME/.pyenv}/versions/*/bin/python3 \
+	    $$(command -v python3.14 python3.13 python3.12 2>/dev/null); do \
+	  "$$c" -c 'import ensurepip, sys, sysconfig, venv; v = sys.version_info; \
+	    ok = v >= (3, 12) and v.releaselevel == "final" and not sysconfig.get_config_var("Py_GIL_DISABLED"); \
+	    ok and print("%03d %s" % (v.minor, sys.executable))' 2>/dev/null; \
+	done | sort -r | head -n 1 | cut -d " " -f 2-
+
+# JAX's CUDA plugin (no CUDA libraries) outside site-packages: it compiles for NVIDIA GPUs
+# from any Linux machine (--compile_only --topology h200-8, and the tests), and jax does
+# not look for a GPU at every start. $(1): the venv.
+define cuda_compiler
+	if [ "$$(uname -s)" = Linux ]; then V=$$($(1)/bin/python -c 'import jax; print(jax.__version__)'); \
+	  $(1)/bin/python -m pip install -q --no-deps --upgrade --target $(1)/cuda-compiler \
+	    "jax-cuda13-plugin==$$V" "jax-cuda13-pjrt==$$V"; fi
+endef
 
 install: $(STAMP)
 
+PICK_PYTHON = py="$(PYTHON)"; [ -n "$$py" ] || py=$$($(NEWEST_PYTHON)); py=$${py:-python3}
+
+# The interpreter `make install` builds .venv with.
+which-python:
+	@$(PICK_PYTHON); echo "$$py"
+
 $(STAMP): pyproject.toml
-	python3 -m venv .venv
+	@$(PICK_PYTHON); echo "make install: $$py, $$($$py -V)"; $$py -m venv --clear .venv
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
-	@# JAX's CUDA plugin (no CUDA libraries) outside site-packages: it compiles for NVIDIA
-	@# GPUs from any Linux machine (--compile_only --topology h200-8, and the tests), and
-	@# jax does not look for a GPU at every start.
-	if [ "$$(uname -s)" = Linux ]; then V=$$($(PY) -c 'import jax; print(jax.__version__)'); \
-	  $(PY) -m pip install -q --no-deps --upgrade --target .venv/cuda-compiler \
-	    "jax-cuda13-plugin==$$V" "jax-cuda13-pjrt==$$V"; fi
+	$(call cuda_compiler,.venv)
 	touch $(STAMP)
+
+# The JAX stack at the lower bounds pyproject.toml declares, each pinned exactly, so that
+# those bounds are what CI tests; the dev extra picks jax[tpu] 0.10.2's libtpu on 3.11.
+install-oldest: $(OLD_STAMP)
+
+$(OLD_STAMP): pyproject.toml
+	$(OLDEST_PYTHON) -m venv --clear .venv-oldest
+	$(OLD_PY) -m pip install -q --upgrade pip
+	$(OLD_PY) -c 'import re, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
+	  [print(d.replace(">=", "==")) for d in p["dependencies"] + p["optional-dependencies"]["dev"] \
+	   if re.match(r"(jax|flax|optax|orbax-checkpoint|grain|chex)>=", d)]' > .venv-oldest/lower-bounds.txt
+	$(OLD_PY) -m pip install -q -e '.[dev]' -c .venv-oldest/lower-bounds.txt
+	$(call cuda_compiler,.venv-oldest)
+	touch $(OLD_STAMP)
 
 train: $(STAMP)
 	$(PY) train.py --config $(CONFIG) --workdir $(WORKDIR)
 
 test: $(STAMP)
 	$(PY) -m pytest -n 2 -q
+
+# The smoke subset on the oldest supported release: the oracle sample, a training run,
+# a resume, a TPU compile (tests marked `oldest`).
+test-oldest: $(OLD_STAMP)
+	$(OLD_PY) -m pytest -n 2 -q -m oldest
 
 test-all: $(STAMP)
 	$(PY) -m pytest -n 2 -q -m ''

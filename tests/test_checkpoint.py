@@ -25,6 +25,7 @@ def _steps(workdir) -> list[int]:
     return sorted(int(p.name) for p in checkpoint.directory(workdir).iterdir() if p.name.isdigit())
 
 
+@pytest.mark.oldest  # also on the oldest supported release
 def test_resume_is_exact(tmp_path):
     """8 steps straight == 4 steps, a restart, then 4 more: bit for bit on CPU."""
     straight = train.run(tiny_config(), str(tmp_path / "a"))

@@ -59,6 +59,9 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous(trained, tmp_pat
     capsys.readouterr()
     records = train.run(tiny_config(**{**SHORT, "train.stop_at": "3"}), str(workdir))
     err = capsys.readouterr().err.strip().splitlines()
+    # orbax's advice when the previous save's background write took over 1 s, which on
+    # busy cores it does: about the machine's load, not the damage.
+    err = [line for line in err if "Waiting for previous save to complete took" not in line]
     assert len(err) == 1, err
     assert err[0].startswith(f"warning: checkpoint {ckpt}/2 is damaged ("), err
     assert err[0].endswith(f"); moved aside to {ckpt}/2.damaged; resuming from step 1"), err

@@ -125,7 +125,10 @@ def test_the_pallas_gpu_kernels_compile_to_ptx_for_an_h100(tmp_path):
         "pipeline.segments": "2",
     }
     dump = tmp_path / "dump"
-    proc = _compile_only(tmp_path, overrides, "h100-2", {"XLA_FLAGS": f"--xla_dump_to={dump}"})
+    # Of the kernels' LLVM IR and PTX, jax 0.12's XLA dumps only the stages this regex
+    # names (none without it); 0.10.2's dumped all, and takes the flag too.
+    flags = f"--xla_dump_to={dump} --xla_dump_emitter_re=ptx"
+    proc = _compile_only(tmp_path, overrides, "h100-2", {"XLA_FLAGS": flags})
     assert proc.returncode == 0, proc.stderr
     assert "pallas_gpu attention; remat none (auto)" in proc.stdout
     entries = {

@@ -164,6 +164,7 @@ def test_the_sample_holds_every_pair_of_the_full_matrix():
     assert floor <= len(SAMPLE) <= floor + 2, (floor, len(SAMPLE))
 
 
+@pytest.mark.oldest  # also on the oldest supported release
 @pytest.mark.parametrize("case", SAMPLE, ids=case_id)
 def test_pipeline_matches_reference(case):
     check_against_reference(case)

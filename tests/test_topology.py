@@ -101,6 +101,7 @@ def test_every_supported_slice_is_a_topology_libtpu_describes(monkeypatch):
             assert {d.device_kind for d in devices} == {s.spec.device_kind}, s
 
 
+@pytest.mark.oldest  # also on the oldest supported release
 @needs_libtpu
 def test_compile_only_for_a_tpu_slice_reports_memory_per_chip_and_collectives(tmp_path):
     """The tiny model pipelined 4 ways on v5p-16 (8 chips); mesh.data=-1 takes the other

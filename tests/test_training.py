@@ -37,6 +37,7 @@ def reference_losses(tmp_path_factory):
     return losses(small_config(), tmp_path_factory.mktemp("none"))
 
 
+@pytest.mark.oldest  # also on the oldest supported release
 def test_seq1f1b_trains_like_the_reference(reference_losses, tmp_path):
     pipelined = losses(small_config(schedule="seq1f1b", microbatches=4, segments=4), tmp_path)
     assert len(pipelined) == len(reference_losses) == 20

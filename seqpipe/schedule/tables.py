@@ -65,7 +65,7 @@ def generator(name: str) -> Generator:
 # --------------------------------------------------------------------------- tables
 
 
-class Kind(str, enum.Enum):
+class Kind(enum.StrEnum):
     F = "F"  # forward
     B = "B"  # backward (with a W in the table: its input-gradient half only)
     W = "W"  # weight-gradient half of a backward
