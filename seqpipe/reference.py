@@ -3,9 +3,10 @@
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from seqpipe import model
+from seqpipe import document_mask, model
 from seqpipe.model import GPTConfig, Params
 from seqpipe.sharding import DATA
 
@@ -36,14 +37,24 @@ def batch_loss(params: Params, batch, cfg: GPTConfig, checkpoint: str | None = N
 
 
 def per_shard(fn, mesh: jax.sharding.Mesh):
-    """`fn(params, tokens_BxL1)` (a mean over the rows, and what else is averaged with it)
-    run in a shard_map: each `data` shard's rows on its devices, the parameters whole on
-    every device, the results averaged over `data` (equal shards: the mean of the whole
-    batch). For an attention kernel that XLA cannot partition (a Pallas call): inside the
-    shard_map it runs on local arrays, as in the pipeline's stages."""
+    """`fn(params, batch)` (a mean over the rows, and what else is averaged with it) run in
+    a shard_map: each `data` shard's rows on its devices, the parameters whole on every
+    device, the results averaged over `data` into the mean of the whole batch. For an
+    attention kernel that XLA cannot partition (a Pallas call): inside the shard_map it runs
+    on local arrays, as in the pipeline's stages.
 
-    def local(params, tokens_BxL1):
-        return jax.lax.pmean(fn(params, tokens_BxL1), DATA)
+    Unpacked shards are equal, so their plain mean is the batch's. A packed shard's mean is
+    over its own counted targets, which differ between shards: each is weighted by its
+    count (a shard with none adds nothing)."""
+
+    def local(params, batch):
+        out = fn(params, batch)
+        if not (isinstance(batch, dict) and "documents" in batch):
+            return jax.lax.pmean(out, DATA)
+        count = jnp.sum(document_mask.counted_targets(batch["documents"])).astype(jnp.float32)
+        weight = count / jax.lax.psum(count, DATA)
+        weighted = jax.tree.map(lambda x: jnp.where(count > 0, x * weight, 0), out)
+        return jax.lax.psum(weighted, DATA)
 
     # The gradients are taken inside, per device: no implicit cast may add a psum to them.
     return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(DATA)), out_specs=P(), check_vma=False)

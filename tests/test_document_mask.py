@@ -440,3 +440,25 @@ def test_the_pipelined_evaluation_of_packed_rows_is_the_models_loss():
     oracle = dataclasses.replace(spec.cfg, attention="xla")
     want = reference.batch_loss(params, {k: jnp.asarray(v) for k, v in batch.items()}, oracle)
     np.testing.assert_allclose(float(got), float(want), rtol=LOSS_RTOL)
+
+
+def test_the_unpipelined_kernel_path_averages_packed_shards_by_their_counted_targets():
+    """With `pipeline.schedule=none` a Pallas kernel runs per `data` shard
+    (`reference.per_shard`); shards of packed rows count different numbers of targets, so
+    the plain mean of their means was not the batch's loss. Weighted, loss and gradients
+    equal the whole batch's."""
+    config = packed_config("seq1f1b", (2, 2), 2, "uniform")
+    cfg = pipeline.make_spec(config).cfg
+    mesh = sharding.make_mesh(4, 1)
+    params = model.init_params(cfg, jax.random.key(0))
+    batch = packed_batch(4, SEQ_LEN, cfg.vocab_size)
+    batch["documents"][0, SEQ_LEN // 2 :] = 0  # row 0 half padding: its shard counts fewer
+    counts = np.asarray(document_mask.counted_targets(jnp.asarray(batch["documents"])))
+    assert len(set(counts.sum(axis=1))) > 1
+    value_and_grad = jax.value_and_grad(reference.batch_loss)
+    want = value_and_grad(params, batch, cfg)
+    rows = on_device(batch, sharding.batch_sharding(mesh))
+    got = jax.jit(reference.per_shard(lambda p, b: value_and_grad(p, b, cfg), mesh))(params, rows)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    for g, w in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1]), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
