@@ -81,10 +81,15 @@ def test_bare_config_name_is_found_in_configs(tmp_path):
     assert "model.num_heads=5 must divide model.d_model=2048" in result.stderr
 
 
-def test_verify_accepts_a_correct_pipeline_and_writes_nothing(tmp_path):
+@pytest.mark.parametrize("packing", ["none", "best_fit"])
+def test_verify_accepts_a_correct_pipeline_and_writes_nothing(tmp_path, packing):
     """A check writes only to the token cache: it used to write ./runs/tiny/tokenizer.json
-    (a BPE here, the tokenizer it kept a copy of)."""
-    (tmp_path / "corpus.txt").write_text("def f(x):\n    return x + 1\n" * 2000)
+    (a BPE here, the tokenizer it kept a copy of). Packed, it checks packed rows: a corpus
+    of short files, many documents a row."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(400):
+        (corpus / f"{i}.txt").write_text(f"def f(x):\n    return x + {i}\n" * (1 + i % 7))
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     overrides = {
@@ -94,8 +99,9 @@ def test_verify_accepts_a_correct_pipeline_and_writes_nothing(tmp_path):
         "model.vocab_size": 300,
         "data.tokenizer": "bpe",
         "data.source": "text",
-        "data.path": tmp_path / "corpus.txt",
+        "data.path": corpus,
         "data.cache_dir": tmp_path / "cache",
+        "data.packing": packing,
         "train.seq_len": 32,
         "pipeline.segments": 3,
         "pipeline.partition": "flops",
@@ -113,6 +119,7 @@ def test_verify_accepts_a_correct_pipeline_and_writes_nothing(tmp_path):
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.strip().endswith("OK")
+    assert ("on packed rows" in result.stdout) == (packing != "none"), result.stdout
     assert os.listdir(cwd) == []
 
 
