@@ -67,11 +67,18 @@ def count_collectives(hlo_text: str) -> dict[str, int]:
     return counts
 
 
-# `replica_groups={{0,1},{2,3}}`, or the iota form `replica_groups=[4,2]<=[2,4]T(1,0)`.
-_GROUPS = re.compile(r"replica_groups=(\{\{[\d,{}\s]*\}\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)")
+# `replica_groups={{0,1},{2,3}}`, the iota form `replica_groups=[4,2]<=[2,4]T(1,0)`, or
+# (jax 0.12's XLA) a named mesh and the axes a group spans,
+# `replica_groups=mesh['data'=2,'tensor'=2] {'tensor'}`.
+_GROUPS = re.compile(
+    r"replica_groups=(\{\{[\d,{}\s]*\}\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?"
+    r"|mesh\[[^\]]*\]\s*\{[^}]*\})"
+)
 
 
 def _parse_groups(text: str) -> frozenset[frozenset[int]]:
+    if text.startswith("mesh"):
+        return _mesh_groups(text)
     if text.startswith("{"):
         return frozenset(
             frozenset(int(d) for d in g.split(",") if d.strip())
@@ -84,6 +91,18 @@ def _parse_groups(text: str) -> frozenset[frozenset[int]]:
         ids = ids.transpose([int(d) for d in perm[0].split(",")])
     ids = ids.reshape([int(d) for d in shape.split(",")])
     return frozenset(frozenset(int(d) for d in row) for row in ids)
+
+
+def _mesh_groups(text: str) -> frozenset[frozenset[int]]:
+    """A named mesh's groups: device ids in the mesh's row-major order, one group per
+    place on the axes the group does not span."""
+    axes = re.findall(r"'(\w+)'=(\d+)", text)
+    spanned = set(re.findall(r"'(\w+)'", text[text.index("{") :]))
+    ids = np.arange(math.prod(int(n) for _, n in axes)).reshape([int(n) for _, n in axes])
+    inner = [i for i, (name, _) in enumerate(axes) if name in spanned]
+    outer = [i for i in range(len(axes)) if i not in inner]
+    rows = ids.transpose(outer + inner).reshape(-1, math.prod(ids.shape[i] for i in inner))
+    return frozenset(frozenset(int(d) for d in row) for row in rows)
 
 
 def collective_groups(hlo_text: str) -> list[tuple[str, frozenset[frozenset[int]]]]:

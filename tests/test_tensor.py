@@ -163,10 +163,20 @@ def test_mesh_products_count_the_tensor_axis():
     assert config_lib.resolve(c, 8).mesh.data == 2
 
 
-def test_hlo_replica_groups_in_both_forms():
+def test_hlo_replica_groups_in_every_form():
     assert hlo._parse_groups("{{0,1},{2,3}}") == {frozenset({0, 1}), frozenset({2, 3})}
     assert hlo._parse_groups("[2,2]<=[4]") == {frozenset({0, 1}), frozenset({2, 3})}
     assert hlo._parse_groups("[2,2]<=[2,2]T(1,0)") == {frozenset({0, 2}), frozenset({1, 3})}
+    # jax 0.12's XLA names the mesh and the axes a group spans.
+    mesh = "mesh['data'=2,'stage'=2,'tensor'=2]"
+    assert hlo._parse_groups(mesh + " {'tensor'}") == {
+        frozenset({2 * i, 2 * i + 1}) for i in range(4)
+    }
+    assert hlo._parse_groups(mesh + " {'data'}") == {frozenset({i, i + 4}) for i in range(4)}
+    assert hlo._parse_groups(mesh + " {'stage','tensor'}") == {
+        frozenset(range(4)),
+        frozenset(range(4, 8)),
+    }
 
 
 def test_a_run_resumes_across_tensor_meshes(tmp_path):
