@@ -580,6 +580,9 @@ class Trainer:
             # Nothing is closed: a save or a shutdown would wait for the lost process.
             runtime_log.exit_at_once(peers.lost_message(str(e)), 1)
         except checkpoint.SaveError as e:
+            if e.__cause__ is not None and peers.is_lost_peer(e.__cause__):
+                # The save's collective lost its peer: a lost process, not a full disk.
+                runtime_log.exit_at_once(peers.lost_message(str(e.__cause__)), 1)
             raise TrainingError(str(e)) from None
         except MetricsError as e:
             kept = (
