@@ -79,21 +79,13 @@ def exit_at_once(message: str, code: int) -> None:
         os._exit(code)
 
 
-def _fatal_reason(lines: list[str]) -> str | None:
-    """The first fatal line's message, without absl's prefix; None if none came."""
-    for line in lines:
-        if _FATAL.search(line):
-            return line.split("] ", 1)[-1].strip()
-    return None
-
-
 def watch(stream, workdir: Path, log: Path, checkpoints: str, process: int, processes: int):
     """The watcher: copy `stream` to `log` until it closes; then the `error:` line on
     stderr if the runtime aborted."""
     from seqpipe import peers
 
     held: list[str] = []
-    fatal: list[str] = []
+    fatal = None  # the first fatal line's message, without absl's prefix
     out = None
     for line in stream:
         if out is None and workdir.is_dir():
@@ -105,20 +97,23 @@ def watch(stream, workdir: Path, log: Path, checkpoints: str, process: int, proc
             out.flush()
         elif len(held) < _HELD_LINES:
             held.append(line)
-        if not fatal and _FATAL.search(line):
-            fatal.append(line)
-    reason = _fatal_reason(fatal)
-    if reason is None:
+        if fatal is None and _FATAL.search(line):
+            fatal = line.split("] ", 1)[-1].strip()
+    if fatal is None:
         return
     where = f"; the runtime's log is in {log}" if out is not None else ""
-    if any(word in reason for word in peers.PEER_WORDS):
+    if any(word in fatal for word in peers.PEER_WORDS):
         peers.watch(Path(checkpoints), process, processes)
-        message = peers.lost_message(reason)
+        message = peers.lost_message(fatal)
     else:
-        message = f"the JAX runtime aborted process {process} ({reason[:200]})"
+        message = f"the JAX runtime aborted process {process} ({fatal[:200]})"
     sys.stderr.write(f"error: {message}{where}\n")
 
 
 if __name__ == "__main__":
+    import io
+
     workdir, log, checkpoints, process, processes = sys.argv[1:]
-    watch(sys.stdin, Path(workdir), Path(log), checkpoints, int(process), int(processes))
+    # C++ may write bytes that are not UTF-8; the watcher must not fail on them.
+    lines = io.TextIOWrapper(sys.stdin.buffer, errors="backslashreplace")
+    watch(lines, Path(workdir), Path(log), checkpoints, int(process), int(processes))
