@@ -18,7 +18,7 @@ from collections.abc import Callable
 from ml_collections import ConfigDict
 
 from seqpipe import attention
-from seqpipe.remat_auto import HEADROOM, device_budget
+from seqpipe.remat_auto import device_budget, first_fit, fit_line
 
 # The kernel `auto` prefers on a platform, and what it falls back to when that kernel's
 # step does not fit.
@@ -33,11 +33,7 @@ class Choice:
 
     def line(self) -> str:
         """One line for the log: what was picked, and why."""
-        gib = lambda b: f"{b / 2**30:.1f}"  # noqa: E731
-        tried = ", ".join(f"{n} {gib(b)}" for n, b in self.peaks.items())
-        limit = f"{gib(HEADROOM * self.budget)} GiB ({HEADROOM:.0%} of {gib(self.budget)})"
-        verdict = "fits" if self.peaks[self.name] <= HEADROOM * self.budget else "least"
-        return f"auto -> {self.name} ({verdict}; peak GiB: {tried}; limit {limit})"
+        return fit_line(self.name, self.budget, self.peaks)
 
 
 def candidates(platform: str) -> tuple[str, ...]:
@@ -49,12 +45,8 @@ def candidates(platform: str) -> tuple[str, ...]:
 def choose(peak_of: Callable[[str], int], names: tuple[str, ...], budget: int) -> Choice:
     """The first of `names` whose `peak_of(name)` (bytes a device) is within HEADROOM of
     `budget`; if none is, the one that needs least."""
-    peaks = {}
-    for name in names:
-        peaks[name] = peak_of(name)
-        if peaks[name] <= HEADROOM * budget:
-            return Choice(name, budget, peaks)
-    return Choice(min(peaks, key=peaks.get), budget, peaks)
+    name, peaks = first_fit(peak_of, names, budget)
+    return Choice(name, budget, peaks)
 
 
 def with_attention(config: ConfigDict, name: str) -> ConfigDict:

@@ -35,11 +35,28 @@ class Choice:
         """One line for the log: what was picked, and why."""
         if self.budget is None:
             return f"auto -> {self.policy} (no device memory to fit: the default)"
-        gib = lambda b: f"{b / 2**30:.1f}"  # noqa: E731
-        tried = ", ".join(f"{p} {gib(b)}" for p, b in self.peaks.items())
-        limit = f"{gib(HEADROOM * self.budget)} GiB ({HEADROOM:.0%} of {gib(self.budget)})"
-        verdict = "fits" if self.peaks.get(self.policy, 0) <= HEADROOM * self.budget else "least"
-        return f"auto -> {self.policy} ({verdict}; peak GiB: {tried}; limit {limit})"
+        return fit_line(self.policy, self.budget, self.peaks)
+
+
+def first_fit(peak_of: Callable[[str], int], names, budget: int) -> tuple[str, dict[str, int]]:
+    """The first of `names` whose `peak_of(name)` (bytes a device needs) is within HEADROOM
+    of `budget`, else the one that needs least; and the peaks compiled, in order. Also
+    `attention=auto`'s rule (`seqpipe.attention_auto`)."""
+    peaks = {}
+    for name in names:
+        peaks[name] = peak_of(name)
+        if peaks[name] <= HEADROOM * budget:
+            return name, peaks
+    return min(peaks, key=peaks.get), peaks
+
+
+def fit_line(name: str, budget: int, peaks: dict[str, int]) -> str:
+    """`auto -> name (fits or least; the peaks; the limit)`: what `first_fit` picked, why."""
+    gib = lambda b: f"{b / 2**30:.1f}"  # noqa: E731
+    tried = ", ".join(f"{n} {gib(b)}" for n, b in peaks.items())
+    limit = f"{gib(HEADROOM * budget)} GiB ({HEADROOM:.0%} of {gib(budget)})"
+    verdict = "fits" if peaks.get(name, 0) <= HEADROOM * budget else "least"
+    return f"auto -> {name} ({verdict}; peak GiB: {tried}; limit {limit})"
 
 
 def device_budget(devices: list) -> int | None:
@@ -63,12 +80,8 @@ def choose(peak_of, budget: int | None) -> Choice:
     HEADROOM of `budget`; if none is, the one that needs least."""
     if budget is None:
         return Choice(FALLBACK, None, {})
-    peaks = {}
-    for policy in ORDER:
-        peaks[policy] = peak_of(policy)
-        if peaks[policy] <= HEADROOM * budget:
-            return Choice(policy, budget, peaks)
-    return Choice(min(peaks, key=peaks.get), budget, peaks)
+    policy, peaks = first_fit(peak_of, ORDER, budget)
+    return Choice(policy, budget, peaks)
 
 
 def with_policy(config: ConfigDict, policy: str) -> ConfigDict:
