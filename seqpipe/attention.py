@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from seqpipe import blockwise
 from seqpipe.rope import NO_SCALING, RopeScaling
 from seqpipe.rope import tables as rope_tables
 
@@ -121,15 +122,13 @@ def attend(
     extra = {} if documents is None else {"documents": documents}
     impl = resolve(name)
     if impl == "blockwise":
-        from seqpipe import blockwise
-
         return blockwise.blockwise_attention(*args, **extra)
     if impl == "splash":
-        from seqpipe import splash
+        from seqpipe import splash  # here: Pallas's TPU kernels load only where picked
 
         return splash.splash_attention(*args, **extra)
     if impl == "pallas_gpu":
-        from seqpipe import gpu_attention
+        from seqpipe import gpu_attention  # here: Pallas's GPU kernels load only where picked
 
         return gpu_attention.pallas_gpu_attention(*args, **extra)
     return segment_attention(*args, documents)
@@ -149,13 +148,11 @@ def attend_cached(
     _check_documents(documents, q_BxQxHxE.shape[1], prefix_len)
     extra = {} if documents is None else {"documents": documents}
     if impl == "blockwise":
-        from seqpipe import blockwise
-
         return blockwise.cached_attention(
             q_BxQxHxE, prefix, sink_k, sink_v, k_seg, v_seg, prefix_len, **extra
         )
     if impl == "pallas_gpu":
-        from seqpipe import gpu_attention
+        from seqpipe import gpu_attention  # here: Pallas's GPU kernels load only where picked
 
         return gpu_attention.cached_attention(
             q_BxQxHxE, prefix, sink_k, sink_v, k_seg, v_seg, prefix_len, **extra

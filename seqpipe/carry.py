@@ -131,6 +131,38 @@ def of_spec(spec, rows: int) -> Carry:
     return abstract(spec, rows, layers, shared)
 
 
+def breakdown(spec, rows: int) -> dict:
+    """Bytes of the executor's scan carry on one device, by buffer, and their sum `carry`.
+
+    `rows` is the number of sequences in one micro-batch on one data replica.
+    """
+    b = of_spec(spec, rows).nbytes()
+    keeps = spec.policy.keeps_residuals
+    out = {
+        "stash": 0 if keeps else b["saved"],
+        "res": b["saved"] if keeps else 0,
+        "head": b["head_dy"],
+        "messages": b["recv_fwd"] + b["recv_bwd"],
+        "kv": b["kv_k"] + b["kv_v"],
+        "dkv": b["dkv_k"] + b["dkv_v"],
+        "grads": b["grads"],
+        "loss": b["loss"],
+        # B-to-W buffers of a split table: the weight matmuls' inputs and output cotangents
+        # that B leaves its W, per segment, [slots, n, b, L_k] x `model.matmul_shapes` values.
+        "weight": b["weight"],
+    }
+    out["carry"] = sum(out.values())
+    # What the algorithm needs: K/V of prefix positions only (no segment attends to the
+    # last segment's K/V, so 1F1B needs none), and a dK/dV accumulator only for the
+    # micro-batches whose backward has started but not finished.
+    cfg, prog = spec.cfg, spec.program
+    shape = (spec.chunk_layers, rows, spec.offsets[-1], cfg.local_kv_heads, cfg.head_dim)
+    per_slot = math.prod(shape) * jnp.dtype(cfg.dtype).itemsize
+    out["kv_needed"] = 2 * prog.num_kv * per_slot
+    out["dkv_needed"] = 2 * prog.num_dkv * per_slot
+    return out
+
+
 def zeros(avals: Carry) -> Carry:
     return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), avals)
 

@@ -45,7 +45,9 @@ import orbax.checkpoint as ocp
 from ml_collections import ConfigDict
 
 from seqpipe import layout
+from seqpipe.checkpoint_dir import complete_steps, directory
 from seqpipe.config import ConfigError, base_config
+from seqpipe.errors import RestoreError
 
 ITEMS = ("state", "data", "meta")
 # What orbax names a step directory until it is complete (tests/test_faults.py checks it).
@@ -54,10 +56,6 @@ TMP_SUFFIX = ".orbax-checkpoint-tmp"
 
 class SaveError(RuntimeError):
     """A checkpoint could not be written (a full disk, say); the message is one line."""
-
-
-class RestoreError(RuntimeError):
-    """No checkpoint in the workdir restores; the message is one line."""
 
 
 class Damaged(Exception):
@@ -90,10 +88,6 @@ def checksums(state: Any) -> dict[str, int]:
         jax.tree_util.keystr(path): int(v)
         for path, v in jax.tree_util.tree_leaves_with_path(values)
     }
-
-
-def directory(workdir: str | Path) -> Path:
-    return Path(workdir).resolve() / "checkpoints"
 
 
 def make_manager(workdir: str | Path, config: ConfigDict) -> ocp.CheckpointManager:
@@ -200,14 +194,6 @@ def wait(manager: ocp.CheckpointManager, step: int | None) -> None:
         manager.wait_until_finished()
     except Exception as e:
         raise SaveError(_failed(manager, step, _reason(e))) from e
-
-
-def complete_steps(directory: Path) -> list[int]:
-    """Steps whose checkpoint is complete: orbax writes `<step>.orbax-checkpoint-tmp` and
-    renames it to `<step>` (atomically) only once every item is written and committed."""
-    if not directory.is_dir():
-        return []
-    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
 
 
 def _reason(e: Exception) -> str:

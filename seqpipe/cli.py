@@ -13,6 +13,10 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from seqpipe import config as config_lib
+from seqpipe import logs, peers, runtime_log, topology
+from seqpipe.errors import DataError, RestoreError
+from seqpipe.hf_config import HFError
+from seqpipe.workdir import WorkdirError
 
 T = TypeVar("T")
 
@@ -56,8 +60,6 @@ def fail(message: str, code: int = 2, at_once: bool = False) -> None:
     if not at_once:
         print(f"error: {message}", file=sys.stderr, flush=True)
         sys.exit(code)
-    from seqpipe import runtime_log
-
     runtime_log.exit_at_once(message, code)
 
 
@@ -126,8 +128,6 @@ def target_or_exit(args: argparse.Namespace):
     line."""
     if args.topology is None:
         return None
-    from seqpipe import topology
-
     if not args.compile_only:
         fail(f"--topology {args.topology} needs --compile_only: it compiles for it, here")
     if args.coordinator or args.num_processes or args.process_id is not None:
@@ -208,8 +208,6 @@ def init_distributed(args: argparse.Namespace) -> None:
 
     # CPU collectives across processes need gloo; other backends ignore this.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    from seqpipe import logs, peers, runtime_log
-
     process, processes = (args.process_id, args.num_processes) if all(given) else _launcher_rank()
     # Before the runtime starts: its C++ fatal error on a lost peer goes to the log file, and
     # the watcher writes the survivor's one last line.
@@ -247,11 +245,6 @@ def no_tensor_or_exit(config, tool: str) -> None:
 def run_or_exit(fn: Callable[[], T]) -> T:
     """Run fn; a config, data, workdir, restore or HF checkpoint error becomes one line on
     stderr and exit code 2 (each is raised before any training step)."""
-    from seqpipe.checkpoint import RestoreError
-    from seqpipe.data import DataError
-    from seqpipe.hf_config import HFError
-    from seqpipe.workdir import WorkdirError
-
     try:
         return fn()
     except (config_lib.ConfigError, DataError, WorkdirError, RestoreError, HFError) as e:

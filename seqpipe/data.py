@@ -48,7 +48,7 @@ import grain
 import jax
 import numpy as np
 
-from seqpipe import documents, packing, sharding
+from seqpipe import checkpoint_dir, documents, packing, sharding
 from seqpipe import tokenizer as tok
 from seqpipe.errors import DataError
 from seqpipe.files import atomic_write, atomic_write_bytes
@@ -204,9 +204,7 @@ def check_resume_tokenizer(t: Tokenizer, workdir: str, config) -> None:
     """Refuse a tokenizer other than the one a workdir's checkpoints were trained with
     (its `tokenizer.json`; none there: no BPE): the same ids would mean
     other text, and the run would go on without a sign of it."""
-    from seqpipe import checkpoint  # only here: data loading needs no orbax otherwise
-
-    if not workdir or not checkpoint.complete_steps(checkpoint.directory(workdir)):
+    if not workdir or not checkpoint_dir.complete_steps(checkpoint_dir.directory(workdir)):
         return
     saved = os.path.join(workdir, "tokenizer.json")
     if os.path.exists(saved):
@@ -221,7 +219,7 @@ def check_resume_tokenizer(t: Tokenizer, workdir: str, config) -> None:
         trained_with, how = "no BPE (the byte tokenizer, or a token file without one)", ""
     if not same:
         raise DataError(
-            f"the checkpoints in {checkpoint.directory(workdir)} were trained with "
+            f"the checkpoints in {checkpoint_dir.directory(workdir)} were trained with "
             f"{trained_with}, not the configured data.tokenizer={config.data.tokenizer} "
             f"(data.source={config.data.source}); resume with that tokenizer{how} or use a "
             "new --workdir"

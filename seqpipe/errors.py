@@ -8,3 +8,7 @@ class TopologyError(RuntimeError):
 
 class DataError(ValueError):
     """Bad data or data config; the message says what is wrong and how to fix it."""
+
+
+class RestoreError(RuntimeError):
+    """No checkpoint in the workdir restores; the message is one line."""

@@ -148,45 +148,13 @@ def init_params(cfg: GPTConfig, key: jax.Array) -> Params:
     return params
 
 
-# The dimension tensor parallelism splits, per parameter (as `init_params` shapes them,
-# layers with their leading axis): heads of the QKV (column-parallel) and output
-# (row-parallel) projections and of their biases, the MLP's hidden columns, the
-# vocabulary of the embedding and the head. Norm gains are whole on every tensor device;
-# so are the K/V projections where the tensor devices outnumber their heads (`KV_PARAMS`).
-TENSOR_DIMS = {
-    "wq": 2,
-    "wk": 2,
-    "wv": 2,
-    "wo": 1,
-    "bq": 1,
-    "bk": 1,
-    "bv": 1,
-    "w_gate": 2,
-    "w_in": 2,
-    "w_out": 1,
-    "embed": 0,
-    "head": 1,
-}
-KV_PARAMS = ("wk", "wv", "bk", "bv")
-
-
-def tensor_dim(name: str, shape=None, tensor: int = 1) -> int | None:
-    """The dimension of parameter `name` split over the tensor axis, or None. With its
-    (whole) `shape` and `tensor` devices: None for K/V heads `tensor` does not divide,
-    which every device then holds whole (`GPTConfig.kv_replicated`)."""
-    dim = TENSOR_DIMS.get(name)
-    if dim is not None and name in KV_PARAMS and shape is not None and shape[dim] % tensor:
-        return None
-    return dim
-
-
 def param_shapes(cfg: GPTConfig) -> Params:
     """ShapeDtypeStructs of the parameters as one tensor device holds them (all of them
     with cfg.tensor = 1)."""
     shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
 
     def local(path, x):
-        dim = tensor_dim(getattr(path[-1], "key", ""), x.shape, cfg.tensor)
+        dim = tensor.param_dim(getattr(path[-1], "key", ""), x.shape, cfg.tensor)
         if dim is None or cfg.tensor == 1:
             return x
         shape = list(x.shape)

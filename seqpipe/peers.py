@@ -12,6 +12,8 @@ lost process and the newest complete checkpoint (`lost_message`), exit 1.
 
 import re
 
+from seqpipe import checkpoint_dir
+
 # Seconds without a heartbeat before a process is declared dead: a survivor ends within
 # a minute. Not less: at 15 s two healthy processes of a test on 2 busy CPU cores were
 # declared dead during their first compile (JAX's default is 100 s).
@@ -61,12 +63,10 @@ def lost_message(reason: str, process: int | None = None) -> str:
 
 
 def _newest() -> str:
-    from seqpipe import checkpoint  # here: the callback may come before the trainer
-
     directory = _context["checkpoints"]
     if directory is None:
         return "no checkpoint was restored or saved yet"
-    steps = checkpoint.complete_steps(directory)
+    steps = checkpoint_dir.complete_steps(directory)
     if not steps:
         return f"no complete checkpoint in {directory}"
     return f"the newest intact checkpoint is step {steps[-1]} in {directory}"

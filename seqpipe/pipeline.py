@@ -29,11 +29,12 @@ from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 from jax.sharding import PartitionSpec as P
 
 from seqpipe import carry as carry_lib
-from seqpipe import document_mask, kv_cache, model, sharding, units
+from seqpipe import document_mask, kv_cache, sharding, units
 from seqpipe.carry import Carry, put_slot, write_slot
 from seqpipe.model import Params
 from seqpipe.sharding import DATA, STAGE, TENSOR
 from seqpipe.spec import PipelineSpec, make_spec  # noqa: F401 (make_spec: the entry point)
+from seqpipe.tensor import KV_PARAMS
 
 # --------------------------------------------------------------------------- context
 
@@ -478,7 +479,7 @@ def reduce(
 
     def whole(path, shape):  # a local gradient's shape as among the parameters
         dim = sharding.tensor_split_dim(path, shape)
-        if dim is None or (kv_replicated and path[-1].key in model.KV_PARAMS):
+        if dim is None or (kv_replicated and path[-1].key in KV_PARAMS):
             return shape
         return (*shape[:dim], shape[dim] * tensor, *shape[dim + 1 :])
 

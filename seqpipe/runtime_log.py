@@ -21,6 +21,8 @@ import re
 import sys
 from pathlib import Path
 
+from seqpipe import checkpoint_dir, peers
+
 # absl's fatal severity ("F1205 12:34:56.789 ...") and what the runtime prints as it aborts.
 _FATAL = re.compile(r"^F\d{4} \d\d:\d\d:\d\d|Terminating process because|Check failed")
 _HELD_LINES = 2000  # kept in memory while the workdir does not exist yet
@@ -31,11 +33,9 @@ def capture(workdir: str, log: Path, process: int, processes: int) -> None:
     # Here, not above: `seqpipe.signals` imports this module before its handlers are in.
     import subprocess
 
-    from seqpipe import checkpoint
-
     console = os.dup(2)
     read, write = os.pipe()
-    args = [str(workdir), str(log), str(checkpoint.directory(workdir)), str(process)]
+    args = [str(workdir), str(log), str(checkpoint_dir.directory(workdir)), str(process)]
     subprocess.Popen(
         [sys.executable, "-m", "seqpipe.runtime_log", *args, str(processes)],
         stdin=read,
@@ -82,8 +82,6 @@ def exit_at_once(message: str, code: int) -> None:
 def watch(stream, workdir: Path, log: Path, checkpoints: str, process: int, processes: int):
     """The watcher: copy `stream` to `log` until it closes; then the `error:` line on
     stderr if the runtime aborted."""
-    from seqpipe import peers
-
     held: list[str] = []
     fatal = None  # the first fatal line's message, without absl's prefix
     out = None

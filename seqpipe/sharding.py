@@ -6,11 +6,11 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from seqpipe import model, tensor
+from seqpipe import tensor as tensor_lib
 
 DATA = "data"
 STAGE = "stage"
-TENSOR = tensor.AXIS
+TENSOR = tensor_lib.AXIS
 AXES = (DATA, STAGE, TENSOR)
 
 
@@ -69,14 +69,14 @@ def in_optimizer(path) -> bool:
 
 def tensor_split_dim(path, shape: Sequence[int], tensor: int = 1) -> int | None:
     """The dimension of a parameter-shaped leaf (of the whole parameter's `shape`) that
-    `tensor` splits (`model.tensor_dim`, found by the leaf's name), or None: norm gains,
+    `tensor` splits (`seqpipe.tensor.param_dim`, found by the leaf's name), or None: norm gains,
     scalars, and K/V projections with fewer heads than `tensor` (held whole)."""
     keys = [getattr(k, "key", None) for k in path]
     name = keys[-1] if keys and isinstance(keys[-1], str) else None
-    dim = model.TENSOR_DIMS.get(name) if name else None
+    dim = tensor_lib.DIMS.get(name) if name else None
     if dim is None or dim >= len(shape):
         return None
-    return model.tensor_dim(name, shape, tensor)
+    return tensor_lib.param_dim(name, shape, tensor)
 
 
 def data_split_dim(path, shape: Sequence[int], data: int, tensor: int = 1) -> int | None:

@@ -1,7 +1,7 @@
 """Tensor parallelism inside a pipeline stage (Megatron-LM's, with sequence parallelism).
 
 Over the mesh axis `tensor` of t devices, a layer's attention heads and MLP columns are
-split (`model.TENSOR_DIMS`), and between its matmuls the activations are split along the
+split (`DIMS`), and between its matmuls the activations are split along the
 segment's positions: each device holds L/t of them for the norms, the residual stream,
 the messages between stages and the stash. A column-parallel matmul reads the whole
 segment (`gather`: an all-gather over positions), a row-parallel one leaves partial sums
@@ -25,6 +25,37 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 AXIS = "tensor"
+
+# The dimension tensor parallelism splits, per parameter (as `init_params` shapes them,
+# layers with their leading axis): heads of the QKV (column-parallel) and output
+# (row-parallel) projections and of their biases, the MLP's hidden columns, the
+# vocabulary of the embedding and the head. Norm gains are whole on every tensor device;
+# so are the K/V projections where the tensor devices outnumber their heads (`KV_PARAMS`).
+DIMS = {
+    "wq": 2,
+    "wk": 2,
+    "wv": 2,
+    "wo": 1,
+    "bq": 1,
+    "bk": 1,
+    "bv": 1,
+    "w_gate": 2,
+    "w_in": 2,
+    "w_out": 1,
+    "embed": 0,
+    "head": 1,
+}
+KV_PARAMS = ("wk", "wv", "bk", "bv")
+
+
+def param_dim(name: str, shape=None, tensor: int = 1) -> int | None:
+    """The dimension of parameter `name` split over the tensor axis, or None. With its
+    (whole) `shape` and `tensor` devices: None for K/V heads `tensor` does not divide,
+    which every device then holds whole (`model.GPTConfig.kv_replicated`)."""
+    dim = DIMS.get(name)
+    if dim is not None and name in KV_PARAMS and shape is not None and shape[dim] % tensor:
+        return None
+    return dim
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))

@@ -8,7 +8,7 @@ import pytest
 
 from seqpipe import config as config_lib
 from seqpipe import pipeline, remat, schedule
-from seqpipe.tools import bench, flops
+from seqpipe.tools import bench, flops, tick_model
 
 
 def test_predicted_matches_schedule_stats_with_unit_costs():
@@ -17,18 +17,18 @@ def test_predicted_matches_schedule_stats_with_unit_costs():
     c.mesh.update(stage=4)
     c.pipeline.update(schedule="seq1f1b", microbatches=4, segments=2)
     spec = pipeline.make_spec(c)
-    got = bench.predicted(spec, lambda sp, seg, first, last, kind, n: 2.0 if kind else 1.0)
+    got = tick_model.predicted(spec, lambda sp, seg, first, last, kind, n: 2.0 if kind else 1.0)
     want = schedule.stats(spec.schedule)
     assert math.isclose(got["time"], want["time"])
     assert math.isclose(got["bubble"], want["bubble"], abs_tol=1e-6)
     # A split table: its B and W are costed apart (kind 1 and 2), F = B = W = 1 here.
     c.pipeline.update(schedule="seq_zb_h1")
     spec = pipeline.make_spec(c)
-    got = bench.predicted(spec, lambda sp, seg, first, last, kind, n: [1.0, 1.0, 1.0][kind])
+    got = tick_model.predicted(spec, lambda sp, seg, first, last, kind, n: [1.0, 1.0, 1.0][kind])
     want = schedule.stats(spec.schedule)
     assert math.isclose(got["time"], want["time"])
     assert math.isclose(got["bubble"], want["bubble"], abs_tol=1e-6)
-    got = bench.predicted(spec, lambda sp, seg, first, last, kind, n: [1.0, 1.0, 0.0][kind])
+    got = tick_model.predicted(spec, lambda sp, seg, first, last, kind, n: [1.0, 1.0, 0.0][kind])
     assert got["time"] < want["time"]  # W really costed
 
 
@@ -95,7 +95,7 @@ def test_split_rows_show_the_flops_split_shortening_the_predicted_step():
     """Eight layers on four stages, the head about two layers' work: the flops split moves
     a layer off the last stage, whose measured work per micro-batch was the largest, and
     the step predicted from the measured unit times gets shorter."""
-    c = bench.variant(config_lib.load("bench"), "seq1f1b", 4, "uniform", 1)
+    c = tick_model.variant(config_lib.load("bench"), "seq1f1b", 4, "uniform", 1)
     with c.unlocked():
         c.model.update(d_model=32, num_heads=2, d_ff=64)
         c.train.update(seq_len=64)

@@ -52,7 +52,7 @@ def test_analytic_carry_is_the_executors_carry(schedule, segments, virtual):
     config = tiny_config(schedule, segments, virtual=virtual)
     spec = pipeline.make_spec(config)
     prog, rows, cfg = spec.program, 2, spec.cfg
-    got = memory.carry_bytes(spec, rows)
+    got = carry.breakdown(spec, rows)
     avals = memory.carry_avals(config)
     assert sum(nbytes(a) for a in avals) == got["carry"]
     shapes = sorted(a.shape for a in avals)
@@ -82,7 +82,7 @@ def test_analytic_carry_with_residual_stashes(schedule, segments, virtual):
     config = tiny_config(schedule, segments, virtual=virtual)
     config.pipeline.remat = "none"
     spec = pipeline.make_spec(config)
-    got = memory.carry_bytes(spec, 2)
+    got = carry.breakdown(spec, 2)
     avals = memory.carry_avals(config)
     assert sum(nbytes(a) for a in avals) == got["carry"]
     assert got["stash"] == 0 and got["res"] > 0
@@ -156,8 +156,8 @@ def test_residual_unit_working_set_is_smaller_than_recomputing():
 
 def test_seq1f1b_holds_less_stash_than_1f1b_and_needs_less_kv_than_it_holds():
     for depth in ("full", "minimal"):
-        one = memory.carry_bytes(pipeline.make_spec(tiny_config("1f1b", 1, depth)), 2)
-        seq = memory.carry_bytes(pipeline.make_spec(tiny_config("seq1f1b", 4, depth)), 2)
+        one = carry.breakdown(pipeline.make_spec(tiny_config("1f1b", 1, depth)), 2)
+        seq = carry.breakdown(pipeline.make_spec(tiny_config("seq1f1b", 4, depth)), 2)
         assert seq["stash"] < one["stash"]
         # No segment attends to the last segment's K/V: 1F1B needs no cache at all.
         # No segment attends to the last segment's K/V: 1F1B caches none, and Seq1F1B

@@ -10,7 +10,7 @@ import pytest
 
 from seqpipe import config as config_lib
 from seqpipe import train
-from seqpipe.plan import memory, rank, render, search, space, timing
+from seqpipe.plan import bounds, rank, render, search, space, timing
 from seqpipe.plan.space import Candidate, Problem
 
 GPT_1B_ON_8 = Problem(
@@ -49,10 +49,10 @@ def test_a_sequence_no_segment_count_divides_is_refused():
 
 def test_the_verdict_rejects_only_beyond_the_models_error():
     budget = 100
-    assert memory.verdict(int(budget / memory.HIGH), budget) == "fits"
-    assert memory.verdict(budget, budget) == "boundary"
-    assert memory.verdict(int(budget / memory.LOW) + 1, budget) == "over"
-    assert memory.verdict(int(budget / memory.LOW) - 1, budget) == "boundary"
+    assert bounds.verdict(int(budget / bounds.HIGH), budget) == "fits"
+    assert bounds.verdict(budget, budget) == "boundary"
+    assert bounds.verdict(int(budget / bounds.LOW) + 1, budget) == "over"
+    assert bounds.verdict(int(budget / bounds.LOW) - 1, budget) == "boundary"
 
 
 def _row(label, step, mem, verdict="fits", **extra):
@@ -114,7 +114,7 @@ def test_memory_estimate_is_never_more_pessimistic_than_pruning_trusts():
         devices = jax.devices()[: c.data * c.stage * c.tensor]
         report = train.compile_only(row["config"], devices, with_evaluation=False)
         ratio = report["peak_memory_per_device_bytes"] / row["memory_per_device_bytes"]
-        assert ratio >= memory.LOW, (row["label"], ratio)
+        assert ratio >= bounds.LOW, (row["label"], ratio)
 
 
 def test_json_last_line_holds_the_winner_and_the_others():
@@ -200,6 +200,7 @@ def test_the_lower_bound_is_below_every_estimate():
 
 
 def test_a_candidate_the_compiler_refuses_is_a_reason_not_a_crash():
+    from seqpipe import train
     from seqpipe.plan import confirm
 
     row = {
@@ -210,7 +211,7 @@ def test_a_candidate_the_compiler_refuses_is_a_reason_not_a_crash():
         "verdict": "fits",
         "step_s": 1.0,
     }
-    out = confirm.confirm(row, jax.devices()[:1], 2**30)
+    out = confirm.confirm(row, jax.devices()[:1], 2**30, train.compile_only)
     assert out["fits"] is False and rank.reason(out, None, 2**30).startswith(
         "does not compile for the target: "
     )

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from seqpipe import partition
 from seqpipe import schedule as sc
-from seqpipe.schedule import B, F, Schedule, ScheduleError, Unit, W, cell_unit, make_cell
+from seqpipe.schedule import B, F, Schedule, ScheduleError, Unit, W, cell_unit, make_cell, render
 
 # SEQPIPE_EXAMPLES=500 for a thorough sweep; the default keeps the file under ~20 s.
 PROPS = settings(
@@ -447,8 +447,8 @@ def test_weight_operations():
     prog = sc.lower(split)  # B at tick 0 leaves slot 0 for the W at tick 1
     assert (prog.bwd_wgt[:, 0].tolist(), prog.wgt_in[:, 0].tolist()) == ([0, -1], [-1, 0])
     assert prog.wgt_mb[:, 0].tolist() == [-1, 0]
-    assert "F0.0/B0.0" in sc.to_text(split) and "W0.0" in sc.to_text(split)
-    assert sc.to_json(split)["ticks"][1][0] == {
+    assert "F0.0/B0.0" in render.to_text(split) and "W0.0" in render.to_text(split)
+    assert render.to_json(split)["ticks"][1][0] == {
         "stage": 0,
         "forward": None,
         "backward": None,

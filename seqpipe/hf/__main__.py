@@ -14,7 +14,12 @@ import shutil
 import sys
 from pathlib import Path
 
-from seqpipe import cli
+import jax
+import orbax.checkpoint as ocp
+
+from seqpipe import checkpoint_dir, cli, hf, model
+from seqpipe.hf_config import HFError
+from seqpipe.model import GPTConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -40,11 +45,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def pick_step(workdir: str, step: int | None) -> Path:
     """The step directory to export; HFError naming what there is if it is not there."""
-    from seqpipe import checkpoint
-    from seqpipe.hf_config import HFError
-
-    directory = checkpoint.directory(workdir)
-    steps = checkpoint.complete_steps(directory) if directory.is_dir() else []
+    directory = checkpoint_dir.directory(workdir)
+    steps = checkpoint_dir.complete_steps(directory) if directory.is_dir() else []
     if not steps:
         raise HFError(f"--workdir {workdir} holds no checkpoint ({directory} has none)")
     chosen = max(steps) if step is None else step
@@ -55,12 +57,6 @@ def pick_step(workdir: str, step: int | None) -> Path:
 
 def restore_params(step_dir: Path):
     """(model config, run meta, parameters on this process's first device) of a step."""
-    import jax
-    import orbax.checkpoint as ocp
-
-    from seqpipe import model
-    from seqpipe.model import GPTConfig
-
     meta = ocp.JsonCheckpointHandler().restore(step_dir / "meta", args=ocp.args.JsonRestore())
     cfg = GPTConfig.from_config(meta["model"])
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -79,12 +75,10 @@ def restore_params(step_dir: Path):
 
 
 def export(workdir: str, step: int | None, out: str, dtype: str | None) -> Path:
-    from seqpipe import hf
-
     step_dir = pick_step(workdir, step)
     target = Path(out)
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise hf.HFError(f"--out {target} exists and is not empty; give a new directory")
+        raise HFError(f"--out {target} exists and is not empty; give a new directory")
     cfg, meta, params = restore_params(step_dir)
     seq_len = int(meta.get("data", {}).get("seq_len", 0))
     tokenizer = Path(workdir) / "tokenizer.json"
@@ -101,8 +95,6 @@ def export(workdir: str, step: int | None, out: str, dtype: str | None) -> Path:
 def main(argv: list[str]) -> int:
     args = parse(argv)
     cli.quiet_libtpu()
-    from seqpipe.hf_config import HFError
-
     try:
         step_dir = export(args.workdir, args.step, args.out, args.dtype)
     except HFError as e:

@@ -5,7 +5,7 @@
 - state: parameters (param dtype) and the two AdamW moments (float32) this device holds,
   from each leaf's sharding (`sharding.leaf_spec`'s rules: layers over `stage`, the
   tensor dimension over `tensor`, moments over `data` when the optimizer is sharded);
-- carry: the executor's scan carry, exactly (`tools.memory.carry_bytes`: stash or
+- carry: the executor's scan carry, exactly (`carry.breakdown`: stash or
   residuals, head, messages, K/V, dK/dV, B-to-W buffers, the stage's float32 gradients);
 - cast: the stage's weights in the compute dtype, cast once a step (`remat.Policy.casts_once`);
 - unit: one backward unit's working set: under `full` the recomputed chunk's residuals
@@ -13,25 +13,24 @@
 - head: the last stage's logits for one segment, float32 (one copy);
 - update: the optimizer's new parameters and moments before they replace the old.
 
-`LOW` and `HIGH` bound the compiled total over the estimate (measured,
-`docs/planner.md`); pruning rejects a candidate only when even LOW times its estimate
-exceeds the budget (`verdict`).
+How far the estimate is trusted against a budget: `plan.bounds`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
-# The compiled peak over the estimate stayed within [LOW, HIGH] on the checked
-# candidates (docs/planner.md), with room to spare: pruning trusts no more than that.
-LOW = 0.7
-HIGH = 1.25
+import jax
+import numpy as np
+
+from seqpipe import carry, model, schedule, sharding, units
+from seqpipe import remat as remat_lib
+from seqpipe.spec import PipelineSpec
 
 
 def _leaf_bytes(path, x, data: int, tensor: int, moments: bool) -> int:
-    from seqpipe import sharding
-
     n = math.prod(x.shape)
     tdim = sharding.tensor_split_dim(path, x.shape, tensor) if tensor > 1 else None
     n //= tensor if tdim is not None else 1
@@ -42,12 +41,6 @@ def _leaf_bytes(path, x, data: int, tensor: int, moments: bool) -> int:
 
 @functools.cache
 def _global_shapes(cfg):
-    import dataclasses
-
-    import jax
-
-    from seqpipe import model
-
     whole = dataclasses.replace(cfg, tensor=1)
     return jax.eval_shape(lambda: model.init_params(whole, jax.random.key(0)))
 
@@ -56,15 +49,10 @@ def state_bytes(cfg, stage_layers: int, data: int, shard_optimizer: bool) -> dic
     """Bytes of the parameters and the AdamW moments on one device, and of the stage's
     parameters alone (`stage`, one copy in the param dtype; `count` of them).
     `stage_layers`: the layers a stage holds (the deepest; an uneven split pads to it)."""
-    import jax
-    import numpy as np
-
     shapes = _global_shapes(cfg)
     itemsize = np.dtype(cfg.param_dtype).itemsize
     params = moments = stage = 0
     for path, x in jax.tree_util.tree_flatten_with_path(shapes)[0]:
-        from seqpipe import sharding
-
         shape = ((stage_layers,) + x.shape[1:]) if sharding.in_layers(path) else x.shape
         leaf = jax.ShapeDtypeStruct(shape, x.dtype)
         local = _leaf_bytes(path, leaf, data, cfg.tensor, False)
@@ -83,11 +71,6 @@ def residual_per_token(cfg, remat: str) -> float:
     residual; what `dots` or `layer` keep), traced once on one device with tensor = 1 for
     a segment of PROBE tokens after PROBE cached ones, divided by the tensor devices
     (their activations and matmul outputs are split)."""
-    import dataclasses
-
-    from seqpipe import schedule, units
-    from seqpipe.spec import PipelineSpec
-
     whole = dataclasses.replace(cfg, tensor=1)
     table = schedule.build("seq1f1b", 2, 2, 2)
     spec = PipelineSpec(whole, table, schedule.lower(table), (PROBE, PROBE), remat, (1, 1))
@@ -97,10 +80,8 @@ def residual_per_token(cfg, remat: str) -> float:
 
 def carry_bytes(spec_full, rows: int, remat: str) -> int:
     """The carry's bytes under `remat`, from the carry of the same table under `full`
-    (exact, `tools.memory.carry_bytes`): a policy that keeps residuals keeps each stash
+    (exact, `carry.breakdown`): a policy that keeps residuals keeps each stash
     slot's n layers' residuals instead of its input."""
-    from seqpipe import remat as remat_lib
-
     full = _full_carry(spec_full, rows)
     if not remat_lib.POLICIES[remat].keeps_residuals:
         return full["carry"]
@@ -116,19 +97,15 @@ _CARRIES: dict = {}
 
 
 def _full_carry(spec_full, rows: int) -> dict:
-    from seqpipe.tools import memory as tool_memory
-
     key = (id(spec_full), rows)
     if key not in _CARRIES:
-        _CARRIES[key] = (spec_full, tool_memory.carry_bytes(spec_full, rows))
+        _CARRIES[key] = (spec_full, carry.breakdown(spec_full, rows))
     return _CARRIES[key][1]
 
 
 def estimate(spec_full, remat: str, rows: int, data: int, shard_optimizer: bool) -> dict:
     """The model's bytes per device of the step under `remat`, by term, and `total`;
     `spec_full` is the candidate's spec with remat `full` (its table and segments)."""
-    from seqpipe import remat as remat_lib
-
     cfg = spec_full.cfg
     policy = remat_lib.POLICIES[remat]
     st = state_bytes(cfg, spec_full.chunk_layers * spec_full.virtual, data, shard_optimizer)
@@ -151,13 +128,3 @@ def estimate(spec_full, remat: str, rows: int, data: int, shard_optimizer: bool)
     # never live together.
     out["total"] = sum(out.values()) - min(out["unit"], out["head"])
     return out
-
-
-def verdict(estimate_bytes: int, budget: int) -> str:
-    """`fits` (even at HIGH times the estimate), `over` (even at LOW times it: the
-    analytic model rejects it alone) or `boundary` (only a compile decides)."""
-    if estimate_bytes * HIGH <= budget:
-        return "fits"
-    if estimate_bytes * LOW > budget:
-        return "over"
-    return "boundary"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from seqpipe import cli
-from seqpipe.plan import memory, rank, render, search, space
+from seqpipe import cli, errors
+from seqpipe.plan import bounds, confirm, rank, render, search, space, timing
 from seqpipe.plan.space import Candidate
 
 GiB = 2**30
@@ -121,7 +121,7 @@ def fits_nowhere(rows: list[dict], budget: int, target) -> str:
     where = {"compiled": "compiled", "estimated": "estimated"}.get(
         low.get("memory_source"), "exact"
     )
-    least = need * memory.LOW if where == "estimated" else need
+    least = need * bounds.LOW if where == "estimated" else need
     priced = sum("memory_per_device_bytes" in r or "state_over" in r for r in rows)
     return (
         f"the model fits nowhere on {target.name} ({priced} candidates priced): the "
@@ -131,10 +131,9 @@ def fits_nowhere(rows: list[dict], budget: int, target) -> str:
     )
 
 
-def run(args, config, overrides, target, seq_len, batch, Bar) -> int:
-    from seqpipe import errors
-    from seqpipe.plan import confirm, timing
-
+def run(args, config, overrides, target, seq_len, batch, Bar, compile_step) -> int:
+    """The planner, start to end; `compile_step` is `train.compile_only` (the caller
+    passes it in, so the planner does not import the trainer)."""
     p = problem_of(config, target, seq_len, batch)
     try:
         space.check(p)
@@ -149,7 +148,8 @@ def run(args, config, overrides, target, seq_len, batch, Bar) -> int:
     except errors.TopologyError as e:
         cli.fail(str(e))
     bar = Bar("compiling", args.compile)
-    rows = confirm.confirm_best(rows, devices, budget, args.compile, 3 * args.compile, bar.tick)
+    tries = 3 * args.compile
+    rows = confirm.confirm_best(rows, devices, budget, args.compile, tries, bar.tick, compile_step)
     bar.done()
     best = rank.winner(rows)
     if best is None:
@@ -186,7 +186,7 @@ def report(args, config, overrides, target, rows, best, picks, rates, budget) ->
     )
     print(
         f"memory: 'compiled' is the target's compiler ({target.name}), 'estimated' the "
-        f"analytic model (rejected alone only above {1 / memory.LOW:.2f}x the budget)\n",
+        f"analytic model (rejected alone only above {1 / bounds.LOW:.2f}x the budget)\n",
         file=out,
     )
     print(render.table(shown), "\n", file=out)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from seqpipe.plan.bounds import LOW
+
 GiB = 2**30
 
 
@@ -51,9 +53,7 @@ def reason(row: dict, best: dict | None, budget: int) -> str:
             f"over by {(got - budget) / GiB:.2f} GiB"
         )
     if row["verdict"] == "over":
-        from seqpipe.plan import memory
-
-        low = row["memory_per_device_bytes"] * memory.LOW
+        low = row["memory_per_device_bytes"] * LOW
         return (
             f"does not fit (estimated): at least {low / GiB:.2f} GiB of {budget / GiB:.2f}, "
             f"over by {(low - budget) / GiB:.2f} GiB"

@@ -10,8 +10,11 @@ from __future__ import annotations
 import dataclasses
 
 from seqpipe import config as config_lib
-from seqpipe.plan import memory, timing
+from seqpipe import layout, partition, schedule, spec
+from seqpipe.model import GPTConfig
+from seqpipe.plan import bounds, memory, timing
 from seqpipe.plan.space import Candidate
+from seqpipe.spec import PipelineSpec
 
 
 def config_of(base, c: Candidate, seq_len: int, global_batch: int, validate: bool = True):
@@ -33,8 +36,6 @@ def config_of(base, c: Candidate, seq_len: int, global_batch: int, validate: boo
 def spec_of(config, c: Candidate):
     """The candidate's spec with remat `full`: the table, its lowering and the segments,
     built once for candidates that differ only in remat."""
-    from seqpipe import spec
-
     key = dataclasses.replace(c, remat="full")
     if key not in _TABLES:
         _TABLES[key] = spec.make_spec(config)
@@ -50,8 +51,6 @@ def evaluate(
     """The candidate's row: its estimated memory (by term), verdict against `budget`, and
     estimated step time, bubble, tokens/s and MFU. A candidate the trainer refuses gets
     `invalid` and the reason."""
-    from seqpipe import schedule
-
     row = {"candidate": c, "label": c.label}
     try:
         config = config_of(base, c, seq_len, global_batch, validate)
@@ -69,7 +68,7 @@ def evaluate(
         "memory_estimate": est,
         "memory_per_device_bytes": est["total"],
         "memory_source": "estimated",
-        "verdict": memory.verdict(est["total"], budget),
+        "verdict": bounds.verdict(est["total"], budget),
         **time,
     }
 
@@ -79,9 +78,6 @@ def lower_bound(base, c: Candidate, seq_len: int, global_batch: int, rates) -> f
     and its head's matmuls, the pipeline's fill and the work after the loop. Needs no
     table, so the search evaluates candidates in the order of this bound and stops where
     it passes the best."""
-    from seqpipe import partition, schedule
-    from seqpipe.spec import PipelineSpec
-
     cfg, lengths, layers, shard, state = _shape_of(base, c, seq_len, global_batch)
     spec = PipelineSpec(cfg, None, None, lengths, c.remat, layers)
     rows = global_batch // (c.data * c.microbatches)
@@ -105,8 +101,6 @@ _SHAPES: dict = {}
 def _shape_of(base, c: Candidate, seq_len: int, global_batch: int) -> tuple:
     """(model, segment lengths, layers per chunk, sharded optimizer, state bytes) of the
     candidate's mesh, split and segments; once for all that share them."""
-    from seqpipe import partition
-
     cfg, layers, shard, state, multiple = _mesh_of(base, c, seq_len, global_batch)
     key = (c.segments, c.partition, multiple, seq_len, cfg)
     if key not in _LENGTHS:
@@ -124,8 +118,6 @@ _LENGTHS: dict = {}
 def _mesh_of(base, c: Candidate, seq_len: int, global_batch: int) -> tuple:
     """(model, layers per chunk, sharded optimizer, state bytes, segment multiple) of the
     candidate's mesh and layer split; once for all candidates that share them."""
-    from seqpipe import layout
-
     key = (id(base), c.data, c.stage, c.tensor, c.virtual, c.layers_per_stage, seq_len)
     if key not in _SHAPES:
         config = config_of(base, c, seq_len, global_batch, validate=False)
@@ -140,8 +132,6 @@ def _mesh_of(base, c: Candidate, seq_len: int, global_batch: int) -> tuple:
 
 def full_cfg(config):
     """The model as a stage of this mesh runs it (`GPTConfig` with its tensor devices)."""
-    from seqpipe.model import GPTConfig
-
     return dataclasses.replace(GPTConfig.from_config(config.model), tensor=config.mesh.tensor)
 
 

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from seqpipe import partition
+from seqpipe import gpu_topology, model, partition, schedule
+from seqpipe.metrics import peak_flops
+from seqpipe.tools import step_cost
 
 # Bytes a unit (forward and backward) moves per parameter of its layers, split 2:5.
 WEIGHT_BYTES = {"F": 24.0, "B": 60.0}
@@ -64,10 +66,6 @@ TPU = {  # HBM bytes/s and ICI bytes/s a chip, from the Cloud TPU system archite
 
 def rates_for(target) -> Rates:
     """The rates of a `topology.Slice` or `gpu_topology.System`."""
-    from seqpipe import gpu_topology
-    from seqpipe.metrics import peak_flops
-    from seqpipe.tools import step_cost
-
     if isinstance(target, gpu_topology.System):
         f, b, _ = step_cost.H200
         scale = target.spec.memory_bandwidth / gpu_topology.MODELS["h200"].memory_bandwidth
@@ -99,7 +97,6 @@ def unit_cost(spec, rows: int, rates: Rates) -> dict:
     pairs = rows * seq * seq / 2 / k  # (query, key) pairs of the mean unit, causal
     fwd_flops = n * (dense * tokens + attn * pairs) / t
     passes = spec.policy.matmul_passes  # forwards' worth of matmuls a layer runs a step
-    from seqpipe import model
 
     layer_params = model.layer_matmul_params(cfg) / t
     act = 2 if cfg.dtype == "bfloat16" else 4
@@ -128,8 +125,6 @@ _STATS: dict = {}
 def table_stats(spec) -> dict:
     """`schedule.stats` of the spec's table with each segment's FLOP share and the head's
     and embedding's work on their chunks; once a table (the remat policies share it)."""
-    from seqpipe import schedule
-
     key = (id(spec.schedule), spec.lengths, spec.layers_per_chunk, spec.cfg)
     if key not in _STATS:
         dims = partition.model_dims(spec.cfg)
@@ -167,8 +162,6 @@ def after_loop(state: dict, data: int, shard_optimizer: bool, rates: Rates) -> f
 
 def step_time(spec, rows: int, data: int, shard_optimizer: bool, state: dict, rates) -> dict:
     """The step's seconds, bubble, tokens/s and MFU (PaLM's FLOPs over every device's peak)."""
-    from seqpipe import model
-
     pipe = pipeline_time(spec, rows, rates)
     seconds = pipe["loop_s"] + after_loop(state, data, shard_optimizer, rates)
     m = spec.schedule.microbatches

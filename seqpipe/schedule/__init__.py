@@ -1,7 +1,9 @@
 """Pipeline schedules as data: generate, validate, lower to slot tables, measure, draw.
 
-`tables` generates and validates, `lowering` turns a table into slot indices,
-`statistics` measures it, `render` draws it and `cli` is `python -m seqpipe.schedule`.
+`tables` generates and validates, `lowering` turns a table into slot indices and
+`statistics` measures it: this package's names. `render` draws a table (text, JSON, PNG)
+and `cli` is `python -m seqpipe.schedule`; both are imported by name
+(`seqpipe.schedule.render`), as nothing that runs a schedule needs them.
 
 A schedule is a static table: for every synchronous tick and every stage, a cell of at
 most one operation of each kind: F (forward), B (backward) and W (the weight-gradient
@@ -18,13 +20,6 @@ Pure Python/NumPy; nothing here knows about the model.
 from seqpipe.schedule.lowering import (  # noqa: F401 (the package's API)
     Program,
     lower,
-)
-from seqpipe.schedule.render import (  # noqa: F401 (the package's API)
-    ZB_TABLE,
-    to_json,
-    to_png,
-    to_text,
-    zero_bubble_table,
 )
 from seqpipe.schedule.statistics import (  # noqa: F401 (the package's API)
     kind_costs,

@@ -32,7 +32,13 @@ import sys
 import tempfile
 import time
 
-from seqpipe.tools import bench, predict, step_cost
+import numpy as np
+
+from seqpipe import cli, remat, xla_flags
+from seqpipe import config as config_lib
+from seqpipe.metrics import device_memory_peak, peak_flops
+from seqpipe.tools import predict, step_cost
+from seqpipe.tools.tick_model import PREDICT_STAGES, QUICK_MODEL
 
 DEFAULT_CONFIG = "gpt_1b"
 # name: (schedule, segments)
@@ -44,7 +50,7 @@ VARIANTS = {
 # The pipelined variants' micro-batches (`--microbatches`): 8 at gpt_1b's 2048 x 32; a
 # long-context batch (32768 x 2) has fewer rows than that.
 MICROBATCHES = 8
-QUICK = bench.QUICK_MODEL + (
+QUICK = QUICK_MODEL + (
     "--config.model.dtype=float32",
     "--config.train.global_batch_size=8",
     "--config.train.seq_len=64",
@@ -91,8 +97,6 @@ ATTENTION_FILES = {"attention.py", "blockwise.py", "gpu_attention.py", "splash.p
 
 def unknown_variant(name: str) -> str | None:
     """What is wrong with a variant's name (`NAME` or `NAME@POLICY`), or None."""
-    from seqpipe import remat
-
     base, _, policy = name.partition("@")
     if base not in VARIANTS:
         return f"unknown {base}; choose from {', '.join(VARIANTS)}"
@@ -104,8 +108,6 @@ def unknown_variant(name: str) -> str | None:
 def variant_config(config, name: str, microbatches: int = MICROBATCHES):
     """`config` on one device (data 1, stage 1) with the variant's schedule (and remat),
     `microbatches` micro-batches if it pipelines."""
-    from seqpipe import config as config_lib
-
     base, _, policy = name.partition("@")
     schedule, segments = VARIANTS[base]
     c = config.copy_and_resolve_references()
@@ -318,11 +320,9 @@ def measure(
 ) -> dict:
     """One variant's compile time, step time, throughput, MFU, memory and profile."""
     import jax
-    import numpy as np
 
-    from seqpipe import model, optim, sharding, train
-    from seqpipe.metrics import device_memory_peak, peak_flops
-    from seqpipe.model import GPTConfig
+    from seqpipe import model, optim, sharding, train  # jax: after main() sets the XLA flags
+    from seqpipe.model import GPTConfig  # jax: after main() sets the XLA flags
 
     c = variant_config(config, name, microbatches)
     t = c.train
@@ -397,9 +397,8 @@ def run(
     cuts the run."""
     import jax
 
-    from seqpipe import attention, model
-    from seqpipe.metrics import peak_flops
-    from seqpipe.model import GPTConfig
+    from seqpipe import attention, model  # jax: after main() sets the XLA flags
+    from seqpipe.model import GPTConfig  # jax: after main() sets the XLA flags
 
     dev = jax.devices()[0]
     cfg = GPTConfig.from_config(config.model)
@@ -501,7 +500,6 @@ def table(result: dict) -> str:
 def parse(argv: list[str]):
     """(config, flags, variant names, the prediction or "") of a command line; bad input
     exits with one line, before anything is compiled."""
-    from seqpipe import cli
 
     def flags(parser):
         parser.add_argument("--quick", action="store_true", help="a tiny model (CPU, tests)")
@@ -522,7 +520,7 @@ def parse(argv: list[str]):
         parser.add_argument(
             "--predict",
             default=None,
-            help=f"seq1f1b:K[@REMAT] to predict against 1f1b on {bench.PREDICT_STAGES} stages "
+            help=f"seq1f1b:K[@REMAT] to predict against 1f1b on {PREDICT_STAGES} stages "
             f"from units timed here (default {predict.DEFAULT}, none with --quick; empty: none)",
         )
 
@@ -552,8 +550,6 @@ def parse(argv: list[str]):
 
 
 def main(argv: list[str]) -> int:
-    from seqpipe import cli, xla_flags
-
     config, args, names, predicting = parse(argv)
     cli.quiet_libtpu()
     xla_flags.apply()  # as train.py does: GPU only, the user's XLA_FLAGS win

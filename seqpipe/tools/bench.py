@@ -22,11 +22,23 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
-import statistics
 import sys
 import time
 
-# Nothing imports jax at module level, so `main` can still set the fake CPU device count.
+from seqpipe import cli, files, remat, schedule
+from seqpipe.tools.tick_model import (
+    PREDICT_MICROBATCHES,
+    PREDICT_STAGES,
+    QUICK_MODEL,
+    UnitTimer,
+    chunk_layers,
+    label,
+    median_seconds,
+    predicted,
+    prediction,
+    unit_seconds,
+    variant,
+)
 
 DEFAULT_CONFIG = "bench"
 # (schedule, K, partition, V)
@@ -53,14 +65,6 @@ POLICY_RUNS = (
     ("seq1f1b", 4, "uniform", 1),
     ("seq_zb_h1", 4, "uniform", 1),
 )
-# A tiny model, for the quick runs of this benchmark and of `tools.accel`.
-QUICK_MODEL = (
-    "--config.model.vocab_size=256",
-    "--config.model.num_layers=2",
-    "--config.model.d_model=32",
-    "--config.model.num_heads=2",
-    "--config.model.d_ff=64",
-)
 QUICK = QUICK_MODEL + (
     "--config.mesh.stage=2",
     "--config.pipeline.microbatches=2",
@@ -68,134 +72,11 @@ QUICK = QUICK_MODEL + (
     "--config.train.global_batch_size=2",
     "--config.train.seq_len=32",
 )
-PREDICT_STAGES, PREDICT_MICROBATCHES = (4, 8), 8
 NOTE = (
     "Fake CPU devices share this machine's cores: a measured pipelined step time is the "
     "total work over the cores and cannot show a bubble. Predicted times can: every unit is "
     "timed alone and a synchronous tick lasts as long as its slowest stage."
 )
-
-
-def variant(config, name: str, segments: int, part: str, virtual: int, stage: int | None = None):
-    """A copy of `config` with another schedule (and optionally stage count)."""
-    from seqpipe import config as config_lib
-
-    c = config.copy_and_resolve_references()
-    with c.unlocked():
-        c.pipeline.schedule = name
-        c.pipeline.segments = segments
-        c.pipeline.partition = part
-        c.pipeline.virtual_stages = virtual
-        if stage is not None:
-            c.mesh.stage = stage
-    config_lib.validate(c)
-    return c
-
-
-def label(name: str, segments: int, part: str, virtual: int) -> str:
-    from seqpipe import schedule
-
-    out = name
-    if schedule.generator(name).granularity == "segment":
-        out += f" K{segments} {part}"
-    return out + (f" V{virtual}" if virtual > 1 else "")
-
-
-def median_seconds(fn, args, repeats: int) -> float:
-    """Median wall time of `fn(*args)` over `repeats` calls after one warm-up call."""
-    import jax
-
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def concrete(args, vocab: int, seed: int = 0):
-    """Random arrays for abstract unit arguments (tokens in range, small activations)."""
-    import jax
-    import jax.numpy as jnp
-
-    leaves, tree = jax.tree.flatten(args)
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    out = []
-    for key, x in zip(keys, leaves, strict=True):
-        if jnp.issubdtype(x.dtype, jnp.integer):
-            out.append(jax.random.randint(key, x.shape, 0, vocab, x.dtype))
-        else:
-            out.append((0.1 * jax.random.normal(key, x.shape)).astype(x.dtype))
-    return jax.tree.unflatten(tree, out)
-
-
-class UnitTimer:
-    """Measured seconds of one-layer units, and of an n-layer chunk's unit from them."""
-
-    def __init__(self, rows: int, repeats: int):
-        self.rows, self.repeats, self.seconds = rows, repeats, {}
-
-    def one_layer(self, spec, seg, first, last, backward, keep) -> float:
-        from seqpipe.tools import flops
-
-        key = flops.unit_key(spec, self.rows, seg, first, last, backward, keep)
-        if key not in self.seconds:
-            compiled, args = flops.compiled_unit(spec, self.rows, seg, first, last, backward, keep)
-            real = concrete(args, spec.cfg.vocab_size)
-            self.seconds[key] = median_seconds(compiled, real, self.repeats)
-        return self.seconds[key]
-
-    def unit(self, spec, seg, first, last, backward, n=None, keep_all: bool = False) -> float:
-        """Seconds of a unit through an n-layer chunk (default: the deepest chunk's)."""
-        from seqpipe.tools import flops
-
-        return sum(
-            count * self.one_layer(spec, seg, f, la, backward, keep or keep_all)
-            for count, f, la, keep in flops.chunk_terms(spec, seg, first, last, backward, n)
-        )
-
-
-def predicted(spec, cost) -> dict:
-    """Synchronous time and bubble of the table: each tick lasts as long as its busiest
-    stage, a stage's tick costing cost(spec, seg, first, last, kind, n) of what it runs
-    (kind: `flops.KIND_INDEX`, so a split table's B and W are measured apart; n: the
-    chunk's layer count)."""
-    import numpy as np
-
-    from seqpipe.tools import flops
-
-    sched = spec.schedule
-    S, last = sched.stages, sched.stages * sched.virtual - 1
-    total, busy = 0.0, np.zeros(S)
-    for row in sched.ticks:
-        tick = np.zeros(S)
-        for r, cell in enumerate(row):
-            for op in cell:
-                g = op.unit.chunk * S + r
-                kind, n = flops.KIND_INDEX[op.kind], spec.layers_per_chunk[g]
-                tick[r] += cost(spec, op.unit.seg, g == 0, g == last, kind, n)
-        total += tick.max()
-        busy += tick
-    return {"time": float(total), "bubble": float(np.mean(1 - busy / total))}
-
-
-def unit_seconds(spec, timer) -> dict:
-    """Measured seconds of one micro-batch's F, B and W units (all its segments) through
-    chunk 1 (stage 1; a middle stage when S > 2): the costs `predicted` schedules with.
-    An unsplit table's B is the whole backward and its W is 0."""
-    g = min(1, spec.stages * spec.virtual - 1)
-    first, last = g == 0, g == spec.stages * spec.virtual - 1
-    n = spec.layers_per_chunk[g]
-    out = {}
-    for name, kind in (("F", 0), ("B", 1), ("W", 2)):
-        if kind == 2 and not spec.schedule.split:
-            out[name] = 0.0
-            continue
-        out[name] = sum(
-            timer.unit(spec, k, first, last, kind, n) for k in range(spec.schedule.segments)
-        )
-    return out
 
 
 def place_params(params, abstract):
@@ -206,7 +87,7 @@ def place_params(params, abstract):
 
 def compile_step(config) -> dict:
     """The pipelined step compiled for `config`, from abstract inputs (`seqpipe.tools.memory`)."""
-    from seqpipe.tools import memory
+    from seqpipe.tools import memory  # jax: after main() sets the XLA flags
 
     spec, step, p_abs, t_abs = memory.abstract_step(config)
     start = time.perf_counter()
@@ -225,14 +106,15 @@ def run_one(config, step, params, tokens, timer, repeats: int, count_flops: bool
     `step` from `compile_step`."""
     import jax
 
-    from seqpipe import layout, schedule
-    from seqpipe.tools import flops, memory
+    from seqpipe import carry as carry_lib  # jax: after main() sets the XLA flags
+    from seqpipe import layout  # jax: after main() sets the XLA flags
+    from seqpipe.tools import flops  # jax: after main() sets the XLA flags
 
     spec, compiled, p_abs, t_abs = step["spec"], step["compiled"], step["params"], step["tokens"]
     compile_s = step["compile_s"]
     rows = config.train.global_batch_size // (config.mesh.data * config.pipeline.microbatches)
     ma = compiled.memory_analysis()
-    carry = memory.carry_bytes(spec, rows)
+    carry = carry_lib.breakdown(spec, rows)
     st = schedule.stats(spec.schedule, lengths=spec.lengths)
     nan = float("nan")
     fl = (
@@ -279,7 +161,7 @@ def reference_seconds(cfg, params, tokens, checkpoint: str | None, repeats: int)
     checkpointed with `checkpoint` (a `model.CHECKPOINT_POLICIES` key) or not at all."""
     import jax
 
-    from seqpipe import reference
+    from seqpipe import reference  # jax: after main() sets the XLA flags
 
     dev = jax.devices()[0]
     p, t = jax.device_put(params, dev), jax.device_put(tokens, dev)
@@ -290,8 +172,8 @@ def reference_seconds(cfg, params, tokens, checkpoint: str | None, repeats: int)
 def policy_rows(config, runs, rows_per_mb: int) -> list[dict]:
     """Every `pipeline.remat` policy for each of `runs`: XLA temp per device, what the
     carry keeps between a forward and its backward, and executed / analytic FLOPs."""
-    from seqpipe import remat
-    from seqpipe.tools import flops, memory
+    from seqpipe import carry as carry_lib  # jax: after main() sets the XLA flags
+    from seqpipe.tools import flops  # jax: after main() sets the XLA flags
 
     out = []
     for run in runs:
@@ -300,7 +182,7 @@ def policy_rows(config, runs, rows_per_mb: int) -> list[dict]:
             with c.unlocked():
                 c.pipeline.remat = policy
             spec, temp = _temp_bytes(c)
-            carry = memory.carry_bytes(spec, rows_per_mb)
+            carry = carry_lib.breakdown(spec, rows_per_mb)
             out.append(
                 {
                     "label": label(*run),
@@ -344,7 +226,7 @@ def prediction_specs(config, stages, variants) -> list[dict]:
     """1F1B and Seq1F1B ((K, partition) in `variants`) tables, and their zero-bubble forms
     (zb_h1, seq_zb_h1), for each S in `stages`, M = 8, at both depths; nothing is
     compiled for them (they are predicted only)."""
-    from seqpipe import pipeline
+    from seqpipe import pipeline  # jax: after main() sets the XLA flags
 
     out = []
     for S in stages:
@@ -369,37 +251,6 @@ def prediction_specs(config, stages, variants) -> list[dict]:
     return out
 
 
-def _chunk_layers(spec) -> int:
-    return spec.cfg.num_layers // (spec.stages * spec.virtual)
-
-
-def prediction(specs, timer, layers: int | None = None) -> list[dict]:
-    """Seq1F1B over 1F1B, predicted from the measured unit timings (each table after its
-    1F1B). Where a table's chunks have another layer count than the benchmark's
-    (`layers`), the units' backwards keep their outputs (as in the layer loop): with one
-    layer per chunk XLA would drop a middle backward's last matmul, so those times are
-    slight overestimates. Without `layers` every unit is timed as its chunk runs it."""
-    out, base = [], None
-    for p in specs:
-        spec = p["spec"]
-        keep_all = layers is not None and _chunk_layers(spec) != layers
-        pred = predicted(spec, lambda sp, *a, k=keep_all: timer.unit(sp, *a, keep_all=k))
-        if spec.schedule.name == "1f1b":
-            base = pred["time"]
-        out.append(
-            {
-                "stages": spec.stages,
-                "microbatches": spec.schedule.microbatches,
-                "depth": p["depth"],
-                "label": p["label"],
-                "predicted_s": pred["time"],
-                "bubble": pred["bubble"],
-                "speedup_over_1f1b": base / pred["time"],
-            }
-        )
-    return out
-
-
 # The layer split's effect (`pipeline.layers_per_stage`): the head matters when it costs
 # more than a layer's forward and backward. The benchmark's vocabulary (2048) makes it
 # about one; at 4096 it is about two, as in gpt_1b (6 * 2048 * 50304 against 3 layers'
@@ -415,8 +266,8 @@ def split_rows(config, rows_per_mb: int, repeats: int, log=print) -> list[dict]:
     import jax
     import numpy as np
 
-    from seqpipe import model
-    from seqpipe.tools import flops
+    from seqpipe import model  # jax: after main() sets the XLA flags
+    from seqpipe.tools import flops  # jax: after main() sets the XLA flags
 
     timer = UnitTimer(rows_per_mb, repeats=5)
     out = []
@@ -623,8 +474,6 @@ def _log_row(log, r: dict, seconds: float) -> None:
 def _overhead(config, cfg, params, tokens, one, step, repeats: int) -> tuple[dict, dict]:
     """The machinery alone: the pipelined step on one stage against the reference that
     checkpoints its layers as the policy does (the same FLOPs), and against none."""
-    from seqpipe import remat
-
     matching = remat.POLICIES[config.pipeline.remat].reference
     reference = {
         "checkpoint": matching or "none",
@@ -649,8 +498,8 @@ def bench(config, runs, repeats: int, log=print, quick: bool = False, save=None)
     import jax
     import numpy as np
 
-    from seqpipe import model, pipeline
-    from seqpipe.tools import flops
+    from seqpipe import model, pipeline  # jax: after main() sets the XLA flags
+    from seqpipe.tools import flops  # jax: after main() sets the XLA flags
 
     cfg = pipeline.make_spec(config).cfg
     params = model.init_params(cfg, jax.random.key(0))
@@ -673,7 +522,7 @@ def bench(config, runs, repeats: int, log=print, quick: bool = False, save=None)
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         steps = list(pool.map(compile_step, configs + [one]))
     units = [u for st in steps[:-1] for u in flops.needed_units(st["spec"], rows_per_mb)]
-    layers = _chunk_layers(steps[0]["spec"])
+    layers = chunk_layers(steps[0]["spec"])
     flops.precompile(units, workers)
     log(f"# compiled {len(configs) + 1} steps and the units in {time.perf_counter() - start:.0f} s")
     for i, c in enumerate(configs):
@@ -693,7 +542,7 @@ def bench(config, runs, repeats: int, log=print, quick: bool = False, save=None)
     units = [
         u
         for p in predict
-        for u in flops.needed_units(p["spec"], rows_per_mb, _chunk_layers(p["spec"]) != layers)
+        for u in flops.needed_units(p["spec"], rows_per_mb, chunk_layers(p["spec"]) != layers)
         if flops.unit_key(*u) not in timer.seconds
     ]
     start = time.perf_counter()
@@ -760,8 +609,6 @@ def report(result: dict) -> str:
 
 
 def main(argv: list[str]) -> int:
-    from seqpipe import cli, files
-
     def flags(parser):
         parser.add_argument("--quick", action="store_true", help="a tiny model, three schedules")
         parser.add_argument("--json", default=None, help="write the results here")

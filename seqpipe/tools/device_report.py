@@ -21,6 +21,7 @@ import json
 import sys
 from pathlib import Path
 
+from seqpipe.tools import predict
 from seqpipe.tools.accel import gib, pct
 
 # The step files, in the order the script writes them (accel_noflags: without the XLA
@@ -159,8 +160,6 @@ def attention_lines(results: dict[str, dict]) -> list[str]:
 
 
 def report(directory: Path) -> str:
-    from seqpipe.tools import predict
-
     results = load(directory)
     missing = [n for n in (*STEPS, *OTHERS) if n not in results]
     kinds = {r.get("device_kind") for n, r in results.items() if n in STEPS}

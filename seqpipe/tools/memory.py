@@ -37,65 +37,26 @@ import math
 import re
 import sys
 
-from seqpipe import compat, hlo
+import numpy as np
 
-# Nothing imports jax at module level, so `main` can still set the fake CPU device count.
+from seqpipe import cli, hlo, schedule
+from seqpipe import config as config_lib
 
 DEFAULT_SCHEDULES = "1f1b,seq1f1b:2,seq1f1b:4,seq1f1b:8"
 
 
-def _nbytes(shape, dtype) -> int:
-    import numpy as np
-
-    return int(math.prod(shape)) * np.dtype(dtype).itemsize
-
-
-def carry_bytes(spec, rows: int) -> dict:
-    """Bytes of the executor's scan carry on one device (`seqpipe.carry`), by buffer.
-
-    `rows` is the number of sequences in one micro-batch on one data replica.
-    """
-    from seqpipe import carry
-
-    b = carry.of_spec(spec, rows).nbytes()
-    keeps = spec.policy.keeps_residuals
-    out = {
-        "stash": 0 if keeps else b["saved"],
-        "res": b["saved"] if keeps else 0,
-        "head": b["head_dy"],
-        "messages": b["recv_fwd"] + b["recv_bwd"],
-        "kv": b["kv_k"] + b["kv_v"],
-        "dkv": b["dkv_k"] + b["dkv_v"],
-        "grads": b["grads"],
-        "loss": b["loss"],
-        # B-to-W buffers of a split table: the weight matmuls' inputs and output cotangents
-        # that B leaves its W, per segment, [slots, n, b, L_k] x `model.matmul_shapes` values.
-        "weight": b["weight"],
-    }
-    out["carry"] = sum(out.values())
-    # What the algorithm needs: K/V of prefix positions only (no segment attends to the
-    # last segment's K/V, so 1F1B needs none), and a dK/dV accumulator only for the
-    # micro-batches whose backward has started but not finished.
-    import jax.numpy as jnp
-
-    cfg, prog = spec.cfg, spec.program
-    shape = (spec.chunk_layers, rows, spec.offsets[-1], cfg.local_kv_heads, cfg.head_dim)
-    per_slot = _nbytes(shape, jnp.dtype(cfg.dtype))
-    out["kv_needed"] = 2 * prog.num_kv * per_slot
-    out["dkv_needed"] = 2 * prog.num_dkv * per_slot
-    return out
-
-
 def residual_bytes(spec, rows: int) -> int:
     """Bytes of the per-segment residual stashes (remat other than `full`; else 0)."""
-    return carry_bytes(spec, rows)["res"]
+    from seqpipe import carry as carry_lib  # jax: after main() sets the XLA flags
+
+    return carry_lib.breakdown(spec, rows)["res"]
 
 
 def _param_counts(cfg) -> tuple[int, int]:
     """(shared, layer) parameter counts, from abstract shapes."""
     import jax
 
-    from seqpipe import model
+    from seqpipe import model  # jax: after main() sets the XLA flags
 
     shapes = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
     layers = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes["layers"]))
@@ -108,11 +69,10 @@ def abstract_step(config):
     abstract inputs, sharded as in training (layers in stage order split over `stage`,
     the rest replicated, the batch split over `data`). Nothing is allocated."""
     import jax
-    import numpy as np
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from seqpipe import layout, model, pipeline, sharding
+    from seqpipe import layout, model, pipeline, sharding  # jax: after main() sets the XLA flags
 
     spec = pipeline.make_spec(config)
     mesh = sharding.mesh_of(config)
@@ -146,6 +106,8 @@ def carry_avals(config) -> list:
     """Per-device shapes of the tick loop's carry, read from the step's jaxpr: the
     outermost `scan` (breadth first), whose carry is the executor's state."""
     import jax
+
+    from seqpipe import compat  # jax: after main() sets the XLA flags
 
     _, step, params, tokens = abstract_step(config)
     todo = [jax.make_jaxpr(step)(params, tokens).jaxpr]
@@ -187,7 +149,7 @@ def unit_temp_bytes(spec, rows: int, seg: int) -> int:
     import jax
     import jax.numpy as jnp
 
-    from seqpipe import units
+    from seqpipe import units  # jax: after main() sets the XLA flags
 
     unit = units.SegmentUnit(spec, seg)
     chunk, shared, x_in, prefix, _, tok, _ = unit.avals(rows)
@@ -217,7 +179,7 @@ def step_memory(config, unit: bool = True) -> dict:
     (`unit_temp_bytes`), and `excess = temp - carry - unit`, what XLA holds beyond both
     (copies of carry buffers, overlapping lifetimes).
     """
-    from seqpipe import schedule
+    from seqpipe import carry as carry_lib  # jax: after main() sets the XLA flags
 
     spec, compiled = compile_step(config)
     rows = config.train.global_batch_size // (config.mesh.data * config.pipeline.microbatches)
@@ -245,7 +207,7 @@ def step_memory(config, unit: bool = True) -> dict:
         "output": int(ma.output_size_in_bytes),
         "alias": int(ma.alias_size_in_bytes),
         "code": int(ma.generated_code_size_in_bytes),
-        **carry_bytes(spec, rows),
+        **carry_lib.breakdown(spec, rows),
     }
     cfg, prog = spec.cfg, spec.program
     n = cfg.num_layers // (spec.stages * spec.virtual)
@@ -264,8 +226,6 @@ def step_memory(config, unit: bool = True) -> dict:
 
 def with_schedule(config, name: str, segments: int, depth: str | int):
     """A copy of `config` with another schedule, segment count and depth."""
-    from seqpipe import config as config_lib
-
     c = config.copy_and_resolve_references()
     with c.unlocked():
         c.pipeline.schedule = name
@@ -289,8 +249,6 @@ def parse_schedules(text: str) -> list[tuple[str, int]]:
 
 
 def _default_k(config, name: str) -> int:
-    from seqpipe import schedule
-
     gen = schedule.GENERATORS.get(name)
     return config.pipeline.segments if gen and gen.granularity == "segment" else 1
 
@@ -328,8 +286,6 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    from seqpipe import cli
-
     def flags(parser):
         parser.add_argument("--schedules", default=DEFAULT_SCHEDULES)
         parser.add_argument("--depths", default=None, help="e.g. full,minimal (default: config)")
@@ -341,7 +297,6 @@ def main(argv: list[str]) -> int:
     config, args = cli.load_or_exit(argv, "python -m seqpipe.tools.memory", flags)
     cli.quiet_libtpu()
     config = cli.resolve_or_exit(config)  # a mesh axis at -1 gets its size
-    from seqpipe import config as config_lib
 
     try:
         items = parse_schedules(args.schedules)

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from seqpipe import blockwise, document_mask
+from seqpipe import blockwise, document_mask, pipeline
 from seqpipe import config as config_lib
 
 
@@ -107,7 +107,6 @@ def main(argv=None) -> int:
     if args.document < 1 or args.document > config.train.seq_len:
         print(f"error: --document={args.document} must be in [1, train.seq_len]", file=sys.stderr)
         return 2
-    from seqpipe import pipeline
 
     spec = pipeline.make_spec(config)
     cfg = spec.cfg

@@ -4,11 +4,11 @@
         [--topology h200] [--json FILE] [--config.key=value ...]
 
 For `seq1f1b:K[@REMAT]` and 1F1B under the same remat, M = 8, data 1, on S = 4 and 8
-stages (those that divide the layers): the benchmark's time model (`bench.predicted`: a
+stages (those that divide the layers): the benchmark's time model (`tick_model.predicted`: a
 synchronous tick lasts as long as its busiest stage), each chunk's unit the sum of its
 layers' one-layer units (`flops.chunk_terms`). The units' costs are
 
-- timed on the device JAX sees (each compiled and run alone, `bench.UnitTimer`);
+- timed on the device JAX sees (each compiled and run alone, `tick_model.UnitTimer`);
   `python -m seqpipe.bench --accelerator` runs this after its variants;
 - or, with `--topology h200`, estimated for an H200 from this machine: each unit
   compiled for it (`seqpipe.gpu_topology`) and costed by `step_cost`'s roofline fitted to
@@ -26,7 +26,10 @@ import os
 import sys
 import time
 
-from seqpipe.tools import bench, step_cost
+from seqpipe import cli, gpu_topology, remat, xla_flags
+from seqpipe.errors import TopologyError
+from seqpipe.metrics import peak_flops
+from seqpipe.tools import step_cost, tick_model
 
 DEFAULT = "seq1f1b:4@none"  # `none`: what fits gpt_1b on 4 or 8 H200s with least recompute
 SEGMENTS = (1, 2, 4, 8)
@@ -35,8 +38,6 @@ PAPER_SPEEDUP = 1.14  # Seq1F1B over 1F1B in the paper (../shared/seq1f1b.md)
 
 def parse(name: str) -> tuple[int, str | None]:
     """(K, remat or None) of `seq1f1b:K[@REMAT]`; ValueError (one line) if it is not one."""
-    from seqpipe import remat
-
     base, _, policy = name.partition("@")
     k = base.removeprefix("seq1f1b:")
     if not base.startswith("seq1f1b:") or not k.isdigit() or int(k) not in SEGMENTS:
@@ -49,10 +50,10 @@ def parse(name: str) -> tuple[int, str | None]:
 
 
 def stages_for(layers: int) -> list[int]:
-    return [s for s in bench.PREDICT_STAGES if layers % s == 0]
+    return [s for s in tick_model.PREDICT_STAGES if layers % s == 0]
 
 
-class EstimatedUnits(bench.UnitTimer):
+class EstimatedUnits(tick_model.UnitTimer):
     """One-layer units compiled for `device` (a compile-only GPU), each's seconds
     `step_cost`'s H200 roofline estimate of its compiled program."""
 
@@ -63,7 +64,7 @@ class EstimatedUnits(bench.UnitTimer):
     def one_layer(self, spec, seg, first, last, backward, keep) -> float:
         import jax
 
-        from seqpipe.tools import flops
+        from seqpipe.tools import flops  # jax: after main() sets the XLA flags
 
         key = flops.unit_key(spec, self.rows, seg, first, last, backward, keep)
         if key not in self.seconds:
@@ -78,7 +79,7 @@ class EstimatedUnits(bench.UnitTimer):
     def precompile(self, needed: list[tuple], workers: int) -> None:
         """Estimate `flops.needed_units` entries on `workers` threads (compiles release
         the GIL), each program once."""
-        from seqpipe.tools import flops
+        from seqpipe.tools import flops  # jax: after main() sets the XLA flags
 
         todo = flops.distinct_units(needed, self.seconds)
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
@@ -90,23 +91,22 @@ def predict(config, name: str, device=None, log=print) -> dict:
     (a compile-only H200) estimated for it."""
     import jax
 
-    from seqpipe import model, pipeline
-    from seqpipe.metrics import peak_flops
-    from seqpipe.model import GPTConfig
-    from seqpipe.tools import flops
+    from seqpipe import model, pipeline  # jax: after main() sets the XLA flags
+    from seqpipe.model import GPTConfig  # jax: after main() sets the XLA flags
+    from seqpipe.tools import flops  # jax: after main() sets the XLA flags
 
     segments, policy = parse(name)
     c = config.copy_and_resolve_references()
     with c.unlocked():
         c.mesh.data = 1
-        c.pipeline.microbatches = bench.PREDICT_MICROBATCHES
+        c.pipeline.microbatches = tick_model.PREDICT_MICROBATCHES
         c.pipeline.remat = policy or c.pipeline.remat
     t, stages = c.train, stages_for(c.model.num_layers)
     specs = [
         {
-            "spec": pipeline.make_spec(bench.variant(c, sched, k, "uniform", 1, stage=S)),
+            "spec": pipeline.make_spec(tick_model.variant(c, sched, k, "uniform", 1, stage=S)),
             "depth": c.pipeline.inflight,
-            "label": bench.label(sched, k, "uniform", 1),
+            "label": tick_model.label(sched, k, "uniform", 1),
         }
         for S in stages
         for sched, k in (("1f1b", 1), ("seq1f1b", segments))
@@ -115,14 +115,14 @@ def predict(config, name: str, device=None, log=print) -> dict:
     start, workers = time.perf_counter(), os.cpu_count() or 1
     needed = [u for p in specs for u in flops.needed_units(p["spec"], rows)]
     if device is None:
-        timer, kind = bench.UnitTimer(rows, repeats=5), jax.devices()[0].device_kind
+        timer, kind = tick_model.UnitTimer(rows, repeats=5), jax.devices()[0].device_kind
         flops.precompile(needed, workers)
         costs = f"timed on {kind}"
     else:
         timer, kind = EstimatedUnits(rows, device), device.device_kind
         timer.precompile(needed, workers)
         costs = f"estimated for {kind} (step_cost's H200 roofline)"
-    out = bench.prediction(specs, timer)
+    out = tick_model.prediction(specs, timer)
     tokens = t.global_batch_size * t.seq_len
     per_token = model.flops_per_token(GPTConfig.from_config(c.model), t.seq_len)
     peak = peak_flops(kind)
@@ -130,7 +130,7 @@ def predict(config, name: str, device=None, log=print) -> dict:
         row["tokens_per_s"] = tokens / row["predicted_s"]
         device_s = row["predicted_s"] * row["stages"]
         row["mfu"] = per_token * tokens / (device_s * peak) if peak else None
-        row["unit_s"] = bench.unit_seconds(p["spec"], timer)  # one micro-batch, a middle stage
+        row["unit_s"] = tick_model.unit_seconds(p["spec"], timer)  # one micro-batch, a middle stage
     seconds, units = time.perf_counter() - start, len(timer.seconds)
     flops.release()
     log(f"prediction: {len(specs)} tables, {units} units {costs} in {seconds:.0f} s")
@@ -140,7 +140,7 @@ def predict(config, name: str, device=None, log=print) -> dict:
         "remat": c.pipeline.remat,
         "microbatches": c.pipeline.microbatches,
         "rows_per_microbatch": rows,
-        "stages_skipped": [s for s in bench.PREDICT_STAGES if s not in stages],
+        "stages_skipped": [s for s in tick_model.PREDICT_STAGES if s not in stages],
         "paper_speedup": PAPER_SPEEDUP,
         "rows": out,
     }
@@ -178,14 +178,12 @@ def problem(name: str, num_layers: int) -> str | None:
     except ValueError as e:
         return str(e)
     if not stages_for(num_layers):
-        stages = " or ".join(map(str, bench.PREDICT_STAGES))
+        stages = " or ".join(map(str, tick_model.PREDICT_STAGES))
         return f"model.num_layers={num_layers} splits over none of {stages} stages"
     return None
 
 
 def main(argv: list[str]) -> int:
-    from seqpipe import cli
-
     def flags(parser):
         parser.add_argument("--predict", default=DEFAULT, help="seq1f1b:K[@REMAT]")
         parser.add_argument(
@@ -203,19 +201,15 @@ def main(argv: list[str]) -> int:
         cli.fail(f"--predict: {bad}")
     target = None
     if args.topology is not None:
-        from seqpipe import gpu_topology, topology
-
         if args.topology.strip().lower() not in ("h200", "h200-1"):
             cli.fail(f"--topology {args.topology}: the estimate is fitted to one H200; use h200")
         target = gpu_topology.parse(args.topology)
         target.prepare_env()  # before jax is imported
         try:
             device = target.devices()[0]
-        except topology.TopologyError as e:
+        except TopologyError as e:
             cli.fail(str(e))
     else:
-        from seqpipe import xla_flags
-
         xla_flags.apply()  # as train.py does: GPU only, the user's XLA_FLAGS win
         device = None
 

@@ -11,6 +11,8 @@ import sys
 import jax
 import numpy as np
 
+from seqpipe import cli, data, hf, layout, model, pipeline, reference, sharding
+
 # Relative to each gradient leaf's largest magnitude; float32 summation-order noise is
 # about 1e-6 here, whatever the schedule.
 LOSS_RTOL = 1e-5
@@ -33,8 +35,6 @@ def max_relative_error(actual, expected) -> tuple[str, float]:
 
 def canonical_loss_and_grads(params, tokens_BxL1, spec, mesh):
     """`pipeline.loss_and_grads` on and for canonical layers, as the reference has them."""
-    from seqpipe import layout, pipeline
-
     placement = spec.placement
     loss, grads = pipeline.loss_and_grads(
         layout.to_stage_order(params, placement), tokens_BxL1, spec, mesh
@@ -45,16 +45,12 @@ def canonical_loss_and_grads(params, tokens_BxL1, spec, mesh):
 def compare(config, tokens_BxL1, mesh) -> dict:
     """Loss and gradient differences between the configured pipeline and the reference,
     on a batch of tokens [B, L+1] or of packed rows (a dict: `seqpipe.packing`)."""
-    from seqpipe import model, pipeline, reference
-
     config = config.copy_and_resolve_references()
     with config.model.unlocked():
         config.model.dtype = "float32"
         config.model.param_dtype = "float32"
     spec = pipeline.make_spec(config)
     if config.train.init_from:  # a HF checkpoint's weights (`seqpipe.hf`), in float32
-        from seqpipe import hf
-
         params = hf.load(config.train.init_from.removeprefix("hf:"))[1]
     else:
         params = model.init_params(spec.cfg, jax.random.key(config.train.seed))
@@ -77,12 +73,9 @@ def compare(config, tokens_BxL1, mesh) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    from seqpipe import cli
-
     config, args = cli.load_or_exit(argv, "python -m seqpipe.tools.verify")
     cli.quiet_libtpu()
     config = cli.resolve_or_exit(config)  # a mesh axis at -1 gets its size
-    from seqpipe import data, sharding
 
     if config.pipeline.schedule == "none":
         print("error: pipeline.schedule=none: nothing to verify; set a schedule", file=sys.stderr)
