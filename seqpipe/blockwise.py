@@ -29,6 +29,7 @@ Letters: b rows, Q queries (the segment), P prefix keys, H query heads of width 
 """
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -204,6 +205,83 @@ def _forward(q, prefix, k_seg, v_seg, block_q, block_k, documents=None):
     return out.reshape(b, q_len, heads, e), lse
 
 
+class _Cotangents(NamedTuple):
+    """What every score block of the backward reads: q, dO (grouped by K/V head), the
+    forward's logsumexp, D = rowsum(dO * O), the query blocks and the document skips."""
+
+    q: jax.Array
+    d_out: jax.Array
+    lse: jax.Array
+    delta: jax.Array
+    qb: _Blocks
+    skips: _Skips | None
+
+
+def _block_grads(q_i, do_i, lse_i, delta_i, k_j, v_j, mask, dk_j, dv_j):
+    """One [b, H, bq, bk] score block's backward: (its dq, dk_j and dv_j with its part
+    added), float32; masked-out scores get probability 0."""
+    f32 = jnp.float32
+    p = jnp.where(mask, jnp.exp(_scores(q_i, k_j) - lse_i[..., None]), 0.0)
+    dv_j += jnp.einsum("bhgqk,bqhge->bkhe", p.astype(q_i.dtype), do_i, preferred_element_type=f32)
+    dp = jnp.einsum("bqhge,bkhe->bhgqk", do_i, v_j, preferred_element_type=f32)
+    ds = (p * (dp - delta_i[..., None]) * q_i.shape[-1] ** -0.5).astype(q_i.dtype)
+    dk_j += jnp.einsum("bhgqk,bqhge->bkhe", ds, q_i, preferred_element_type=f32)
+    dq_i = jnp.einsum("bhgqk,bkhe->bqhge", ds, k_j, preferred_element_type=f32)
+    return dq_i, dk_j, dv_j
+
+
+def _write_block(words, block, blocks: _Blocks, j, fresh, dtype):
+    """Key block j's finished dK or dV cast to `dtype` into its storage words; an
+    overlapping last block keeps what the one before wrote."""
+    start = blocks.start(j)
+    old = kv_cache.from_words(_slice(words, start, blocks.size), dtype)
+    new = jnp.where(fresh[None, :, None, None], block.astype(dtype), old)
+    return jax.lax.dynamic_update_slice_in_dim(words, kv_cache.to_words(new), start, axis=1)
+
+
+def _key_pass(c: _Cotangents, blocks: _Blocks, read_kv, first_query_block, causal, own):
+    """The loop body over one key range's blocks: (dq, dK words, dV words) -> the same with
+    key block j's dK, dV written and what it adds to dq. With documents, only the query
+    blocks whose rows see key block j visit it."""
+    qb, skips, f32 = c.qb, c.skips, jnp.float32
+
+    def key_block(j, carry):
+        dq, dk, dv = carry
+        k_j, v_j = (read_kv(which, blocks.start(j), blocks.size) for which in (0, 1))
+        cols, fresh = blocks.positions(j), blocks.fresh(j)
+        k_ids = None if skips is None else skips.key_ids(blocks.start(j), blocks.size, own)
+
+        def query_block(i, inner):
+            dq, dk_j, dv_j = inner
+            start = qb.start(i)
+            q_i, do_i = _slice(c.q, start, qb.size), _slice(c.d_out, start, qb.size)
+            lse_i = jax.lax.dynamic_slice_in_dim(c.lse, start, qb.size, axis=3)
+            delta_i = jax.lax.dynamic_slice_in_dim(c.delta, start, qb.size, axis=3)
+            rows = qb.positions(i)
+            # Rows an earlier query block already covered add nothing here.
+            mask = fresh[None, :] & (rows >= i * qb.size)[:, None]
+            if causal:
+                mask &= cols[None, :] <= rows[:, None]
+            if k_ids is not None:
+                mask = mask & _same_document(skips.query_ids(start, qb.size), k_ids)
+            dq_i, dk_j, dv_j = _block_grads(q_i, do_i, lse_i, delta_i, k_j, v_j, mask, dk_j, dv_j)
+            dq = jax.lax.dynamic_update_slice_in_dim(
+                dq, _slice(dq, start, qb.size) + dq_i, start, axis=1
+            )
+            return dq, dk_j, dv_j
+
+        b, _, h, _, e = c.q.shape
+        zeros = jnp.zeros((b, blocks.size, h, e), f32)
+        lo, hi = first_query_block(j), qb.count
+        if skips is not None:
+            hi = skips.readers_end(skips.own if own else skips.prefix, j)
+        dq, dk_j, dv_j = jax.lax.fori_loop(lo, hi, query_block, (dq, zeros, zeros))
+        write = functools.partial(_write_block, blocks=blocks, j=j, fresh=fresh, dtype=c.q.dtype)
+        return dq, write(dk, dk_j), write(dv, dv_j)
+
+    return key_block
+
+
 def _backward(
     q, prefix, k_seg, v_seg, out, lse, d_out, block_q, block_k, out_len=None, documents=None
 ):
@@ -227,68 +305,14 @@ def _backward(
     # D = rowsum(dO * O): the softmax backward's row term, once for all blocks.
     delta = _rows_last(jnp.sum(d_out.astype(f32) * out.astype(f32), -1))
     skips = None if documents is None else _Skips(documents, qb, pb, kb)
-
-    def key_pass(blocks: _Blocks, read_kv, first_query_block, causal):
-        """dK, dV of one key range (float32) and what its blocks add to dq. With
-        documents, only the query blocks whose rows see key block j visit it."""
-        own = blocks is kb
-
-        def key_block(j, carry):
-            dq, dk, dv = carry
-            k_j, v_j = (read_kv(which, blocks.start(j), blocks.size) for which in (0, 1))
-            cols, fresh = blocks.positions(j), blocks.fresh(j)
-            k_ids = None if skips is None else skips.key_ids(blocks.start(j), blocks.size, own)
-
-            def query_block(i, inner):
-                dq, dk_j, dv_j = inner
-                start = qb.start(i)
-                q_i, do_i = _slice(q, start, qb.size), _slice(d_out, start, qb.size)
-                lse_i = jax.lax.dynamic_slice_in_dim(lse, start, qb.size, axis=3)
-                delta_i = jax.lax.dynamic_slice_in_dim(delta, start, qb.size, axis=3)
-                rows = qb.positions(i)
-                # Rows an earlier query block already covered add nothing here.
-                mask = fresh[None, :] & (rows >= i * qb.size)[:, None]
-                if causal:
-                    mask &= cols[None, :] <= rows[:, None]
-                if k_ids is not None:
-                    mask = mask & _same_document(skips.query_ids(start, qb.size), k_ids)
-                p = jnp.where(mask, jnp.exp(_scores(q_i, k_j) - lse_i[..., None]), 0.0)
-                dv_j += jnp.einsum(
-                    "bhgqk,bqhge->bkhe", p.astype(q.dtype), do_i, preferred_element_type=f32
-                )
-                dp = jnp.einsum("bqhge,bkhe->bhgqk", do_i, v_j, preferred_element_type=f32)
-                ds = (p * (dp - delta_i[..., None]) * q.shape[-1] ** -0.5).astype(q.dtype)
-                dk_j += jnp.einsum("bhgqk,bqhge->bkhe", ds, q_i, preferred_element_type=f32)
-                dq_i = jnp.einsum("bhgqk,bkhe->bqhge", ds, k_j, preferred_element_type=f32)
-                dq = jax.lax.dynamic_update_slice_in_dim(
-                    dq, _slice(dq, start, qb.size) + dq_i, start, axis=1
-                )
-                return dq, dk_j, dv_j
-
-            zeros = jnp.zeros((b, blocks.size, h, e), f32)
-            lo, hi = first_query_block(j), qb.count
-            if skips is not None:
-                hi = skips.readers_end(skips.own if own else skips.prefix, j)
-            dq, dk_j, dv_j = jax.lax.fori_loop(lo, hi, query_block, (dq, zeros, zeros))
-
-            def add(words, block):  # an overlapping last block keeps what the one before wrote
-                start = blocks.start(j)
-                old = kv_cache.from_words(_slice(words, start, blocks.size), dtype)
-                new = jnp.where(fresh[None, :, None, None], block.astype(dtype), old)
-                return jax.lax.dynamic_update_slice_in_dim(
-                    words, kv_cache.to_words(new), start, axis=1
-                )
-
-            return dq, add(dk, dk_j), add(dv, dv_j)
-
-        return key_block
+    c = _Cotangents(q, d_out, lse, delta, qb, skips)
 
     def words(length):
         return jnp.zeros((b, length, h, e), kv_cache.storage_dtype(dtype))
 
     dq = jnp.zeros(q.shape, f32)
     dkp = dvp = words(prefix_len if out_len is None else out_len)
-    prefix_pass = key_pass(pb, read, lambda j: 0, causal=False)
+    prefix_pass = _key_pass(c, pb, read, lambda j: 0, causal=False, own=False)
     # Key blocks no query block visits (before the first one's first) are skipped: their
     # cotangents stay zero.
     prefix_from, own_from = (0, 0) if skips is None else (skips.prefix[0], skips.own[0])
@@ -296,7 +320,8 @@ def _backward(
         dq, dkp, dvp = jax.lax.fori_loop(prefix_from, pb.count, prefix_pass, (dq, dkp, dvp))
     dks = dvs = words(q_len)
     own_kv = _reader(k_seg, v_seg)[0]
-    own = key_pass(kb, own_kv, functools.partial(_first_query_block, qb, kb), causal=True)
+    first = functools.partial(_first_query_block, qb, kb)
+    own = _key_pass(c, kb, own_kv, first, causal=True, own=True)
     dq, dks, dvs = jax.lax.fori_loop(own_from, kb.count, own, (dq, dks, dvs))
     dq = dq.reshape(b, q_len, heads, e).astype(dtype)
     return (dq, *(kv_cache.from_words(g, dtype) for g in (dkp, dvp, dks, dvs)))

@@ -282,28 +282,47 @@ def layer(
     `packing` (a `document_mask.Packing`, the whole segment's): the document ids the attention
     masks by and the positions RoPE reads; None: a plain causal row."""
     p = _own_kv_head(jax.tree.map(lambda w: w.astype(cfg.dtype), p), cfg)
-    inputs = {}
+    mm = _Matmuls(p, taps, cfg.tensor)
+    attn_out, k_seg, v_seg = _self_attention(
+        mm, x_BxQxD, k_prefix_BxPxHxE, v_prefix_BxPxHxE, offset, cfg, cache, packing
+    )
+    x_BxQxD = x_BxQxD + tensor.scatter(attn_out, mm.t)
+    x_BxQxD = x_BxQxD + tensor.scatter(_mlp(mm, x_BxQxD, cfg), mm.t)
+    if taps is None:
+        return x_BxQxD, k_seg, v_seg
+    return x_BxQxD, k_seg, v_seg, mm.inputs
 
-    t = cfg.tensor
 
-    def tap(name, y):
-        return y if taps is None else y + taps[name]
+class _Matmuls:
+    """A layer's matmuls on its weights `p`: each output plus its tap (a split backward's
+    `taps`, else as it is), each input kept in `inputs` ({MATMULS input name: array})."""
 
-    def mm(name, a):
+    def __init__(self, p: Params, taps: Params | None, t: int):
+        self.p, self.taps, self.t, self.inputs = p, taps, t, {}
+
+    def tap(self, name, y):
+        return y if self.taps is None else y + self.taps[name]
+
+    def __call__(self, name, a):
         spec, input_name = MATMULS[name]
-        inputs[input_name] = a
-        return tap(name, jnp.einsum(spec, a, p[name]))
+        self.inputs[input_name] = a
+        return self.tap(name, jnp.einsum(spec, a, self.p[name]))
 
-    def column_parallel(names, h_local):
+    def column_parallel(self, names, h_local):
         """The matmuls `names` of the whole segment, gathered from this device's positions."""
-        if t == 1:
-            return [mm(name, h_local) for name in names]
-        h, ys = _gathered_matmuls(h_local, tuple(p[n] for n in names), names, t)
-        inputs[MATMULS[names[0]][1]] = h
-        return [tap(name, y) for name, y in zip(names, ys, strict=True)]
+        if self.t == 1:
+            return [self(name, h_local) for name in names]
+        h, ys = _gathered_matmuls(h_local, tuple(self.p[n] for n in names), names, self.t)
+        self.inputs[MATMULS[names[0]][1]] = h
+        return [self.tap(name, y) for name, y in zip(names, ys, strict=True)]
 
+
+def _self_attention(mm: _Matmuls, x_BxQxD, k_prefix, v_prefix, offset, cfg, cache, packing):
+    """The attention half of `layer` before its residual add: (the output projection's
+    partial sums, this segment's K, V); arguments as `layer`'s."""
+    p = mm.p
     h_BxQxD = rms_norm(x_BxQxD, p["attn_norm"], cfg.norm_eps)
-    q, k_seg, v_seg = column_parallel(("wq", "wk", "wv"), h_BxQxD)
+    q, k_seg, v_seg = mm.column_parallel(("wq", "wk", "wv"), h_BxQxD)
     if cfg.qkv_bias:
         q, k_seg, v_seg = q + p["bq"], k_seg + p["bk"], v_seg + p["bv"]
     positions = None if packing is None else packing.positions
@@ -311,39 +330,25 @@ def layer(
     k_seg = rope(k_seg, offset, cfg.rope_base, cfg.rope_scaling, positions)
     documents = None if packing is None else packing.documents(q.shape[1])
     if cache is None:
-        attn_BxQxHxE = attend(
-            cfg.attention,
-            q,
-            k_prefix_BxPxHxE.astype(k_seg.dtype),
-            v_prefix_BxPxHxE.astype(v_seg.dtype),
-            k_seg,
-            v_seg,
-            documents,
-        )
+        k, v = k_prefix.astype(k_seg.dtype), v_prefix.astype(v_seg.dtype)
+        attn_BxQxHxE = attend(cfg.attention, q, k, v, k_seg, v_seg, documents)
     else:
         attn_BxQxHxE = attend_cached(
-            cfg.attention,
-            q,
-            cache,
-            k_prefix_BxPxHxE,
-            v_prefix_BxPxHxE,
-            offset,
-            k_seg,
-            v_seg,
-            documents,
+            cfg.attention, q, cache, k_prefix, v_prefix, offset, k_seg, v_seg, documents
         )
-    x_BxQxD = x_BxQxD + tensor.scatter(mm("wo", attn_BxQxHxE), t)
-    h_BxQxD = rms_norm(x_BxQxD, p["mlp_norm"], cfg.norm_eps)
+    return mm("wo", attn_BxQxHxE), k_seg, v_seg
+
+
+def _mlp(mm: _Matmuls, x_BxQxD, cfg):
+    """The MLP half of `layer` before its residual add: the down projection's partial sums."""
+    h_BxQxD = rms_norm(x_BxQxD, mm.p["mlp_norm"], cfg.norm_eps)
     if cfg.mlp == "swiglu":
-        gate_BxQxF, up_BxQxF = column_parallel(("w_gate", "w_in"), h_BxQxD)
+        gate_BxQxF, up_BxQxF = mm.column_parallel(("w_gate", "w_in"), h_BxQxD)
         ff_BxQxF = swiglu(gate_BxQxF, up_BxQxF)
     else:
-        (ff_BxQxF,) = column_parallel(("w_in",), h_BxQxD)
+        (ff_BxQxF,) = mm.column_parallel(("w_in",), h_BxQxD)
         ff_BxQxF = gelu(ff_BxQxF)
-    x_BxQxD = x_BxQxD + tensor.scatter(mm("w_out", ff_BxQxF), t)
-    if taps is None:
-        return x_BxQxD, k_seg, v_seg
-    return x_BxQxD, k_seg, v_seg, inputs
+    return mm("w_out", ff_BxQxF)
 
 
 def _gathered_matmuls(h_local, weights, names, t: int):
