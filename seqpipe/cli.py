@@ -105,7 +105,7 @@ def resolve_or_exit(config, num_devices: int | None = None, target=None):
     if num_devices is None:
         if -1 not in (config.mesh.data, config.mesh.stage):
             return config
-        import jax
+        import jax  # here, not above: cli is imported before the XLA flags are set
 
         num_devices = jax.device_count()
     try:
@@ -204,7 +204,7 @@ def init_distributed(args: argparse.Namespace) -> None:
             )
     elif not _cluster_env():
         return
-    import jax
+    import jax  # here, not above: cli is imported before the XLA flags are set
 
     # CPU collectives across processes need gloo; other backends ignore this.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")

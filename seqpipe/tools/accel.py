@@ -302,7 +302,7 @@ def profile_summary(events: list[dict], hlo_text: str, top: int = 10) -> dict:
 
 def profile_step(compiled, state, tokens) -> tuple[dict, object]:
     """Run one step under `jax.profiler.trace`; (its summary, the new state)."""
-    import jax
+    import jax  # after main() sets the XLA flags
 
     with tempfile.TemporaryDirectory() as log_dir:
         with jax.profiler.trace(log_dir):
@@ -319,7 +319,7 @@ def measure(
     config, name: str, steps: int, profile: bool, log=print, microbatches: int = MICROBATCHES
 ) -> dict:
     """One variant's compile time, step time, throughput, MFU, memory and profile."""
-    import jax
+    import jax  # after main() sets the XLA flags
 
     from seqpipe import model, optim, sharding, train  # jax: after main() sets the XLA flags
     from seqpipe.model import GPTConfig  # jax: after main() sets the XLA flags
@@ -395,7 +395,7 @@ def run(
     `vs_ref` is its step time over the first reference's (`ref` or `ref@POLICY`) in
     `names`. `dump(result)` after each variant keeps what was measured if a time limit
     cuts the run."""
-    import jax
+    import jax  # after main() sets the XLA flags
 
     from seqpipe import attention, model  # jax: after main() sets the XLA flags
     from seqpipe.model import GPTConfig  # jax: after main() sets the XLA flags

@@ -25,6 +25,8 @@ import os
 import sys
 import time
 
+import numpy as np
+
 from seqpipe import cli, files, remat, schedule
 from seqpipe.tools.tick_model import (
     PREDICT_MICROBATCHES,
@@ -80,7 +82,7 @@ NOTE = (
 
 
 def place_params(params, abstract):
-    import jax
+    import jax  # after main() sets the XLA flags
 
     return jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), params, abstract)
 
@@ -104,7 +106,7 @@ def compile_step(config) -> dict:
 def run_one(config, step, params, tokens, timer, repeats: int, count_flops: bool = True) -> dict:
     """One schedule's memory, FLOPs, predicted (given a `timer`) and measured step time;
     `step` from `compile_step`."""
-    import jax
+    import jax  # after main() sets the XLA flags
 
     from seqpipe import carry as carry_lib  # jax: after main() sets the XLA flags
     from seqpipe import layout  # jax: after main() sets the XLA flags
@@ -159,7 +161,7 @@ def run_one(config, step, params, tokens, timer, repeats: int, count_flops: bool
 def reference_seconds(cfg, params, tokens, checkpoint: str | None, repeats: int) -> float:
     """Median step time of the un-pipelined reference on one device, each layer
     checkpointed with `checkpoint` (a `model.CHECKPOINT_POLICIES` key) or not at all."""
-    import jax
+    import jax  # after main() sets the XLA flags
 
     from seqpipe import reference  # jax: after main() sets the XLA flags
 
@@ -263,8 +265,7 @@ def split_rows(config, rows_per_mb: int, repeats: int, log=print) -> list[dict]:
     """Seq1F1B K=4 with even and `flops` layer splits on the config's mesh (the
     vocabulary SPLIT_VOCAB): layers per stage, each stage's measured work per
     micro-batch (its units timed alone), predicted and measured step time, XLA temp."""
-    import jax
-    import numpy as np
+    import jax  # after main() sets the XLA flags
 
     from seqpipe import model  # jax: after main() sets the XLA flags
     from seqpipe.tools import flops  # jax: after main() sets the XLA flags
@@ -379,7 +380,7 @@ def prediction_table(rows: list[dict]) -> str:
 
 
 def chart(result: dict, path: str) -> None:
-    import matplotlib
+    import matplotlib  # here: only --png draws; the backend is set before pyplot loads
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -495,8 +496,7 @@ def bench(config, runs, repeats: int, log=print, quick: bool = False, save=None)
     """Every section of the report; `save(result)` after each, so a run that dies (a
     shared machine out of memory) leaves what it measured."""
     save = save or (lambda result: None)
-    import jax
-    import numpy as np
+    import jax  # after main() sets the XLA flags
 
     from seqpipe import model, pipeline  # jax: after main() sets the XLA flags
     from seqpipe.tools import flops  # jax: after main() sets the XLA flags

@@ -54,7 +54,7 @@ def residual_bytes(spec, rows: int) -> int:
 
 def _param_counts(cfg) -> tuple[int, int]:
     """(shared, layer) parameter counts, from abstract shapes."""
-    import jax
+    import jax  # after main() sets the XLA flags
 
     from seqpipe import model  # jax: after main() sets the XLA flags
 
@@ -68,9 +68,9 @@ def abstract_step(config):
     """(spec, step, params, tokens): the jitted pipelined loss-and-gradients step and
     abstract inputs, sharded as in training (layers in stage order split over `stage`,
     the rest replicated, the batch split over `data`). Nothing is allocated."""
-    import jax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
+    import jax  # after main() sets the XLA flags
+    from jax.sharding import NamedSharding  # after main() sets the XLA flags
+    from jax.sharding import PartitionSpec as P  # after main() sets the XLA flags
 
     from seqpipe import layout, model, pipeline, sharding  # jax: after main() sets the XLA flags
 
@@ -105,7 +105,7 @@ def compile_step(config):
 def carry_avals(config) -> list:
     """Per-device shapes of the tick loop's carry, read from the step's jaxpr: the
     outermost `scan` (breadth first), whose carry is the executor's state."""
-    import jax
+    import jax  # after main() sets the XLA flags
 
     from seqpipe import compat  # jax: after main() sets the XLA flags
 
@@ -146,8 +146,8 @@ def unit_temp_bytes(spec, rows: int, seg: int) -> int:
     in the executor): the stashed input (or residuals), the K/V prefix and the cotangents
     are arguments here, so this is what the step needs on top of its carry.
     """
-    import jax
-    import jax.numpy as jnp
+    import jax  # after main() sets the XLA flags
+    import jax.numpy as jnp  # after main() sets the XLA flags
 
     from seqpipe import units  # jax: after main() sets the XLA flags
 

@@ -62,7 +62,7 @@ class EstimatedUnits(tick_model.UnitTimer):
         self.device = device
 
     def one_layer(self, spec, seg, first, last, backward, keep) -> float:
-        import jax
+        import jax  # after main() sets the XLA flags
 
         from seqpipe.tools import flops  # jax: after main() sets the XLA flags
 
@@ -89,7 +89,7 @@ class EstimatedUnits(tick_model.UnitTimer):
 def predict(config, name: str, device=None, log=print) -> dict:
     """The prediction for `name` (`parse`): units timed on this device, or with `device`
     (a compile-only H200) estimated for it."""
-    import jax
+    import jax  # after main() sets the XLA flags
 
     from seqpipe import model, pipeline  # jax: after main() sets the XLA flags
     from seqpipe.model import GPTConfig  # jax: after main() sets the XLA flags

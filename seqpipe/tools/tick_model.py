@@ -64,8 +64,8 @@ def median_seconds(fn, args, repeats: int) -> float:
 
 def concrete(args, vocab: int, seed: int = 0):
     """Random arrays for abstract unit arguments (tokens in range, small activations)."""
-    import jax
-    import jax.numpy as jnp
+    import jax  # after main() sets the XLA flags
+    import jax.numpy as jnp  # after main() sets the XLA flags
 
     leaves, tree = jax.tree.flatten(args)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
