@@ -1,11 +1,10 @@
 """Bad input to the command-line tools: one clear line, exit code 2, no traceback, no files."""
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_python
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -13,9 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def run(args, cwd):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
-    return subprocess.run(
-        [sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
-    )
+    return run_python(*args, env=env, cwd=cwd)
 
 
 @pytest.mark.parametrize(
@@ -108,15 +105,8 @@ def test_verify_accepts_a_correct_pipeline_and_writes_nothing(tmp_path, packing)
     }
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
     env.pop("XLA_FLAGS", None)
-    result = subprocess.run(
-        [sys.executable, "-m", "seqpipe.tools.verify", "--config", "tiny"]
-        + [f"--config.{k}={v}" for k, v in overrides.items()],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    keys = [f"--config.{k}={v}" for k, v in overrides.items()]
+    result = run_python("-m", "seqpipe.tools.verify", "--config", "tiny", *keys, env=env, cwd=cwd)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.strip().endswith("OK")
     assert ("on packed rows" in result.stdout) == (packing != "none"), result.stdout
@@ -352,18 +342,9 @@ def test_every_invalid_input_is_refused_in_process(name, broken_data, tmp_path, 
     [n if n in BY_PROCESS else pytest.param(n, marks=pytest.mark.slow) for n in sorted(INVALID)],
 )
 def test_every_invalid_input_is_refused_by_train_py(name, broken_data, tmp_path):
-    from helpers import subprocess_env
-
     argv, expected = _invalid_argv(name, broken_data, tmp_path / "run")
     # 8 CPU devices whatever the mesh, as on a machine with 8 accelerators.
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), *argv],
-        cwd=tmp_path,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = run_python(str(ROOT / "train.py"), *argv, cwd=tmp_path)
     _check_refusal(result.returncode, result.stderr, expected, tmp_path / "run")
 
 

@@ -3,11 +3,9 @@ one that restores, in one line; 8 bytes overwritten at the same size are caught 
 arrays' checksums; with none restorable the run is refused in one line."""
 
 import shutil
-import subprocess
-import sys
 
 import pytest
-from helpers import REPO, run_train, tiny_config
+from helpers import run_python, run_train, tiny_config
 from hostile import SHORT, one_line_error
 
 from seqpipe import checkpoint, train
@@ -116,9 +114,7 @@ def test_reads_a_failed_restore_leaves_pending_print_nothing(name, dropped):
     an "Exception ignored" traceback over the refusal's one line: dropped (which made
     the refusal test above fail now and then). Other unraisable errors still print."""
     code = PENDING_READS.format(name=name)
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
-    )
+    proc = run_python("-c", code, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert ("Traceback" not in proc.stderr) == dropped, proc.stderr
     assert proc.stderr.strip().endswith("done")
@@ -153,9 +149,7 @@ def test_a_read_task_a_failed_restore_leaves_is_no_error_on_the_console(name, dr
     (it put two error lines beside the fallback's one line now and then). Another task's
     error still shows."""
     code = FAILED_TASK.format(name=name)
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
-    )
+    proc = run_python("-c", code, timeout=120)
     assert proc.returncode == 0, proc.stderr
     shown = "ERROR:asyncio:Task exception was never retrieved" in proc.stderr
     assert shown != dropped, proc.stderr

@@ -7,7 +7,6 @@ import math
 import os
 import platform
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -67,19 +66,12 @@ def test_target_config_describes_the_gpu_xla_compiles_for():
 
 
 def _compile_only(tmp_path, overrides: dict, name: str, env_extra=None):
-    from helpers import tiny_args
+    from helpers import run_python, tiny_args
 
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(env_extra or {})
-    return subprocess.run(
-        [sys.executable, "train.py", *tiny_args(**overrides), "--compile_only"]
-        + ["--topology", name, "--workdir", str(tmp_path / "never")],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    args = (*tiny_args(**overrides), "--compile_only", "--topology", name)
+    return run_python("train.py", *args, "--workdir", str(tmp_path / "never"), env=env)
 
 
 @needs_plugin

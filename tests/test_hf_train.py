@@ -3,13 +3,12 @@ schedule on imported weights, export that transformers loads, and bad input in o
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
+from helpers import run_python
 from safetensors import safe_open
 
 from seqpipe import config as config_lib
@@ -49,10 +48,8 @@ def run(args: list[str], module: str | None = None, timeout=300):
     """train.py (or `module`) in a fresh process, which fakes the CPU devices its mesh needs."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
-    command = [sys.executable, *(["-m", module] if module else ["train.py"]), *args]
-    return subprocess.run(
-        command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
-    )
+    command = ["-m", module] if module else ["train.py"]
+    return run_python(*command, *args, env=env, timeout=timeout)
 
 
 def pipelined(schedule: str, stages: int, virtual: int = 1, **more) -> dict:

@@ -9,12 +9,12 @@ import functools
 import json
 import os
 import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import run_python
 from test_gpu_topology import REPO, needs_plugin
 from test_topology import needs_libtpu
 
@@ -313,14 +313,7 @@ print(json.dumps(sorted(set(re.findall(r"splash_mha_\\w+", text)))))
 def _compile(target: str, env_extra=None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(env_extra or {})
-    return subprocess.run(
-        [sys.executable, "-c", COMPILE, target],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return run_python("-c", COMPILE, target, env=env)
 
 
 @needs_plugin

@@ -3,11 +3,10 @@
 import functools
 import json
 import math
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+from helpers import run_python
 
 from seqpipe import carry, pipeline, units
 from seqpipe import config as config_lib
@@ -195,12 +194,7 @@ TINY_ARGS = [f"--config.model.{k}={v}" for k, v in TINY.items()] + [
 
 
 def run_cli(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "seqpipe.tools.memory", "--config", "tiny", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return run_python("-m", "seqpipe.tools.memory", "--config", "tiny", *args)
 
 
 def test_cli_prints_the_table_and_writes_json(tmp_path):

@@ -2,11 +2,10 @@
 compiled steps, its ranking, its output, and its one-line refusals."""
 
 import json
-import subprocess
-import sys
 
 import jax
 import pytest
+from helpers import run_python
 
 from seqpipe import config as config_lib
 from seqpipe import train
@@ -131,12 +130,7 @@ def test_json_last_line_holds_the_winner_and_the_others():
 
 
 def _plan(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "seqpipe.plan", *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    return run_python("-m", "seqpipe.plan", *args, timeout=600)
 
 
 @pytest.mark.parametrize(

@@ -3,11 +3,10 @@ estimated for an H200 compiled for here (the timed path runs in test_accel)."""
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_python
 from test_gpu_topology import needs_plugin
 
 from seqpipe.tools import accel, predict
@@ -21,15 +20,8 @@ TINY = [*accel.QUICK, "--config.model.num_layers=4"]
 def test_units_estimated_for_an_h200_predict_each_table(tmp_path):
     out = tmp_path / "prediction.json"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "seqpipe.tools.predict", *TINY, "--predict", "seq1f1b:2@none"]
-        + ["--topology", "h200", "--json", str(out)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    args = (*TINY, "--predict", "seq1f1b:2@none", "--topology", "h200", "--json", str(out))
+    proc = run_python("-m", "seqpipe.tools.predict", *args, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     pred = json.loads(out.read_text())
     assert pred["costs"] == "estimated for NVIDIA H200 (step_cost's H200 roofline)"

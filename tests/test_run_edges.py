@@ -127,14 +127,7 @@ def test_a_second_ctrl_c_is_one_line_and_the_next_start_resumes(tmp_path):
         "start); run again to resume\n"
     )
     newest = checkpoint.complete_steps(checkpoint.directory(tmp_path))[-1]
-    proc = subprocess.run(
-        args + tiny_args(**{"train.steps": str(newest + 1)}),
-        cwd=REPO,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_train(tmp_path, **{"train.steps": str(newest + 1)})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(f"resumed from {checkpoint.directory(tmp_path)}/{newest}\n")
     assert not [p for p in checkpoint.directory(tmp_path).iterdir() if "tmp" in p.name]

@@ -5,10 +5,10 @@ import hashlib
 import json
 import os
 import subprocess
-import sys
 
 import numpy as np
 import pytest
+from helpers import run_python
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -604,9 +604,7 @@ def test_lowering_of_the_headline_schedule():
 
 
 def cli(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "seqpipe.schedule", *args], capture_output=True, text=True
-    )
+    return run_python("-m", "seqpipe.schedule", *args)
 
 
 def test_cli_text_and_json(tmp_path):

@@ -9,13 +9,10 @@ has 2 K/V heads: split over tensor=2, replicated (each device the one its query 
 read) over tensor=4.
 """
 
-import subprocess
-import sys
-
 import jax
 import numpy as np
 import pytest
-from helpers import PIPELINED, REPO, subprocess_env, tiny_args, tiny_config
+from helpers import PIPELINED, run_python, subprocess_env, tiny_args, tiny_config
 from pairwise import all_pairs, full_product
 from test_pipeline import MODELS, SEQ_LEN, check_against_reference, make_config, microbatch_count
 
@@ -213,14 +210,8 @@ def test_verify_checks_a_tensor_parallel_pipeline(tmp_path):
         "mesh.tensor": "2",
         "data.cache_dir": str(tmp_path / "cache"),
     }
-    result = subprocess.run(
-        [sys.executable, "-m", "seqpipe.verify", *tiny_args(**overrides)],
-        cwd=REPO,
-        env=subprocess_env(devices=4),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    args = tiny_args(**overrides)
+    result = run_python("-m", "seqpipe.verify", *args, env=subprocess_env(devices=4))
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.strip().endswith("OK")
 

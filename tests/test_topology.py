@@ -4,7 +4,6 @@ compile-only devices, and train.py --compile_only --topology end to end."""
 import json
 import os
 import platform
-import subprocess
 import sys
 from pathlib import Path
 
@@ -107,7 +106,7 @@ def test_compile_only_for_a_tpu_slice_reports_memory_per_chip_and_collectives(tm
     """The tiny model pipelined 4 ways on v5p-16 (8 chips); mesh.data=-1 takes the other
     2. Memory comes from the TPU compiler; the pipeline's sends and the gradients' sums
     are in the program."""
-    from helpers import tiny_args
+    from helpers import run_python, tiny_args
 
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     args = tiny_args(
@@ -120,15 +119,8 @@ def test_compile_only_for_a_tpu_slice_reports_memory_per_chip_and_collectives(tm
         }
     )
     workdir = tmp_path / "never"
-    proc = subprocess.run(
-        [sys.executable, "train.py", *args, "--compile_only", "--topology", "v5p-16"]
-        + ["--workdir", str(workdir)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    args += ["--compile_only", "--topology", "v5p-16", "--workdir", str(workdir)]
+    proc = run_python("train.py", *args, env=env)
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == "", proc.stderr  # libtpu's warnings are kept out
     summary, report = proc.stdout.strip().splitlines()
@@ -148,7 +140,7 @@ def test_compile_only_for_a_tpu_slice_with_tensor_parallelism_and_a_step_that_do
     """v5p-16 split 2 x 2 x 2 (tensor parallelism on a torus) compiles and fits; a step
     whose logits need more than a chip's HBM is the compiler's refusal, in one line, exit 1
     (without a pipeline: also the TPU's `auto` attention outside a shard_map)."""
-    from helpers import tiny_args
+    from helpers import run_python, tiny_args
 
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     tensor = {
@@ -168,17 +160,8 @@ def test_compile_only_for_a_tpu_slice_with_tensor_parallelism_and_a_step_that_do
     }
     outs = []
     for overrides in (tensor, huge):
-        outs.append(
-            subprocess.run(
-                [sys.executable, "train.py", *tiny_args(**overrides), "--compile_only"]
-                + ["--topology", "v5p-16"],
-                cwd=REPO,
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=300,
-            )
-        )
+        args = [*tiny_args(**overrides), "--compile_only", "--topology", "v5p-16"]
+        outs.append(run_python("train.py", *args, env=env))
     fits, too_big = outs
     assert fits.returncode == 0, fits.stderr
     summary, report = fits.stdout.strip().splitlines()
