@@ -5,7 +5,7 @@
 
 Picks `--pick` candidates spread over meshes, schedules and remat policies (`pick`),
 compiles each for the target (`train.compile_only`, no evaluation) and prints estimate,
-compiled figure and their ratio as Markdown; the ratios bound `seqpipe.plan.memory.LOW`
+compiled figure and their ratio as Markdown; the ratios bound `seqpipe.plan.bounds.LOW`
 and `HIGH`.
 """
 

@@ -5,8 +5,8 @@
 For the bench model (configs/bench.py) on 4 stages, data 1, its remat: the planner's time
 model (`seqpipe.plan.timing`, at nominal CPU rates: `timing.CPU`) ranks the candidates of
 its space; the best `--pool` of them are then predicted as `make bench` predicts (every
-one-layer unit compiled and timed on this CPU, `bench.UnitTimer`, the tick model
-`bench.predicted`), and the two rankings of the planner's top `--top` are compared
+one-layer unit compiled and timed on this CPU, `tick_model.UnitTimer`, the tick model
+`tick_model.predicted`), and the two rankings of the planner's top `--top` are compared
 (Kendall's tau, and how many of the planner's top are the measured top).
 """
 
@@ -31,7 +31,7 @@ def main(argv):
     args = parser.parse_args(argv)
     from seqpipe import config as config_lib
     from seqpipe.plan import rank, search, space, timing
-    from seqpipe.tools import bench
+    from seqpipe.tools import tick_model
 
     config = config_lib.load("bench", {})
     t, m = config.train, config.model
@@ -48,8 +48,9 @@ def main(argv):
         c = row["candidate"]
         spec = search.dataclasses.replace(search.spec_of(row["config"], c), remat=c.remat)
         rows_mb = p.global_batch // (c.data * c.microbatches)
-        timer = bench.UnitTimer(rows_mb, repeats=5)
-        measured[c.label] = bench.predicted(spec, lambda sp, *a, t=timer: t.unit(sp, *a))["time"]
+        timer = tick_model.UnitTimer(rows_mb, repeats=5)
+        predicted = tick_model.predicted(spec, lambda sp, *a, t=timer: t.unit(sp, *a))
+        measured[c.label] = predicted["time"]
         print(
             f"# {c.label}: planner {row['step_s'] * 1e3:.2f} ms, units "
             f"{measured[c.label] * 1e3:.2f} ms",
