@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import run_of
 from packed_rows import layouts, on_device, packed_batch
 from pairwise import all_pairs, full_product
 from test_attention import _in_cache
@@ -424,7 +425,7 @@ def test_the_trainer_takes_packed_batches_and_unpacked_ones_as_today():
     assert np.array_equal(np.asarray(got["documents"]), rows["documents"])
     plain = data.global_batch({"tokens": rows["tokens"]}, mesh, 4)
     assert isinstance(plain, jax.Array) and np.array_equal(np.asarray(plain), rows["tokens"])
-    assert isinstance(train.abstract_batch(config, mesh), jax.ShapeDtypeStruct)
+    assert isinstance(train.abstract_batch(run_of(config), mesh), jax.ShapeDtypeStruct)
 
 
 def test_the_pipelined_evaluation_of_packed_rows_is_the_models_loss():

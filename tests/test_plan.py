@@ -112,7 +112,8 @@ def test_memory_estimate_is_never_more_pessimistic_than_pruning_trusts():
     for row in _tiny_rows(TINY, rates):
         c = row["candidate"]
         devices = jax.devices()[: c.data * c.stage * c.tensor]
-        report = train.compile_only(row["config"], devices, with_evaluation=False)
+        run = train.resolve(row["config"], devices)
+        report = train.compile_only(run, with_evaluation=False)
         ratio = report["peak_memory_per_device_bytes"] / row["memory_per_device_bytes"]
         assert ratio >= memory.LOW, (row["label"], ratio)
 

@@ -10,7 +10,8 @@ def confirm(row: dict, devices, budget: int) -> dict:
     from seqpipe import train
 
     try:
-        report = train.compile_only(row["config"], devices, with_evaluation=False)
+        run = train.resolve(row["config"], devices)
+        report = train.compile_only(run, with_evaluation=False)
     except Exception as e:  # the compiler (or the trace) refused it: a reason, not a crash
         first = (str(e).strip().splitlines() or [""])[0][:200]
         return row | {"fits": False, "compile_error": f"{type(e).__name__}: {first}"}
