@@ -405,9 +405,9 @@ def test_verify_compares_a_packed_batch():
     config = packed_config("seq1f1b", (2, 2), 3, "flops", attention_name="blockwise")
     mesh = sharding.mesh_of(config)
     batch = packed_batch(config.train.global_batch_size, SEQ_LEN, config.model.vocab_size)
-    result = verify.compare(config, on_device(batch, sharding.batch_sharding(mesh)), mesh)
+    result = verify.compare(run_of(config), on_device(batch, sharding.batch_sharding(mesh)), mesh)
     assert result["ok"], result
-    plain = verify.compare(config, jnp.asarray(batch["tokens"]), mesh)
+    plain = verify.compare(run_of(config), jnp.asarray(batch["tokens"]), mesh)
     assert abs(plain["loss"] - result["loss"]) > 1e-4  # the rows were read packed
 
 

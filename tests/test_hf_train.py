@@ -113,7 +113,7 @@ def test_every_schedule_equals_the_reference_on_imported_weights(schedule):
     mesh = sharding.mesh_of(config)
     tokens = np.random.default_rng(0).integers(0, 96, (4 if interleaved else 2, 33))
     tokens = np.asarray(tokens, np.int32)
-    r = verify.compare(config, tokens, mesh)
+    r = verify.compare(run_of(config), tokens, mesh)
     assert r["ok"], r
 
 
