@@ -79,7 +79,6 @@ def main(argv: list[str]) -> int:
                 except topology.TopologyError as e:
                     cli.fail(str(e))
                 run = cli.run_or_exit(lambda: train.resolve(config, devices, target.budget()))
-            print(run.line(), file=sys.stderr, flush=True)
             result = train.compile_only(run)
         except jax.errors.JaxRuntimeError as e:  # the compiler's verdict, not a crash
             if "RESOURCE_EXHAUSTED" not in str(e):

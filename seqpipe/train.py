@@ -591,8 +591,8 @@ class Trainer:
 def compile_only(run: RunConfig, with_evaluation: bool = True) -> dict:
     """Compile the run's training step for its target's devices without allocating
     parameters; the report (`_compile`), with how `auto` chose where it did (the chosen
-    step's report: choosing compiled it)."""
-    report = run.report or _compile(run, with_evaluation)
+    step's report: choosing compiled it) and the run's line (`RunConfig.line`)."""
+    report = {**(run.report or _compile(run, with_evaluation)), "run": run.line()}
     if run.attention_choice is not None:
         choice = run.attention_choice
         report = {**report, "attention_auto": {**dataclasses.asdict(choice), "line": choice.line()}}
