@@ -68,6 +68,7 @@ def test_compile_only_fits_a_budget_with_the_compiler_s_own_figures():
     assert result["remat_auto"]["policy"] == fits and result["remat_auto"]["budget"] == budget
     assert result["remat_auto"]["peaks"]["none"] == peaks["none"]
     assert result["peak_memory_per_device_bytes"] == peaks[fits]
+    assert f"pipeline.remat: auto -> {fits} (fits; peak GiB: none " in result["run"]
 
 
 def test_a_run_with_auto_on_the_cpu_trains_with_the_default_and_says_so(tmp_path, capsys):
