@@ -70,7 +70,7 @@ def main(argv: list[str]) -> int:
 
         try:
             if target is None:
-                result = cli.run_or_exit(lambda: train.compile_only(config))
+                run = cli.run_or_exit(lambda: train.resolve(config))
             else:
                 from seqpipe import topology
 
@@ -78,8 +78,8 @@ def main(argv: list[str]) -> int:
                     devices = target.devices()
                 except topology.TopologyError as e:
                     cli.fail(str(e))
-                budget = target.budget()
-                result = cli.run_or_exit(lambda: train.compile_only(config, devices, budget))
+                run = cli.run_or_exit(lambda: train.resolve(config, devices, target.budget()))
+            result = train.compile_only(run)
         except jax.errors.JaxRuntimeError as e:  # the compiler's verdict, not a crash
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise

@@ -43,7 +43,7 @@ def main(argv):
         if "invalid" in row:
             continue
         t0 = time.perf_counter()
-        rep = train.compile_only(row["config"], devices, with_evaluation=False)
+        rep = train.compile_only(train.resolve(row["config"], devices), with_evaluation=False)
         got, est = rep["peak_memory_per_device_bytes"], row["memory_per_device_bytes"]
         print(
             f"| {c.label} | {est / 2**30:.2f} | {got / 2**30:.2f} | {got / est:.3f} | "

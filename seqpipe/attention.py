@@ -10,7 +10,8 @@ would be wrong here whenever Q < number of keys.
 `segment_attention` here (`xla`: einsums over whole score matrices, the tests' oracle),
 `seqpipe.blockwise` (score blocks with an online softmax, O(block) memory),
 `seqpipe.splash` (the Pallas TPU kernel) or `seqpipe.gpu_attention` (`pallas_gpu`, the
-Pallas Triton kernel for NVIDIA GPUs); `auto` picks per backend (`resolve`).
+Pallas Triton kernel for NVIDIA GPUs). `auto` picks per backend (`resolve`), once, before
+the step is traced (`seqpipe.run_config`); `attend` refuses it.
 """
 
 import functools
@@ -99,10 +100,21 @@ def resolve(name: str, platform: str | None = None) -> str:
     return AUTO.get(platform or jax.default_backend(), AUTO_DEFAULT) if name == "auto" else name
 
 
+def _implementation(name: str) -> str:
+    """`name`, which must be an implementation: `auto` is resolved before a step is traced
+    (`seqpipe.spec.attention_on`, for the platform the step runs on)."""
+    if name == "auto" or name not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"attention {name!r} is not an implementation of {list(IMPLEMENTATIONS[1:])}; "
+            "`auto` is resolved before tracing (seqpipe.run_config.resolve)"
+        )
+    return name
+
+
 def reads_cache_in_place(name: str) -> bool:
     """Whether `attend_cached` by `name` reads the prefix where it lies in the K/V cache;
     else (`xla`, `splash`: an einsum and a kernel that take arrays) it copies it out."""
-    return resolve(name) in ("blockwise", "pallas_gpu")
+    return _implementation(name) in ("blockwise", "pallas_gpu")
 
 
 def attend(
@@ -120,7 +132,7 @@ def attend(
     _check(*args[:4])
     _check_documents(documents, q_BxQxHxE.shape[1], k_prefix_BxPxHxE.shape[1])
     extra = {} if documents is None else {"documents": documents}
-    impl = resolve(name)
+    impl = _implementation(name)
     if impl == "blockwise":
         return blockwise.blockwise_attention(*args, **extra)
     if impl == "splash":
@@ -144,7 +156,7 @@ def attend_cached(
     kernel takes the prefix as an array) get it copied out of the cache (per layer) and
     add the sinks to it, so their gradients flow as before. `documents`: as `attend`'s,
     the kv ids over the prefix's `prefix_len` positions and the segment's."""
-    impl = resolve(name)
+    impl = _implementation(name)
     _check_documents(documents, q_BxQxHxE.shape[1], prefix_len)
     extra = {} if documents is None else {"documents": documents}
     if impl == "blockwise":

@@ -8,6 +8,7 @@ device's allocator, a `--topology` target), `auto` compiles the kernel's step an
 if its peak is within `remat_auto.HEADROOM` of the budget; else the exact fallback
 (`FALLBACK`) if that fits; else whichever needs less. Without a budget, or where `auto`
 picks no kernel with a fallback (CPUs, GPUs), `attention.resolve` picks without compiling.
+`seqpipe.run_config.resolve` compiles the candidates and applies `choose`.
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ from collections.abc import Callable
 
 from ml_collections import ConfigDict
 
-from seqpipe import attention
-from seqpipe.remat_auto import device_budget, first_fit, fit_line
+from seqpipe.remat_auto import first_fit, fit_line
 
 # The kernel `auto` prefers on a platform, and what it falls back to when that kernel's
 # step does not fit.
@@ -36,9 +36,9 @@ class Choice:
         return fit_line(self.name, self.budget, self.peaks)
 
 
-def candidates(platform: str) -> tuple[str, ...]:
-    """What `auto` may run on `platform`, in order of preference."""
-    first = attention.resolve("auto", platform)
+def candidates(first: str) -> tuple[str, ...]:
+    """What `auto` may run where it resolves to `first` (`attention.resolve`), in order of
+    preference."""
     return (first, FALLBACK[first]) if first in FALLBACK else (first,)
 
 
@@ -54,28 +54,3 @@ def with_attention(config: ConfigDict, name: str) -> ConfigDict:
     with c.unlocked():
         c.model.attention = name
     return c
-
-
-def resolve(
-    config: ConfigDict,
-    devices: list,
-    compile_only: Callable[..., dict],
-    budget: int | None,
-) -> tuple[ConfigDict, Choice | None, dict | None]:
-    """`config` with `model.attention=auto` replaced by what runs on `devices` (`budget`
-    bytes a device; default `remat_auto.device_budget`), the choice (None where nothing
-    was compiled to make it) and the chosen step's `compile_only(config, devices, budget)`
-    report (None where none was compiled). The trainer passes its `compile_only` in, so
-    that this module stays below it."""
-    names = candidates(devices[0].platform)
-    budget = device_budget(devices) if budget is None else budget
-    if budget is None or len(names) == 1:
-        return with_attention(config, names[0]), None, None
-    reports = {}
-
-    def peak_of(name):
-        reports[name] = compile_only(with_attention(config, name), devices, budget)
-        return reports[name]["peak_memory_per_device_bytes"]
-
-    choice = choose(peak_of, names, budget)
-    return with_attention(config, choice.name), choice, reports[choice.name]

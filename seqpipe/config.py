@@ -176,7 +176,36 @@ OWN_RULES = ("mesh.data", "mesh.stage", "pipeline.inflight", "train.inject_nan_a
 def base_config() -> ml_collections.ConfigDict:
     """Every key seqpipe reads, with defaults."""
     c = ml_collections.ConfigDict()
-    c.model = dict(
+    c.model = _model_defaults()
+    # tensor: devices each stage's layers, embedding and head are split over (Megatron-style
+    # tensor parallelism with sequence parallelism, `seqpipe.tensor`).
+    c.mesh = dict(data=1, stage=1, tensor=1)
+    # Not type-safe: `inflight` is a name or an integer (validate checks every key's type).
+    c.pipeline = ml_collections.ConfigDict(type_safe=False)
+    c.pipeline.update(
+        schedule="none",
+        microbatches=1,
+        segments=1,
+        partition="uniform",
+        partition_multiple=1,
+        virtual_stages=1,
+        inflight="full",
+        remat="full",  # what a forward keeps for its backward: one of REMAT_POLICIES
+        # Layers per stage: "even", "flops" (fewer on the last stage, which runs the head)
+        # or a comma-separated count per stage, e.g. "7,7,6,4".
+        layers_per_stage="even",
+    )
+    c.train = _train_defaults()
+    # Checkpoints under WORKDIR/checkpoints: every `every` steps (0: only at the end), the
+    # newest `keep` kept (0: all), written by a background thread when async_save.
+    c.checkpoint = dict(every=1000, keep=3, async_save=True)
+    c.data = _data_defaults()
+    return c
+
+
+def _model_defaults() -> dict:
+    """The model section's defaults."""
+    return dict(
         vocab_size=4096,
         num_layers=4,
         d_model=128,
@@ -218,25 +247,11 @@ def base_config() -> ml_collections.ConfigDict:
             beta_slow=1.0,
         ),
     )
-    # tensor: devices each stage's layers, embedding and head are split over (Megatron-style
-    # tensor parallelism with sequence parallelism, `seqpipe.tensor`).
-    c.mesh = dict(data=1, stage=1, tensor=1)
-    # Not type-safe: `inflight` is a name or an integer (validate checks every key's type).
-    c.pipeline = ml_collections.ConfigDict(type_safe=False)
-    c.pipeline.update(
-        schedule="none",
-        microbatches=1,
-        segments=1,
-        partition="uniform",
-        partition_multiple=1,
-        virtual_stages=1,
-        inflight="full",
-        remat="full",  # what a forward keeps for its backward: one of REMAT_POLICIES
-        # Layers per stage: "even", "flops" (fewer on the last stage, which runs the head)
-        # or a comma-separated count per stage, e.g. "7,7,6,4".
-        layers_per_stage="even",
-    )
-    c.train = dict(
+
+
+def _train_defaults() -> dict:
+    """The train section's defaults."""
+    return dict(
         steps=100,
         global_batch_size=8,
         seq_len=128,
@@ -263,10 +278,11 @@ def base_config() -> ml_collections.ConfigDict:
         # config.json must describe this model; a workdir's own checkpoint wins.
         init_from="",
     )
-    # Checkpoints under WORKDIR/checkpoints: every `every` steps (0: only at the end), the
-    # newest `keep` kept (0: all), written by a background thread when async_save.
-    c.checkpoint = dict(every=1000, keep=3, async_save=True)
-    c.data = dict(
+
+
+def _data_defaults() -> dict:
+    """The data section's defaults."""
+    return dict(
         source="stdlib",
         path="",
         tokenizer="bpe",  # bpe, byte, hf:DIR (its tokenizer.json) or a tokenizer.json
@@ -294,7 +310,6 @@ def base_config() -> ml_collections.ConfigDict:
         # Packed rows: positions restart at 0 at each document's start (RoPE reads them).
         reset_positions=True,
     )
-    return c
 
 
 def resolve_path(name: str) -> Path:

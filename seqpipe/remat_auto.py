@@ -7,7 +7,8 @@ The same model fits `dots` on one GPU and needs `full` on a smaller one (gpt_1b 
 compiles the step (and the evaluation beside it) for each policy in `ORDER`, from least
 recompute to most, and keeps the first whose peak memory is within `HEADROOM` of the
 budget. Where there is no budget to compare with (the CPU: its memory is the host's),
-`auto` is `full`, the default, and nothing is compiled.
+`auto` is `full`, the default, and nothing is compiled. `seqpipe.run_config.resolve`
+compiles the policies' steps and applies `choose`.
 """
 
 from __future__ import annotations
@@ -89,25 +90,3 @@ def with_policy(config: ConfigDict, policy: str) -> ConfigDict:
     with c.unlocked():
         c.pipeline.remat = policy
     return c
-
-
-def resolve(
-    config: ConfigDict,
-    devices: list,
-    compile_only: Callable[..., dict],
-    budget: int | None = None,
-) -> tuple[ConfigDict, Choice, dict | None]:
-    """`config` with `pipeline.remat=auto` replaced by the policy chosen for `devices`
-    (`budget` bytes a device; default `device_budget`), the choice, and the chosen
-    policy's `compile_only(config, devices)` report (None where nothing was compiled).
-    The trainer passes its `compile_only` in, so that this module stays below it."""
-    budget = device_budget(devices) if budget is None else budget
-    reports = {}
-
-    def peak_of(policy):
-        # The budget goes along: `model.attention=auto` may fit its choice to it too.
-        reports[policy] = compile_only(with_policy(config, policy), devices, budget)
-        return reports[policy]["peak_memory_per_device_bytes"]
-
-    choice = choose(peak_of, budget)
-    return with_policy(config, choice.policy), choice, reports.get(choice.policy)

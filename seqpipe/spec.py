@@ -4,8 +4,8 @@ import dataclasses
 
 import numpy as np
 
+from seqpipe import attention, layout, partition, schedule
 from seqpipe import config as config_lib
-from seqpipe import layout, partition, schedule
 from seqpipe.model import GPTConfig
 from seqpipe.remat import POLICIES, Policy
 
@@ -118,11 +118,19 @@ class PipelineSpec:
         return max((o + self.seg_max for o in self.offsets[:-1]), default=0)
 
 
+def attention_on(name: str, platform: str | None = None) -> str:
+    """The implementation `name` runs as on `platform`: the one place `auto` becomes one.
+    `seqpipe.run_config` names the platform of the devices a step is compiled for; a
+    tool's spec (`make_spec` of a config not resolved) runs on JAX's default backend."""
+    return attention.resolve(name, platform)
+
+
 def make_spec(config, seq_len: int | None = None) -> PipelineSpec:
-    """Build the schedule table and segment partition from a config."""
-    cfg = dataclasses.replace(
-        GPTConfig.from_config(config.model), tensor=config.mesh.get("tensor", 1)
-    )
+    """Build the schedule table and segment partition from a config (its attention, if
+    `auto`, for JAX's default backend: `seqpipe.run_config` resolves it first)."""
+    model = GPTConfig.from_config(config.model)
+    model = dataclasses.replace(model, attention=attention_on(model.attention))
+    cfg = dataclasses.replace(model, tensor=config.mesh.get("tensor", 1))
     p = config.pipeline
     lengths = partition.segment_lengths(
         seq_len or config.train.seq_len,

@@ -24,8 +24,6 @@ import optax
 from ml_collections import ConfigDict
 
 from seqpipe import (
-    attention,
-    attention_auto,
     checkpoint,
     data,
     hlo,
@@ -38,17 +36,16 @@ from seqpipe import (
     pipeline,
     reference,
     remat,
-    remat_auto,
+    run_config,
     runtime_log,
     schedule,
     sharding,
     signals,
 )
-from seqpipe import config as config_lib
 from seqpipe import spec as spec_lib
 from seqpipe import workdir as workdir_lib
 from seqpipe.metrics import MetricsError, MetricsLog, Throughput, device_memory_peak, peak_flops
-from seqpipe.model import GPTConfig
+from seqpipe.run_config import KERNEL_PLATFORMS, RunConfig
 
 State = dict[str, Any]
 GradFn = Callable[[model.Params, jax.Array], tuple[jax.Array, model.Params]]
@@ -58,74 +55,68 @@ class TrainingError(RuntimeError):
     """Training cannot go on (for example a non-finite loss); the message says why."""
 
 
-def unpipelined_cfg(config: ConfigDict, mesh: jax.sharding.Mesh) -> GPTConfig:
-    """The model of a step without a pipeline, its attention resolved for the mesh's
-    platform."""
-    cfg = GPTConfig.from_config(config.model)
-    platform = mesh.devices.flat[0].platform
-    return dataclasses.replace(cfg, attention=attention.resolve(cfg.attention, platform))
+def resolve(
+    config: ConfigDict, devices: list | None = None, budget: int | None = None
+) -> RunConfig:
+    """`run_config.resolve` for `devices` (default: this process's), choosing `auto` by
+    compiling the candidates' steps (`compile_only`) where a device budget is known."""
+    devices = jax.devices() if devices is None else devices
+    return run_config.resolve(config, devices, budget, compile_only)
 
 
-def _unpipelined(fn, cfg: GPTConfig, mesh: jax.sharding.Mesh):
+def _unpipelined(fn, cfg: model.GPTConfig, mesh: jax.sharding.Mesh):
     """`fn(params, tokens)` of the model without a pipeline: XLA partitions it over the
     mesh, unless its attention is a Pallas kernel, which XLA cannot partition; then each
     data shard runs whole on its devices (`reference.per_shard`)."""
     return reference.per_shard(fn, mesh) if cfg.attention in KERNEL_PLATFORMS else fn
 
 
-def make_grad_fn(config: ConfigDict, mesh: jax.sharding.Mesh) -> GradFn:
-    """Loss and gradients of a [B, L+1] batch under the configured schedule."""
-    if config.pipeline.schedule == "none":
-        cfg = unpipelined_cfg(config, mesh)
-        checkpoint = remat.POLICIES[config.pipeline.remat].reference
+def make_grad_fn(run: RunConfig, mesh: jax.sharding.Mesh) -> GradFn:
+    """Loss and gradients of a [B, L+1] batch under the run's schedule."""
+    if not run.pipelined:
+        cfg, checkpoint = run.model, remat.POLICIES[run.remat].reference
         grad_fn = lambda params, tokens: reference.loss_and_grads(params, tokens, cfg, checkpoint)
         return _unpipelined(grad_fn, cfg, mesh)
-    spec = pipeline.make_spec(config)
-    scatter = config_lib.shards_optimizer(config)
+    spec, scatter = run.spec, run.shard_optimizer
     return lambda params, tokens: pipeline.loss_and_grads(params, tokens, spec, mesh, scatter)
 
 
-def _init_fn(config: ConfigDict, tx: optax.GradientTransformation) -> Callable:
-    cfg = GPTConfig.from_config(config.model)
-
+def _init_fn(run: RunConfig, tx: optax.GradientTransformation) -> Callable:
     def init(key):
-        params = model.init_params(cfg, key)
+        params = model.init_params(run.model, key)
         state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
         # Born in the order the step reads, as the state stays (checkpoints excepted).
-        return layout.to_stage_order(state, layout.of_config(config))
+        return layout.to_stage_order(state, run.placement)
 
     return init
 
 
 def abstract_state(
-    config: ConfigDict, mesh: jax.sharding.Mesh, tx: optax.GradientTransformation
+    run: RunConfig, mesh: jax.sharding.Mesh, tx: optax.GradientTransformation
 ) -> State:
     """Shapes, dtypes and shardings of the train state, with nothing allocated."""
-    shapes = jax.eval_shape(_init_fn(config, tx), jax.random.key(config.train.seed))
-    shardings = sharding.state_shardings(shapes, mesh, config_lib.shards_optimizer(config))
+    shapes = jax.eval_shape(_init_fn(run, tx), jax.random.key(run.train.seed))
+    shardings = sharding.state_shardings(shapes, mesh, run.shard_optimizer)
     return checkpoint.abstract(shapes, shardings)
 
 
-def init_state(
-    config: ConfigDict, mesh: jax.sharding.Mesh, tx: optax.GradientTransformation
-) -> State:
+def init_state(run: RunConfig, mesh: jax.sharding.Mesh, tx: optax.GradientTransformation) -> State:
     """Parameters and optimizer state, created directly in their shardings."""
-    abstract = abstract_state(config, mesh, tx)
+    abstract = abstract_state(run, mesh, tx)
     shardings = jax.tree.map(lambda s: s.sharding, abstract)
-    if config.train.get("init_from"):
-        return _imported_state(config, abstract, shardings, tx)
-    init = jax.jit(_init_fn(config, tx), out_shardings=shardings)
-    return init(jax.random.key(config.train.seed))
+    if run.train.get("init_from"):
+        return _imported_state(run, abstract, shardings, tx)
+    init = jax.jit(_init_fn(run, tx), out_shardings=shardings)
+    return init(jax.random.key(run.train.seed))
 
 
-def _imported_state(config: ConfigDict, abstract: State, shardings, tx) -> State:
+def _imported_state(run: RunConfig, abstract: State, shardings, tx) -> State:
     """The state at step 0 with train.init_from's weights (`seqpipe.hf`), each device's
     block read from the files, and fresh optimizer moments."""
     from seqpipe import hf
 
-    cfg = GPTConfig.from_config(config.model)
-    positions = layout.of_config(config).positions()
-    params = hf.initial_params(config.train.init_from, cfg, abstract["params"], positions)
+    positions = run.placement.positions()
+    params = hf.initial_params(run.train.init_from, run.model, abstract["params"], positions)
 
     def init(params):
         return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
@@ -188,40 +179,40 @@ def make_train_step(
     return jax.jit(train_step, donate_argnums=0)
 
 
-def abstract_batch(config: ConfigDict, mesh: jax.sharding.Mesh):
+def abstract_batch(run: RunConfig, mesh: jax.sharding.Mesh):
     """The step's batch, abstract: tokens, and with `data.packing` the packed rows' ids
     and positions (`seqpipe.document_mask`)."""
-    t = config.train
+    t = run.train
     rows = jax.ShapeDtypeStruct(
         (t.global_batch_size, t.seq_len + 1), jnp.int32, sharding=sharding.batch_sharding(mesh)
     )
-    if config.data.packing == "none":
+    if run.config.data.packing == "none":
         return rows
     return {"tokens": rows, "documents": rows, "positions": rows}
 
 
-def make_eval_fn(config: ConfigDict, mesh: jax.sharding.Mesh) -> Callable:
+def make_eval_fn(run: RunConfig, mesh: jax.sharding.Mesh) -> Callable:
     """Mean loss of a [B, L+1] batch, no gradients: through the pipeline's forwards alone
     (the training step's stages, segments and micro-batches) when there is a pipeline."""
-    if config.pipeline.schedule == "none":
-        cfg = unpipelined_cfg(config, mesh)
+    if not run.pipelined:
+        cfg = run.model
         return jax.jit(
             _unpipelined(lambda params, batch: reference.batch_loss(params, batch, cfg), cfg, mesh)
         )
-    spec = spec_lib.forward_only(pipeline.make_spec(config))
+    spec = spec_lib.forward_only(run.spec)
     return jax.jit(lambda params, tokens: pipeline.eval_loss(params, tokens, spec, mesh))
 
 
-def bubble_fractions(config: ConfigDict) -> dict[str, float]:
+def bubble_fractions(run: RunConfig) -> dict[str, float]:
     """The schedule's idle fraction under the synchronous-tick model (0 without a
     pipeline): `bubble` with the unit model (forward 1, backward 2 for every unit), and
     `bubble_head` with each segment's FLOP share, each stage's layer count and the head's
     and embedding's work on their chunks: the last stage runs the head in its forward
     ticks, and every stage waits for it (`pipeline.layers_per_stage=flops` moves layers
     off it)."""
-    if config.pipeline.schedule == "none":
+    if not run.pipelined:
         return {"bubble": 0.0, "bubble_head": 0.0}
-    spec = pipeline.make_spec(config)
+    spec = run.spec
     dims = partition.model_dims(spec.cfg)
     costs = partition.segment_flops(spec.lengths, **dims)
     chunks = partition.chunk_costs(
@@ -308,9 +299,7 @@ class BadSteps:
 def run(config: ConfigDict, workdir: str) -> list[dict]:
     """Train to config.train.steps (or train.stop_at), resuming from the newest checkpoint
     in workdir; returns the records logged by this invocation."""
-    config = config_lib.resolve(config, jax.device_count())
-    check_attention(config, jax.default_backend())
-    trainer = Trainer(config, workdir)
+    trainer = Trainer(resolve(config), workdir)
     try:
         if trainer.start >= trainer.end:
             trainer.log.print(
@@ -330,28 +319,28 @@ class Trainer:
     reports it, so it never waits on the step it just launched.
     """
 
-    def __init__(self, config: ConfigDict, workdir: str):
-        self.config, self.workdir = config, workdir
+    def __init__(self, run: RunConfig, workdir: str):
+        self.run, self.config, self.workdir = run, run.config, workdir
         workdir_lib.check(workdir)  # a file, or read-only: refused before any work
         peers.watch(checkpoint.directory(workdir))  # what a lost process's line names
         # Third-party logs: warnings on the console, all in the workdir's log once it is ours.
         self.logs = logs.Capture()
         try:
-            self._start(config, workdir)
+            self._start(run.config, workdir)
         except BaseException:
             self.logs.close()
             raise
 
     def _start(self, config: ConfigDict, workdir: str) -> None:
         t = config.train
-        self.mesh = sharding.mesh_of(config)
+        self.mesh = sharding.mesh_of(config, list(self.run.target.devices))
         rows = data.local_rows(config, self.mesh)
         # The data is checked before the workdir is touched: a refusal leaves nothing.
         train_stream, eval_stream, tokenizer = data.read_corpus(config)
         if t.get("init_from"):  # its files' names, shapes and dtypes, as the data
             from seqpipe import hf
 
-            hf.check(t.init_from, GPTConfig.from_config(config.model))
+            hf.check(t.init_from, self.run.model)
         # What the checkpoints' data position counts: with packing, the documents too.
         packed = config.data.packing != "none"
         self.data_id = data.identity(train_stream.tokens, train_stream.starts if packed else None)
@@ -397,36 +386,29 @@ class Trainer:
 
     def restore(self) -> bool:
         """The newest checkpoint's state and data position, or a fresh state at step 0."""
-        abstract = abstract_state(self.config, self.mesh, self.tx)
+        abstract = abstract_state(self.run, self.mesh, self.tx)
         restored = checkpoint.restore_latest(self.manager, abstract, self.config, self.data_id)
         if restored:
             self.start, self.state, data_state = restored
             if data_state is not None:  # None: other data, allowed, read from its start
                 self.batches.set_state(data_state)
         else:
-            self.start, self.state = 0, init_state(self.config, self.mesh, self.tx)
+            self.start, self.state = 0, init_state(self.run, self.mesh, self.tx)
         return bool(restored)
 
     def train(self) -> list[dict]:
         """Steps start+1 .. end (or until a signal); returns the records logged."""
-        config, t = self.config, self.config.train
-        if config.pipeline.remat == "auto":
-            config, choice, _ = remat_auto.resolve(config, jax.devices(), compile_only)
-            self.log.print(f"pipeline.remat: {choice.line()}")
-        if config.model.attention == "auto":
-            config, choice, _ = attention_auto.resolve(config, jax.devices(), compile_only, None)
-            if choice is not None:
-                self.log.print(f"model.attention: {choice.line()}")
+        run, t = self.run, self.run.train
         step_fn = make_train_step(
-            make_grad_fn(config, self.mesh),
+            make_grad_fn(run, self.mesh),
             self.tx,
             optim.lr_schedule(t),
             self.mesh,
-            config_lib.shards_optimizer(config),
+            run.shard_optimizer,
             tuple(t.inject_nan_at),
         )
-        eval_fn = make_eval_fn(config, self.mesh)
-        self.log.print(f"attention: {attention_line(config)}")
+        eval_fn = make_eval_fn(run, self.mesh)
+        self.log.print(run.line())
         self._start_reporting()
         pending = None  # the step dispatched last, not yet waited for
         kept = (
@@ -443,7 +425,7 @@ class Trainer:
                 pending = (step, metrics, None)
                 stopping = stop.requested(step)
                 evaluate = bool(self.eval_set) and (step % t.eval_every == 0 or step == self.end)
-                every = config.checkpoint.every
+                every = self.config.checkpoint.every
                 if step == self.end or stopping or evaluate or (every and step % every == 0):
                     pending = None
                     self._checkpoint(step, metrics, eval_fn if evaluate else None)
@@ -502,13 +484,12 @@ class Trainer:
         """What every record repeats, and the clocks: started just before the first step."""
         t = self.config.train
         self.tokens_per_step = t.global_batch_size * t.seq_len
-        cfg = GPTConfig.from_config(self.config.model)
-        self.flops_per_token = model.flops_per_token(cfg, t.seq_len)
+        self.flops_per_token = model.flops_per_token(self.run.model, t.seq_len)
         self.devices = self.mesh.devices.flatten().tolist()
         self.peak = peak_flops(self.devices[0].device_kind)
         self.constants = {
             "flops_per_token": self.flops_per_token,
-            **bubble_fractions(self.config),
+            **bubble_fractions(self.run),
         }
         self.throughput = Throughput(self.start)
         self.loop_start = time.perf_counter()
@@ -607,42 +588,39 @@ class Trainer:
             self.lock.release()
 
 
-def compile_only(
-    config: ConfigDict,
-    devices: list | None = None,
-    budget: int | None = None,
-    with_evaluation: bool = True,
-) -> dict:
-    """Compile the training step for the configured mesh over `devices` (default: this
-    process's) without allocating parameters. `pipeline.remat=auto` is chosen for `budget`
-    bytes a device (default: what JAX may allocate on a device this process drives).
+def compile_config(config: ConfigDict, devices: list, with_evaluation: bool = True) -> dict:
+    """`compile_only` of `config` resolved for `devices` (the planner compiles its candidates
+    by this)."""
+    return compile_only(resolve(config, devices), with_evaluation)
 
-    Returns per-device memory from XLA's `memory_analysis()` (of the step, and of the
+
+def compile_only(run: RunConfig, with_evaluation: bool = True) -> dict:
+    """Compile the run's training step for its target's devices without allocating
+    parameters; the report (`_compile`), with how `auto` chose where it did (the chosen
+    step's report: choosing compiled it) and the run's line (`RunConfig.line`)."""
+    report = {**(run.report or _compile(run, with_evaluation)), "run": run.line()}
+    if run.attention_choice is not None:
+        choice = run.attention_choice
+        report = {**report, "attention_auto": {**dataclasses.asdict(choice), "line": choice.line()}}
+    if run.remat_choice is not None:
+        report = {**report, "remat_auto": dataclasses.asdict(run.remat_choice)}
+    return report
+
+
+def _compile(run: RunConfig, with_evaluation: bool) -> dict:
+    """Per-device memory from XLA's `memory_analysis()` (of the step, and of the
     evaluation beside the train state), the collectives in each compiled program, and the
     model's analytic FLOPs per step (XLA's `cost_analysis` counts a loop body once,
     whatever its trip count). Without `with_evaluation` the evaluation is not compiled (its
     memory is reported as none: the planner's confirmations, where the step's peak is the
     larger)."""
-    devices = jax.devices() if devices is None else devices
-    config = config_lib.resolve(config, len(devices))
-    report = _compile_auto(config, devices, budget)
-    if report is not None:
-        return report
-    # Resolved for the devices compiled for (a TPU slice's from this CPU, say), not this
-    # process's default backend.
-    platform = devices[0].platform
-    check_attention(config, platform)
-    config = config.copy_and_resolve_references()
-    with config.unlocked():
-        config.model.attention = attention.resolve(config.model.attention, platform)
-    t = config.train
-    mesh = sharding.mesh_of(config, devices)
+    t = run.train
+    mesh = sharding.mesh_of(run.config, list(run.target.devices))
     tx = optim.make_optimizer(t)
-    state = abstract_state(config, mesh, tx)
-    batch = abstract_batch(config, mesh)
-    shard_optimizer = config_lib.shards_optimizer(config)
+    state = abstract_state(run, mesh, tx)
+    batch = abstract_batch(run, mesh)
     step_fn = make_train_step(
-        make_grad_fn(config, mesh), tx, optim.lr_schedule(t), mesh, shard_optimizer
+        make_grad_fn(run, mesh), tx, optim.lr_schedule(t), mesh, run.shard_optimizer
     )
     start = time.perf_counter()
     compiled = step_fn.lower(state, batch).compile()
@@ -653,81 +631,57 @@ def compile_only(
     eval_compiled = None
     evaluation = dict.fromkeys(memory, 0)
     if with_evaluation:
-        eval_compiled = make_eval_fn(config, mesh).lower(state["params"], batch).compile()
+        eval_compiled = make_eval_fn(run, mesh).lower(state["params"], batch).compile()
         evaluation = _memory(eval_compiled)
     evaluation["total"] = memory["arguments"] + evaluation["outputs"] + evaluation["temporaries"]
     peak = max(memory["total"], evaluation["total"])
-    cfg = GPTConfig.from_config(config.model)
-    flops_per_token = model.flops_per_token(cfg, t.seq_len)
-    split = sharding.split_table(state["params"], config.mesh.data, config.mesh.tensor)
     return {
-        "mesh": {axis: config.mesh[axis] for axis in ("data", "stage", "tensor")},
-        "shard_optimizer": shard_optimizer,
-        # From the shardings: each part of the train state (the step's arguments) per device.
-        "state_bytes_per_device": {k: _bytes_per_device(v) for k, v in state.items()},
-        # Leaves whose moments stay whole on every replica: no dimension divides mesh.data.
-        "optimizer_kept_whole": [name for name, _, dim in split if dim is None]
-        if shard_optimizer
-        else [],
-        "device_kind": mesh.devices.flat[0].device_kind,
-        "schedule": config.pipeline.schedule,
-        "remat": config.pipeline.remat,
-        "microbatches": config.pipeline.microbatches,
-        "segments": config.pipeline.segments,
-        "attention": config.model.attention,
-        "params": model.num_params(
-            jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
-        ),
-        "layers_per_stage": list(layout.of_config(config).layers_per_chunk),
-        **bubble_fractions(config),
+        **_describe(run, state, mesh),
+        **bubble_fractions(run),
         "memory_per_device_bytes": memory,
         "eval_memory_per_device_bytes": evaluation,
         "peak_memory_per_device_bytes": peak,  # the larger of the two totals
         "memory_per_device_gib": round(peak / 2**30, 3),
         "collectives": hlo.count_collectives(compiled.as_text()),
         "eval_collectives": hlo.count_collectives(eval_compiled.as_text()) if eval_compiled else {},
-        "flops_per_token": flops_per_token,
-        "flops_per_step": flops_per_token * t.global_batch_size * t.seq_len,
+        **_flops(run),
         "compile_s": round(seconds, 1),
     }
 
 
-def _compile_auto(config: ConfigDict, devices: list, budget: int | None) -> dict | None:
-    """`compile_only`'s report where `pipeline.remat` or `model.attention` is `auto` and
-    choosing compiles the step (the chosen step's report, with the choice), else None."""
-    if config.pipeline.remat == "auto":
-        # The chosen policy's step was compiled to choose it: its report is this one.
-        config, choice, report = remat_auto.resolve(config, devices, compile_only, budget)
-        report = report or compile_only(config, devices, budget)  # none compiled: no budget
-        return {**report, "remat_auto": dataclasses.asdict(choice)}
-    if config.model.attention == "auto":
-        config, choice, report = attention_auto.resolve(config, devices, compile_only, budget)
-        if choice is not None:
-            chosen = {**dataclasses.asdict(choice), "line": choice.line()}
-            return {**report, "attention_auto": chosen}
-    return None
+def _describe(run: RunConfig, state: State, mesh: jax.sharding.Mesh) -> dict:
+    """The report's account of the run: its mesh, state, schedule and model."""
+    split = sharding.split_table(state["params"], run.mesh.data, run.mesh.tensor)
+    p = run.config.pipeline
+    return {
+        "mesh": dataclasses.asdict(run.mesh),
+        "shard_optimizer": run.shard_optimizer,
+        # From the shardings: each part of the train state (the step's arguments) per device.
+        "state_bytes_per_device": {k: _bytes_per_device(v) for k, v in state.items()},
+        # Leaves whose moments stay whole on every replica: no dimension divides mesh.data.
+        "optimizer_kept_whole": [name for name, _, dim in split if dim is None]
+        if run.shard_optimizer
+        else [],
+        "device_kind": mesh.devices.flat[0].device_kind,
+        "schedule": p.schedule,
+        "remat": run.remat,
+        "microbatches": p.microbatches,
+        "segments": p.segments,
+        "attention": run.model.attention,
+        "params": model.num_params(
+            jax.eval_shape(lambda: model.init_params(run.model, jax.random.key(0)))
+        ),
+        "layers_per_stage": list(run.placement.layers_per_chunk),
+    }
 
 
-# The Pallas kernels and the platforms they compile for.
-KERNEL_PLATFORMS = {"splash": ("tpu",), "pallas_gpu": ("gpu", "cuda")}
-
-
-def check_attention(config: ConfigDict, platform: str) -> None:
-    """ConfigError for an attention the step cannot run: a Pallas kernel on another
-    platform than its own."""
-    name = attention.resolve(config.model.attention, platform)
-    if name in KERNEL_PLATFORMS and platform not in KERNEL_PLATFORMS[name]:
-        kind = "a TPU" if name == "splash" else "an NVIDIA GPU"
-        raise config_lib.ConfigError(
-            f"model.attention={name} is {kind} kernel and this is {platform}; use auto or blockwise"
-        )
-
-
-def attention_line(config: ConfigDict) -> str:
-    """Which segment attention runs, for the log: `auto` says what it picked."""
-    name = config.model.attention
-    picked = attention.resolve(name)
-    return picked if name != "auto" else f"{picked} (auto on {jax.default_backend()})"
+def _flops(run: RunConfig) -> dict:
+    t = run.train
+    flops_per_token = model.flops_per_token(run.model, t.seq_len)
+    return {
+        "flops_per_token": flops_per_token,
+        "flops_per_step": flops_per_token * t.global_batch_size * t.seq_len,
+    }
 
 
 def _bytes_per_device(tree) -> int:

@@ -55,6 +55,17 @@ def tiny_config(**overrides):
     return config_lib.load("tiny", {**TINY, **overrides})
 
 
+def run_of(config):
+    """`config` resolved (`seqpipe.run_config`) for the first devices its mesh names (all
+    of them where an axis is -1), `auto` picked without compiling."""
+    from seqpipe import run_config
+
+    m = config.mesh
+    count = m.data * m.stage * m.tensor
+    devices = jax.devices() if count < 1 else jax.devices()[:count]
+    return run_config.resolve(config, devices)
+
+
 def tiny_args(**overrides) -> list[str]:
     return ["--config", "tiny"] + [f"--config.{k}={v}" for k, v in {**TINY, **overrides}.items()]
 

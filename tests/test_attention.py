@@ -366,7 +366,7 @@ def test_the_kernels_are_refused_off_their_platform_in_one_line():
     """Splash (TPU) and pallas_gpu (NVIDIA GPU) compile for their own platform only; with
     or without a pipeline (without one, each data shard runs in a shard_map:
     `reference.per_shard`)."""
-    from seqpipe import attention, train
+    from seqpipe import attention, run_config
 
     def config(name, schedule):
         c = config_lib.base_config()
@@ -376,12 +376,12 @@ def test_the_kernels_are_refused_off_their_platform_in_one_line():
 
     for schedule in ("seq1f1b", "none"):
         with pytest.raises(config_lib.ConfigError, match="splash is a TPU kernel and this is cpu"):
-            train.check_attention(config("splash", schedule), "cpu")
+            run_config.resolve(config("splash", schedule), jax.devices()[:1])
         with pytest.raises(config_lib.ConfigError, match="pallas_gpu is an NVIDIA GPU kernel and"):
-            train.check_attention(config("pallas_gpu", schedule), "cpu")
-        train.check_attention(config("splash", schedule), "tpu")
-        train.check_attention(config("pallas_gpu", schedule), "gpu")
-        train.check_attention(config("auto", schedule), "cpu")
+            run_config.resolve(config("pallas_gpu", schedule), jax.devices()[:1])
+        run_config.check_attention("splash", "tpu")
+        run_config.check_attention("pallas_gpu", "gpu")
+        run_config.resolve(config("auto", schedule), jax.devices()[:1])
     assert attention.resolve("auto", "tpu") == "splash"
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from test_topology import needs_libtpu
 
-from seqpipe import attention_auto, topology, train
+from seqpipe import attention_auto, spec, topology, train
 from seqpipe import config as config_lib
 from seqpipe.remat_auto import HEADROOM
 
@@ -42,9 +42,10 @@ def compiles(peaks: dict[str, float]):
 
 
 def test_on_a_tpu_auto_prefers_splash_and_falls_back_to_blockwise():
-    assert attention_auto.candidates("tpu") == ("splash", "blockwise")
-    assert attention_auto.candidates("cpu") == ("blockwise",)
-    assert attention_auto.candidates("cuda") == ("blockwise",)
+    first = lambda platform: spec.attention_on("auto", platform)  # noqa: E731
+    assert attention_auto.candidates(first("tpu")) == ("splash", "blockwise")
+    assert attention_auto.candidates(first("cpu")) == ("blockwise",)
+    assert attention_auto.candidates(first("cuda")) == ("blockwise",)
 
 
 def test_splash_that_fits_is_kept_without_compiling_blockwise():
@@ -105,13 +106,14 @@ def test_a_tpu_step_whose_splash_does_not_fit_compiles_with_blockwise(monkeypatc
     devices = topology.devices(topology.parse("v5p-8"))
     overrides = {key: str(value) for key, value in NO_REMAT.items()}
     config = config_lib.load("tiny", {**overrides, "model.attention": "auto"})
-    roomy = train.compile_only(config, devices, 95 * GiB)
+    roomy = train.compile_only(train.resolve(config, devices, 95 * GiB))
     assert roomy["attention"] == "splash" and list(roomy["attention_auto"]["peaks"]) == ["splash"]
-    blockwise = train.compile_only(attention_auto.with_attention(config, "blockwise"), devices)
+    blockwise = attention_auto.with_attention(config, "blockwise")
+    blockwise = train.compile_only(train.resolve(blockwise, devices))
     splash, block = roomy["peak_memory_per_device_bytes"], blockwise["peak_memory_per_device_bytes"]
     assert block < splash  # else no budget splits them
     budget = int((splash + block) / 2 / HEADROOM)
-    result = train.compile_only(config, devices, budget)
+    result = train.compile_only(train.resolve(config, devices, budget))
     assert result["attention"] == "blockwise"
     assert result["attention_auto"]["peaks"] == {"splash": splash, "blockwise": block}
     assert result["peak_memory_per_device_bytes"] == block

@@ -10,6 +10,7 @@ import pytest
 from helpers import (
     PIPELINED,
     read_event_protos,
+    run_of,
     run_train,
     tiny_config,
 )
@@ -124,7 +125,7 @@ def test_another_packing_is_another_batch_order(tmp_path):
     for packing, also in (("concat", "data.reset_positions=None saved, True now"), ("none", "")):
         config = config_lib.resolve(tiny_config(**{"data.packing": packing}), 8)
         tx = optim.make_optimizer(config.train)
-        abstract = train.abstract_state(config, sharding.mesh_of(config), tx)
+        abstract = train.abstract_state(run_of(config), sharding.mesh_of(config), tx)
         manager = checkpoint.make_manager(tmp_path, config)
         try:
             if packing == "none":  # what the run was trained with: restores
@@ -175,7 +176,7 @@ def _restore(workdir, config, data, stage):
     tx = optim.make_optimizer(config.train)
     manager = checkpoint.make_manager(workdir, config)
     step, state, data_state = checkpoint.restore_latest(
-        manager, train.abstract_state(config, mesh, tx), config
+        manager, train.abstract_state(run_of(config), mesh, tx), config
     )
     manager.close()
     return step, state, data_state, mesh
@@ -297,7 +298,7 @@ def test_checkpoints_are_canonical_whatever_the_layout(tmp_path):
 
     straight = train.run(v2("4"), str(tmp_path / "straight"))
     run = str(tmp_path / "run")
-    trainer = train.Trainer(v2("2"), run)
+    trainer = train.Trainer(run_of(v2("2")), run)
     try:
         assert [r["step"] for r in trainer.train()] == [1, 2]
     finally:
@@ -330,7 +331,7 @@ def test_an_uneven_split_saves_canonically_and_resumes_under_any_split(tmp_path)
 
     straight = train.run(uneven("4"), str(tmp_path / "straight"))
     run = str(tmp_path / "run")
-    trainer = train.Trainer(uneven("2"), run)
+    trainer = train.Trainer(run_of(uneven("2")), run)
     try:
         assert [r["step"] for r in trainer.train()] == [1, 2]
     finally:
@@ -372,7 +373,7 @@ def test_a_restored_uneven_split_holds_its_layers_once_and_warns_nothing(tmp_pat
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         step, state, _ = checkpoint.restore_latest(
-            manager, train.abstract_state(config, mesh, tx), config
+            manager, train.abstract_state(run_of(config), mesh, tx), config
         )
     manager.close()
     assert step == 1

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import run_of
 from packed_rows import layouts, on_device, packed_batch
 from pairwise import all_pairs, full_product
 from test_attention import _in_cache
@@ -404,9 +405,9 @@ def test_verify_compares_a_packed_batch():
     config = packed_config("seq1f1b", (2, 2), 3, "flops", attention_name="blockwise")
     mesh = sharding.mesh_of(config)
     batch = packed_batch(config.train.global_batch_size, SEQ_LEN, config.model.vocab_size)
-    result = verify.compare(config, on_device(batch, sharding.batch_sharding(mesh)), mesh)
+    result = verify.compare(run_of(config), on_device(batch, sharding.batch_sharding(mesh)), mesh)
     assert result["ok"], result
-    plain = verify.compare(config, jnp.asarray(batch["tokens"]), mesh)
+    plain = verify.compare(run_of(config), jnp.asarray(batch["tokens"]), mesh)
     assert abs(plain["loss"] - result["loss"]) > 1e-4  # the rows were read packed
 
 
@@ -424,7 +425,7 @@ def test_the_trainer_takes_packed_batches_and_unpacked_ones_as_today():
     assert np.array_equal(np.asarray(got["documents"]), rows["documents"])
     plain = data.global_batch({"tokens": rows["tokens"]}, mesh, 4)
     assert isinstance(plain, jax.Array) and np.array_equal(np.asarray(plain), rows["tokens"])
-    assert isinstance(train.abstract_batch(config, mesh), jax.ShapeDtypeStruct)
+    assert isinstance(train.abstract_batch(run_of(config), mesh), jax.ShapeDtypeStruct)
 
 
 def test_the_pipelined_evaluation_of_packed_rows_is_the_models_loss():

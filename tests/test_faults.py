@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from helpers import REPO, read_events, run_train, subprocess_env, tiny_args, tiny_config
+from helpers import REPO, read_events, run_of, run_train, subprocess_env, tiny_args, tiny_config
 
 from seqpipe import checkpoint, optim, sharding, train
 
@@ -31,7 +31,7 @@ def _applied_lrs(config, steps, bad) -> list[float]:
 def _restore_step(workdir, config, step):
     """The train state of checkpoint `step`, on the 8 x 1 mesh."""
     tx = optim.make_optimizer(config.train)
-    target = train.abstract_state(config, sharding.make_mesh(8, 1), tx)
+    target = train.abstract_state(run_of(config), sharding.make_mesh(8, 1), tx)
     manager = checkpoint.make_manager(workdir, config)
     try:
         args = ocp.args.Composite(state=ocp.args.StandardRestore(target))

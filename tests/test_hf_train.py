@@ -8,7 +8,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from helpers import run_python
+from helpers import run_of, run_python
 from safetensors import safe_open
 
 from seqpipe import config as config_lib
@@ -82,11 +82,11 @@ def test_initial_state_is_the_checkpoint_on_every_layout(name):
     config = config_lib.load(SPEC, {k: str(v) for k, v in LAYOUTS[name].items()})
     mesh = sharding.mesh_of(config)
     tx = optim.make_optimizer(config.train)
-    state = train.init_state(config, mesh, tx)
+    state = train.init_state(run_of(config), mesh, tx)
     expected = hf.load(GQA)[1]
     params = layout.to_canonical(state["params"], layout.of_config(config))
     jax.tree.map(np.testing.assert_array_equal, params, expected)
-    abstract = train.abstract_state(config, mesh, tx)
+    abstract = train.abstract_state(run_of(config), mesh, tx)
     same = jax.tree.map(
         lambda x, s: x.sharding.is_equivalent_to(s.sharding, x.ndim), state, abstract
     )
@@ -109,7 +109,7 @@ def test_every_schedule_equals_the_reference_on_imported_weights(schedule):
     mesh = sharding.mesh_of(config)
     tokens = np.random.default_rng(0).integers(0, 96, (4 if interleaved else 2, 33))
     tokens = np.asarray(tokens, np.int32)
-    r = verify.compare(config, tokens, mesh)
+    r = verify.compare(run_of(config), tokens, mesh)
     assert r["ok"], r
 
 
@@ -336,7 +336,7 @@ def test_each_device_block_is_read_alone(monkeypatch):
     monkeypatch.setattr(hf, "read_block", recording)
     overrides = pipelined("seq1f1b", 2, **{"mesh.tensor": 2})
     config = config_lib.load(SPEC, {k: str(v) for k, v in overrides.items()})
-    train.init_state(config, sharding.mesh_of(config), optim.make_optimizer(config.train))
+    train.init_state(run_of(config), sharding.mesh_of(config), optim.make_optimizer(config.train))
     split = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     split |= {"embed_tokens", "lm_head"}
     sizes = {}

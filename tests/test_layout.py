@@ -3,6 +3,7 @@ parameters or gradients between stages; V = 1 changes nothing."""
 
 import jax
 import numpy as np
+from helpers import run_of
 from test_pipeline import make_config
 
 from seqpipe import config as config_lib
@@ -50,14 +51,14 @@ def _step_collectives(config) -> tuple[dict, dict]:
     """Collectives of the compiled train step: inside the tick loop, and outside it."""
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.stage)
     tx = optim.make_optimizer(config.train)
-    state = train.abstract_state(config, mesh, tx)
+    state = train.abstract_state(run_of(config), mesh, tx)
     batch = jax.ShapeDtypeStruct(
         (config.train.global_batch_size, config.train.seq_len + 1),
         np.int32,
         sharding=sharding.batch_sharding(mesh),
     )
     step = train.make_train_step(
-        train.make_grad_fn(config, mesh),
+        train.make_grad_fn(run_of(config), mesh),
         tx,
         optim.lr_schedule(config.train),
         mesh,

@@ -111,7 +111,8 @@ def test_memory_estimate_is_never_more_pessimistic_than_pruning_trusts():
     for row in _tiny_rows(TINY, rates):
         c = row["candidate"]
         devices = jax.devices()[: c.data * c.stage * c.tensor]
-        report = train.compile_only(row["config"], devices, with_evaluation=False)
+        run = train.resolve(row["config"], devices)
+        report = train.compile_only(run, with_evaluation=False)
         ratio = report["peak_memory_per_device_bytes"] / row["memory_per_device_bytes"]
         assert ratio >= bounds.LOW, (row["label"], ratio)
 
@@ -205,7 +206,7 @@ def test_a_candidate_the_compiler_refuses_is_a_reason_not_a_crash():
         "verdict": "fits",
         "step_s": 1.0,
     }
-    out = confirm.confirm(row, jax.devices()[:1], 2**30, train.compile_only)
+    out = confirm.confirm(row, jax.devices()[:1], 2**30, train.compile_config)
     assert out["fits"] is False and rank.reason(out, None, 2**30).startswith(
         "does not compile for the target: "
     )

@@ -57,17 +57,18 @@ def test_compile_only_fits_a_budget_with_the_compiler_s_own_figures():
     config = tiny_config(**PIPELINED)
     peaks = {}
     for policy in ("none", "dots", "layer"):
-        result = train.compile_only(remat_auto.with_policy(config, policy))
+        result = train.compile_only(train.resolve(remat_auto.with_policy(config, policy)))
         peaks[policy] = result["peak_memory_per_device_bytes"]
     assert peaks["layer"] < peaks["none"]  # else the budget below could not split them
     fits = "dots" if peaks["dots"] < peaks["none"] else "layer"
     budget = int((peaks[fits] + peaks["none"]) / 2 / remat_auto.HEADROOM)
     auto = tiny_config(**PIPELINED, **{"pipeline.remat": "auto"})
-    result = train.compile_only(auto, budget=budget)
+    result = train.compile_only(train.resolve(auto, budget=budget))
     assert result["remat"] == fits
     assert result["remat_auto"]["policy"] == fits and result["remat_auto"]["budget"] == budget
     assert result["remat_auto"]["peaks"]["none"] == peaks["none"]
     assert result["peak_memory_per_device_bytes"] == peaks[fits]
+    assert f"pipeline.remat: auto -> {fits} (fits; peak GiB: none " in result["run"]
 
 
 def test_a_run_with_auto_on_the_cpu_trains_with_the_default_and_says_so(tmp_path, capsys):

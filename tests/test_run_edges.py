@@ -11,7 +11,7 @@ import time
 
 import orbax.checkpoint as ocp
 import pytest
-from helpers import REPO, read_events, run_train, subprocess_env, tiny_args, tiny_config
+from helpers import REPO, read_events, run_of, run_train, subprocess_env, tiny_args, tiny_config
 
 from seqpipe import checkpoint, data, logs, metrics, optim, sharding, train
 from seqpipe import config as config_lib
@@ -282,7 +282,7 @@ def test_an_evaluation_of_a_hundred_batches_finishes(tmp_path, layout):
     _, held_out, _ = data.read_corpus(config)
     batches = data.eval_batches(config, held_out, 100, slice(None))
     state = _restore_params(tmp_path, config, mesh)
-    eval_fn = train.make_eval_fn(config, mesh)
+    eval_fn = train.make_eval_fn(run_of(config), mesh)
     losses = [float(eval_fn(state, data.to_global(b["tokens"], mesh, 8))) for b in batches]
     assert last["eval_loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-5)
 
@@ -292,7 +292,7 @@ def _restore_params(workdir, config, mesh):
     manager = checkpoint.make_manager(workdir, config)
     try:
         step, state, _ = checkpoint.restore_latest(
-            manager, train.abstract_state(config, mesh, tx), config
+            manager, train.abstract_state(run_of(config), mesh, tx), config
         )
     finally:
         manager.close()

@@ -12,7 +12,7 @@ read) over tensor=4.
 import jax
 import numpy as np
 import pytest
-from helpers import PIPELINED, run_python, subprocess_env, tiny_args, tiny_config
+from helpers import PIPELINED, run_of, run_python, subprocess_env, tiny_args, tiny_config
 from pairwise import all_pairs, full_product
 from test_pipeline import MODELS, SEQ_LEN, check_against_reference, make_config, microbatch_count
 
@@ -225,7 +225,7 @@ def test_the_sharded_optimizer_halves_moments_on_two_replicas_with_tensor_split(
         c = tensor_config("seq1f1b", (2, 2, 2), 2, "full")
         c.train.shard_optimizer = mode
         mesh = sharding.mesh_of(c)
-        state = train.abstract_state(c, mesh, optim.make_optimizer(c.train))
+        state = train.abstract_state(run_of(c), mesh, optim.make_optimizer(c.train))
         sizes[mode] = {k: train._bytes_per_device(v) for k, v in state.items()}
         moments = [
             x.sharding.spec

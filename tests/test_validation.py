@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from seqpipe import config as config_lib
-from seqpipe import model, pipeline, reference, sharding
+from seqpipe import model, pipeline, reference, run_config, sharding
 from seqpipe import schedule as schedule_lib
 
 KEYS_MENTIONED = ("model.", "mesh.", "pipeline.", "train.", "data.")
@@ -77,25 +77,26 @@ def configs(draw):
 def check(c, run: bool) -> None:
     try:
         config_lib.validate(c)  # before the device count is known, as train.py loads it
-        c = config_lib.resolve(c, num_devices=8)
+        run = run_config.resolve(c, jax.devices())  # the 8 devices
     except config_lib.ConfigError as e:
         message = str(e)
         assert "\n" not in message and any(k in message for k in KEYS_MENTIONED), message
         event("refused")
         return
     event("accepted")
+    c = run.config
     mesh = sharding.make_mesh(c.mesh.data, c.mesh.stage)
     tokens = jax.ShapeDtypeStruct(
         (c.train.global_batch_size, c.train.seq_len + 1),
         np.int32,
         sharding=sharding.batch_sharding(mesh),
     )
-    cfg = model.GPTConfig.from_config(c.model)
+    cfg = run.model
     params = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
-    if c.pipeline.schedule == "none":
+    if not run.pipelined:
         step = jax.jit(lambda p, t: reference.loss_and_grads(p, t, cfg))
     else:
-        spec = pipeline.make_spec(c)
+        spec = run.spec
         step = jax.jit(lambda p, t: pipeline.loss_and_grads(p, t, spec, mesh))
     lowered = step.lower(params, tokens)
     if run:

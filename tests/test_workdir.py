@@ -7,7 +7,7 @@ import socket
 import subprocess
 import sys
 
-from helpers import REPO, run_train, tiny_config
+from helpers import REPO, run_of, run_train, tiny_config
 from hostile import SHORT, one_line_error, read_only_later, snapshot
 
 from seqpipe import checkpoint, train
@@ -17,7 +17,7 @@ def test_a_second_run_on_a_workdir_in_use_is_refused_and_a_killed_owner_blocks_n
     tmp_path,
 ):
     workdir = tmp_path / "w"
-    trainer = train.Trainer(tiny_config(**SHORT), str(workdir))  # holds the workdir
+    trainer = train.Trainer(run_of(tiny_config(**SHORT)), str(workdir))  # holds the workdir
     try:
         before = snapshot(workdir)
         line = one_line_error(run_train(workdir, **SHORT))

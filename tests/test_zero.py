@@ -5,6 +5,7 @@ tick loop, and training takes the same steps as with the optimizer state replica
 import jax
 import numpy as np
 import pytest
+from helpers import run_of
 from jax.sharding import PartitionSpec as P
 from test_pipeline import make_config
 
@@ -58,9 +59,9 @@ def _train(config, batches, state):
     tx = optim.make_optimizer(config.train)
     on = config_lib.shards_optimizer(config)
     step = train.make_train_step(
-        train.make_grad_fn(config, mesh), tx, optim.lr_schedule(config.train), mesh, on
+        train.make_grad_fn(run_of(config), mesh), tx, optim.lr_schedule(config.train), mesh, on
     )
-    shardings = jax.tree.map(lambda x: x.sharding, train.abstract_state(config, mesh, tx))
+    shardings = jax.tree.map(lambda x: x.sharding, train.abstract_state(run_of(config), mesh, tx))
     state = jax.device_put(state, shardings)
     batches = [jax.device_put(b, sharding.batch_sharding(mesh)) for b in batches]
     compiled = step.lower(state, batches[0]).compile()
@@ -95,7 +96,7 @@ def test_sharded_steps_equal_replicated_ones(data, stage):
         for i in range(4)
     ]
     mesh = sharding.make_mesh(data, stage)
-    state = train.init_state(off, mesh, optim.make_optimizer(off.train))
+    state = train.init_state(run_of(off), mesh, optim.make_optimizer(off.train))
     state = jax.tree.map(np.asarray, state)  # the same start for both, on the host
     losses_off, state_off, (loop_off, outside_off) = _train(off, batches, state)
     losses_on, state_on, (loop_on, outside_on) = _train(on, batches, state)

@@ -8,7 +8,7 @@ import sys
 
 import jax
 
-from seqpipe import checkpoint, optim, sharding, train
+from seqpipe import checkpoint, optim, run_config, sharding, train
 from seqpipe import config as config_lib
 
 
@@ -28,7 +28,8 @@ def main(workdir: str, port: str, process_id: int) -> None:
 
     checkpoint._read_step = read_on_this_host
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.stage)
-    abstract = train.abstract_state(config, mesh, optim.make_optimizer(config.train))
+    run = run_config.resolve(config, jax.devices())
+    abstract = train.abstract_state(run, mesh, optim.make_optimizer(config.train))
     manager = checkpoint.make_manager(workdir, config)
     step, _, _ = checkpoint.restore_latest(manager, abstract, config)
     manager.close()

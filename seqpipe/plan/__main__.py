@@ -85,7 +85,7 @@ def main(argv: list[str]) -> int:
     from seqpipe import train
     from seqpipe.plan import plan
 
-    return plan.run(args, config, overrides, target, seq_len, batch, Bar, train.compile_only)
+    return plan.run(args, config, overrides, target, seq_len, batch, Bar, train.compile_config)
 
 
 if __name__ == "__main__":

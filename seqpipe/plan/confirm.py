@@ -6,7 +6,7 @@ from seqpipe.plan import rank
 
 
 def confirm(row: dict, devices, budget: int, compile_step) -> dict:
-    """The row with its step compiled for `devices` by `compile_step` (`train.compile_only`,
+    """The row with its step compiled for `devices` by `compile_step` (`train.compile_config`,
     without the evaluation): compiled memory per device, whether it fits `budget`, the compile's
     seconds, and the estimate's error against it."""
     try:

@@ -132,7 +132,7 @@ def fits_nowhere(rows: list[dict], budget: int, target) -> str:
 
 
 def run(args, config, overrides, target, seq_len, batch, Bar, compile_step) -> int:
-    """The planner, start to end; `compile_step` is `train.compile_only` (the caller
+    """The planner, start to end; `compile_step` is `train.compile_config` (the caller
     passes it in, so the planner does not import the trainer)."""
     p = problem_of(config, target, seq_len, batch)
     try:

@@ -321,15 +321,21 @@ def measure(
     """One variant's compile time, step time, throughput, MFU, memory and profile."""
     import jax  # after main() sets the XLA flags
 
-    from seqpipe import model, optim, sharding, train  # jax: after main() sets the XLA flags
-    from seqpipe.model import GPTConfig  # jax: after main() sets the XLA flags
+    from seqpipe import (  # jax: after main() sets the XLA flags
+        model,
+        optim,
+        run_config,
+        sharding,
+        train,
+    )
 
     c = variant_config(config, name, microbatches)
     t = c.train
+    run = run_config.resolve(c, jax.devices()[:1])  # `auto` as the platform's own
     mesh = sharding.make_mesh(1, 1, jax.devices()[:1])
     tx = optim.make_optimizer(t)
-    state = train.init_state(c, mesh, tx)
-    step = train.make_train_step(train.make_grad_fn(c, mesh), tx, optim.lr_schedule(t), mesh)
+    state = train.init_state(run, mesh, tx)
+    step = train.make_train_step(train.make_grad_fn(run, mesh), tx, optim.lr_schedule(t), mesh)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, c.model.vocab_size, (t.global_batch_size, t.seq_len + 1), np.int32)
     tokens = jax.device_put(tokens, sharding.batch_sharding(mesh))
@@ -344,7 +350,7 @@ def measure(
         state, metrics = compiled(state, tokens)
     jax.block_until_ready(metrics)
     step_s = (time.perf_counter() - start) / steps
-    cfg = GPTConfig.from_config(c.model)
+    cfg = run.model
     tokens_per_step = t.global_batch_size * t.seq_len
     fpt = model.flops_per_token(cfg, t.seq_len)
     fpt_causal = fpt - 6.0 * cfg.num_layers * cfg.d_model * t.seq_len  # attention halved
@@ -397,7 +403,7 @@ def run(
     cuts the run."""
     import jax  # after main() sets the XLA flags
 
-    from seqpipe import attention, model  # jax: after main() sets the XLA flags
+    from seqpipe import model, spec  # jax: after main() sets the XLA flags
     from seqpipe.model import GPTConfig  # jax: after main() sets the XLA flags
 
     dev = jax.devices()[0]
@@ -411,7 +417,7 @@ def run(
         "attention_halved": False,  # PaLM's count; mfu_causal halves it
         "global_batch_size": config.train.global_batch_size,
         "seq_len": config.train.seq_len,
-        "attention": attention.resolve(config.model.attention, dev.platform),
+        "attention": spec.attention_on(config.model.attention, dev.platform),
         "microbatches": microbatches,
         "steps": steps,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),

@@ -6,12 +6,13 @@ Computes loss and gradients with the configured schedule and with the reference,
 float32, prints the largest relative differences, and exits 0 only within tolerance.
 """
 
+import dataclasses
 import sys
 
 import jax
 import numpy as np
 
-from seqpipe import cli, data, hf, layout, model, pipeline, reference, sharding
+from seqpipe import cli, data, hf, layout, model, pipeline, reference, run_config, sharding
 
 # Relative to each gradient leaf's largest magnitude; float32 summation-order noise is
 # about 1e-6 here, whatever the schedule.
@@ -42,18 +43,16 @@ def canonical_loss_and_grads(params, tokens_BxL1, spec, mesh):
     return loss, layout.to_canonical(grads, placement)
 
 
-def compare(config, tokens_BxL1, mesh) -> dict:
-    """Loss and gradient differences between the configured pipeline and the reference,
-    on a batch of tokens [B, L+1] or of packed rows (a dict: `seqpipe.packing`)."""
-    config = config.copy_and_resolve_references()
-    with config.model.unlocked():
-        config.model.dtype = "float32"
-        config.model.param_dtype = "float32"
-    spec = pipeline.make_spec(config)
-    if config.train.init_from:  # a HF checkpoint's weights (`seqpipe.hf`), in float32
-        params = hf.load(config.train.init_from.removeprefix("hf:"))[1]
+def compare(run, tokens_BxL1, mesh) -> dict:
+    """Loss and gradient differences between a run's pipeline (a `run_config.RunConfig`)
+    and the reference, both in float32, on a batch of tokens [B, L+1] or of packed rows
+    (a dict: `seqpipe.packing`)."""
+    cfg = dataclasses.replace(run.spec.cfg, dtype="float32", param_dtype="float32")
+    spec = dataclasses.replace(run.spec, cfg=cfg)
+    if run.train.init_from:  # a HF checkpoint's weights (`seqpipe.hf`), in float32
+        params = hf.load(run.train.init_from.removeprefix("hf:"))[1]
     else:
-        params = model.init_params(spec.cfg, jax.random.key(config.train.seed))
+        params = model.init_params(spec.cfg, jax.random.key(run.train.seed))
     ref_loss, ref_grads = jax.jit(reference.loss_and_grads, static_argnums=2)(
         params, tokens_BxL1, spec.cfg
     )
@@ -88,7 +87,8 @@ def main(argv: list[str]) -> int:
     batch = data.global_batch(
         next(data.train_iterator(config, train_stream, rows)), mesh, config.train.global_batch_size
     )
-    r = cli.run_or_exit(lambda: compare(config, batch, mesh))
+    run = cli.run_or_exit(lambda: run_config.resolve(config, list(mesh.devices.flat)))
+    r = cli.run_or_exit(lambda: compare(run, batch, mesh))
     packed = " on packed rows" if isinstance(batch, dict) else ""
     print(
         f"schedule {config.pipeline.schedule}{packed}  loss {r['loss']:.6f} (reference "
