@@ -14,7 +14,19 @@ import numpy as np
 import pytest
 from pairwise import all_pairs, full_product
 
-from seqpipe import carry, hlo, kv_cache, layout, model, pipeline, reference, remat, sharding, units
+from seqpipe import (
+    carry,
+    hlo,
+    kv_cache,
+    layout,
+    model,
+    pipeline,
+    reference,
+    remat,
+    remat_strategies,
+    sharding,
+    units,
+)
 from seqpipe import config as config_lib
 from seqpipe import schedule as schedule_lib
 from seqpipe import spec as spec_lib
@@ -299,6 +311,22 @@ def test_remat_policies_agree_everywhere():
     for policy in remat.POLICIES.values():
         for checkpoint in (policy.checkpoint, policy.reference):
             assert checkpoint is None or checkpoint in model.CHECKPOINT_POLICIES
+
+
+def test_each_policy_runs_by_the_strategy_its_row_names():
+    """A `remat.POLICIES` row names the `remat_strategies` class that runs its forward and
+    backward; the unit asks that class, and what the row says of residuals is what the
+    class keeps."""
+    for name, policy in remat.POLICIES.items():
+        named = remat_strategies.named(policy.strategy)
+        assert named.keeps_residuals == policy.keeps_residuals, name
+        config = make_config("seq1f1b", (1, 2), 2, "uniform", "equal", 1)
+        config.pipeline.remat = name
+        spec = pipeline.make_spec(config)
+        assert type(units.strategy(spec)) is named
+        assert type(units.SegmentUnit(spec, 1).strategy) is named
+    with pytest.raises(ValueError, match="no remat strategy 'Nothing'"):
+        remat_strategies.named("Nothing")
 
 
 def test_broken_kv_gradient_is_caught():
