@@ -192,7 +192,7 @@ def test_pipeline_matches_reference_full_matrix(case):
 @pytest.mark.parametrize("case", SAMPLE, ids=case_id)
 def test_pipeline_keeping_every_residual_matches_reference(case):
     """The sample again under `remat=none`: each layer's residuals stashed and rebuilt
-    (`units.KeepLayerResiduals`) in every schedule, mesh and segment count of it."""
+    (`remat_strategies.KeepLayerResiduals`) in every schedule, mesh and segment count of it."""
     config = make_config(*case)
     config.pipeline.remat = "none"
     check_against_reference(case, config)
@@ -418,8 +418,8 @@ def _take(layout, unit):
 
     def trace(p, x, words_k, words_v):
         at = kv_cache.Prefix(words_k, words_v, jnp.int32(0), jnp.int32(0))
-        prefix = unit._layer_prefix(rows, at)
-        _, pullback = unit._layer_vjp(p, x, *prefix)
+        prefix = unit.layer_prefix(rows, at)
+        _, pullback = unit.kept_layer_vjp(p, x, *prefix)
         return layout.take(pullback, (p, *prefix), f"segment {unit.seg}")
 
     chunk, _, x_in, *_ = unit.avals(rows)
@@ -447,8 +447,8 @@ def test_the_executors_residual_layout_is_checked_against_the_probe():
 @pytest.mark.parametrize("remat", ["none", "dots"])
 def test_residuals_are_written_and_read_a_layer_at_a_time(remat):
     """Kept residuals go into their stash slot a layer at a time and come back the same way
-    (`units.KeepLayerResiduals`): no dynamic slice or update of a stash buffer ([slots, n,
-    ...]) spans more than one layer of one slot. Under a vjp of the whole chunk the
+    (`remat_strategies.KeepLayerResiduals`): no dynamic slice or update of a stash buffer
+    ([slots, n, ...]) spans more than one layer of one slot. Under a vjp of the whole chunk the
     executor wrote and read whole slots: copies of every layer's residuals per unit."""
     config = make_config("seq1f1b", (1, 2), 3, "uniform", "more", 1)
     config.model.num_layers = 4  # two layers a chunk
