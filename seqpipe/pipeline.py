@@ -230,15 +230,12 @@ def forward(ctx: Context, inp: StageInputs, carry: Carry, op: TickOps) -> tuple[
         tokens, _ = inp.tokens(spec, mb, k)
         kv_k, kv_v = kv or (carry.kv_k, carry.kv_v)
         k_prefix, v_prefix, cache = _prefix_args(ctx, kv_k, kv_v, kv_slot, k)
-        args = (x_in, k_prefix, v_prefix)
+        inputs = units.UnitInputs(*params, x_in, k_prefix, v_prefix, tokens, first, depth, cache)
         unit = ctx.units[k].with_packing(inp.packing(spec, mb, k))
         if spec.forward_only:  # nothing to keep for a backward
-            y, k_seg, v_seg = unit.body(tokens, first, depth, cache)(*params, *args)
+            y, k_seg, v_seg = unit.run(inputs)
         else:
-            kept = units.Stash(stash, slot)
-            (y, k_seg, v_seg), kept = unit.forward(
-                params, *args, tokens, first, depth, cache=cache, stash=kept
-            )
+            (y, k_seg, v_seg), kept = unit.forward(inputs, units.Stash(stash, slot))
             stash = kept.buffers
         if k < spec.segments - 1:  # only segments before the last are read back as a prefix
             at = (kv_slot, 0, 0, spec.offsets[k], 0, 0)
@@ -346,19 +343,10 @@ def _backward_unit(ctx: Context, inp: StageInputs, op: TickOps, k: int, saved, d
         if words_dk is None
         else kv_cache.Cotangents(words_dk, words_dv, op["bwd_dkv"], off, act)
     )
-    layers, d_shared, dx, *rest = unit.backward(
-        saved,
-        (inp.chunk(chunk), inp.shared),
-        k_prefix,
-        v_prefix,
-        tokens,
-        inp.first(chunk, spec.stages),
-        (dy, dk_own, dv_own),
-        depth=inp.depth(spec, chunk),
-        cache=cache,
-        into=into,
-        grads=layers,
-    )
+    params = (inp.chunk(chunk), inp.shared)
+    first, depth = inp.first(chunk, spec.stages), inp.depth(spec, chunk)
+    inputs = units.UnitInputs(*params, None, k_prefix, v_prefix, tokens, first, depth, cache)
+    layers, d_shared, dx, *rest = unit.backward(inputs, saved, (dy, dk_own, dv_own), into, layers)
     into, *pack = rest if into is not None else (None, *rest[2:])
     # pack: a split B's (matmul inputs, output cotangents) for its W; else empty.
     return dx.astype(act), layers, d_shared, into, pack

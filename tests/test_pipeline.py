@@ -14,7 +14,19 @@ import numpy as np
 import pytest
 from pairwise import all_pairs, full_product
 
-from seqpipe import carry, hlo, kv_cache, layout, model, pipeline, reference, remat, sharding, units
+from seqpipe import (
+    carry,
+    hlo,
+    kv_cache,
+    layout,
+    model,
+    pipeline,
+    reference,
+    remat,
+    remat_strategies,
+    sharding,
+    units,
+)
 from seqpipe import config as config_lib
 from seqpipe import schedule as schedule_lib
 from seqpipe import spec as spec_lib
@@ -180,7 +192,7 @@ def test_pipeline_matches_reference_full_matrix(case):
 @pytest.mark.parametrize("case", SAMPLE, ids=case_id)
 def test_pipeline_keeping_every_residual_matches_reference(case):
     """The sample again under `remat=none`: each layer's residuals stashed and rebuilt
-    (`units.KeepLayerResiduals`) in every schedule, mesh and segment count of it."""
+    (`remat_strategies.KeepLayerResiduals`) in every schedule, mesh and segment count of it."""
     config = make_config(*case)
     config.pipeline.remat = "none"
     check_against_reference(case, config)
@@ -301,6 +313,22 @@ def test_remat_policies_agree_everywhere():
             assert checkpoint is None or checkpoint in model.CHECKPOINT_POLICIES
 
 
+def test_each_policy_runs_by_the_strategy_its_row_names():
+    """A `remat.POLICIES` row names the `remat_strategies` class that runs its forward and
+    backward; the unit asks that class, and what the row says of residuals is what the
+    class keeps."""
+    for name, policy in remat.POLICIES.items():
+        named = remat_strategies.named(policy.strategy)
+        assert named.keeps_residuals == policy.keeps_residuals, name
+        config = make_config("seq1f1b", (1, 2), 2, "uniform", "equal", 1)
+        config.pipeline.remat = name
+        spec = pipeline.make_spec(config)
+        assert type(units.strategy(spec)) is named
+        assert type(units.SegmentUnit(spec, 1).strategy) is named
+    with pytest.raises(ValueError, match="no remat strategy 'Nothing'"):
+        remat_strategies.named("Nothing")
+
+
 def test_broken_kv_gradient_is_caught():
     """The oracle can fail: dropping the K/V prefix cotangents must break the gradients."""
     case = ("seq1f1b", (1, 2), 3, "uniform", "equal", 1)
@@ -390,8 +418,8 @@ def _take(layout, unit):
 
     def trace(p, x, words_k, words_v):
         at = kv_cache.Prefix(words_k, words_v, jnp.int32(0), jnp.int32(0))
-        prefix = unit._layer_prefix(rows, at)
-        _, pullback = unit._layer_vjp(p, x, *prefix)
+        prefix = unit.layer_prefix(rows, at)
+        _, pullback = unit.kept_layer_vjp(p, x, *prefix)
         return layout.take(pullback, (p, *prefix), f"segment {unit.seg}")
 
     chunk, _, x_in, *_ = unit.avals(rows)
@@ -419,8 +447,8 @@ def test_the_executors_residual_layout_is_checked_against_the_probe():
 @pytest.mark.parametrize("remat", ["none", "dots"])
 def test_residuals_are_written_and_read_a_layer_at_a_time(remat):
     """Kept residuals go into their stash slot a layer at a time and come back the same way
-    (`units.KeepLayerResiduals`): no dynamic slice or update of a stash buffer ([slots, n,
-    ...]) spans more than one layer of one slot. Under a vjp of the whole chunk the
+    (`remat_strategies.KeepLayerResiduals`): no dynamic slice or update of a stash buffer
+    ([slots, n, ...]) spans more than one layer of one slot. Under a vjp of the whole chunk the
     executor wrote and read whole slots: copies of every layer's residuals per unit."""
     config = make_config("seq1f1b", (1, 2), 3, "uniform", "more", 1)
     config.model.num_layers = 4  # two layers a chunk

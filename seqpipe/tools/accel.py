@@ -217,7 +217,7 @@ def _by_source(stack: list[tuple[str, str]]) -> str | None:
         name = os.path.basename(path)
         if name in ATTENTION_FILES:
             return "attention"
-        if name in ("model.py", "units.py"):
+        if name in ("model.py", "units.py", "remat_strategies.py"):
             if _base(function) in XENT_FUNCTIONS:
                 return "cross-entropy"
             return "layer loop" if _base(function) == "layers" else None

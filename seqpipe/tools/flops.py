@@ -102,13 +102,14 @@ def unit_functions(spec, seg: int, first: bool, last: bool, rows: int = 1, n: in
     unit = units.SegmentUnit(spec, seg, n)
 
     def forward(p, sh, x, k, v, tokens, targets):
-        outputs, saved = unit.forward((p, sh), x, k, v, tokens, first)
+        outputs, saved = unit.forward(units.UnitInputs(p, sh, x, k, v, tokens, first))
         if last:
             outputs = (outputs, unit.head(sh, outputs[0], targets))
         return outputs, saved
 
     def backward(saved, p, sh, k, v, tokens, dy, dk, dv, keep_outputs=False):
-        return unit.backward(saved, (p, sh), k, v, tokens, first, (dy, dk, dv), keep_outputs)
+        inputs = units.UnitInputs(p, sh, None, k, v, tokens, first)
+        return unit.backward(inputs, saved, (dy, dk, dv), keep_outputs=keep_outputs)
 
     return forward, backward, unit.weight
 

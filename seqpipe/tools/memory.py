@@ -156,7 +156,8 @@ def unit_temp_bytes(spec, rows: int, seg: int) -> int:
     own = unit.kv_avals(rows)
 
     def backward(saved, p, sh, k, v, tokens, first, dy, dk, dv):
-        return unit.backward(saved, (p, sh), k, v, tokens, first, (dy, dk, dv))
+        inputs = units.UnitInputs(p, sh, None, k, v, tokens, first)
+        return unit.backward(inputs, saved, (dy, dk, dv))
 
     flag = jax.ShapeDtypeStruct((), jnp.bool_)
     args = (unit.saved_avals(rows), chunk, shared, prefix, prefix, tok, flag, x_in, own, own)
