@@ -53,7 +53,9 @@ class GPTConfig:
     param_dtype: str = "float32"
     rope_base: float = 10000.0
     init_std: float = 0.02
-    attention: str = "auto"  # a name in attention.IMPLEMENTATIONS
+    # A name in attention.IMPLEMENTATIONS; the model alone runs the `xla` oracle. A config's
+    # `auto` is chosen for its devices by `run_config.resolve`, never at trace time.
+    attention: str = "xla"
     loss_chunk: int = 0  # tokens per cross-entropy chunk (`head_loss_sum`); 0: one chunk
     # Devices each layer, the embedding and the head are split over (`seqpipe.tensor`);
     # the pipeline's functions run per device with 1/tensor of the split dimensions.
