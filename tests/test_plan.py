@@ -210,3 +210,24 @@ def test_a_candidate_the_compiler_refuses_is_a_reason_not_a_crash():
     assert out["fits"] is False and rank.reason(out, None, 2**30).startswith(
         "does not compile for the target: "
     )
+
+
+def test_a_candidates_estimate_does_not_depend_on_what_was_estimated_before():
+    """Candidates that differ only in remat share one table, built under `full`; it was
+    built from whichever policy came first, so every policy of that shape was priced as
+    that one (llama3_1_8b on v5p-64: 4x2x4 interleaved_1f1b M=4 V=4 remat=none estimated
+    at 83.6 GiB as `dots` was, compiled at 152.8)."""
+    base = config_lib.load("tiny", {"model.num_layers": "4"})
+    rates = timing.CPU
+
+    def estimates(order):
+        search._TABLES.clear()
+        out = {}
+        for remat in order:
+            c = Candidate(1, 2, 1, "seq1f1b", 4, 2, 1, "full", remat)
+            out[remat] = search.evaluate(base, c, 512, 8, rates, 2**40)["memory_per_device_bytes"]
+        return out
+
+    first_none, first_full = estimates(("none", "full")), estimates(("full", "none"))
+    assert first_none == first_full
+    assert first_none["none"] > first_none["full"]  # every residual kept, not the input
