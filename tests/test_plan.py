@@ -2,6 +2,7 @@
 compiled steps, its ranking, its output, and its one-line refusals."""
 
 import json
+import types
 
 import jax
 import pytest
@@ -9,7 +10,7 @@ from helpers import run_python
 
 from seqpipe import config as config_lib
 from seqpipe import train
-from seqpipe.plan import bounds, rank, render, search, space, timing
+from seqpipe.plan import bounds, plan, rank, render, search, space, timing
 from seqpipe.plan.space import Candidate, Problem
 
 GPT_1B_ON_8 = Problem(
@@ -85,6 +86,23 @@ def test_ranking_and_reasons():
     assert rank.reason(rows[1], best, 100).startswith("does not fit (estimated)")
     assert "over by" in rank.reason(rows[3], best, 100)
     assert rank.reason(rows[4], best, 100).startswith("not a valid setting")
+
+
+def test_tries_spent_is_not_fits_nowhere():
+    """Where the compile tries run out on candidates that did not fit, the planner says so
+    and names the leanest candidate left, rather than that the model fits nowhere."""
+    target = types.SimpleNamespace(name="h200-8")
+    gib = 2**30
+    rows = [
+        _row("tried", 1.0, 80 * gib, memory_source="compiled", fits=False),
+        _row("lean", 2.0, 60 * gib),
+        _row("leaner", 3.0, 50 * gib, verdict="boundary"),
+    ]
+    line = plan.no_winner(rows, 100 * gib, target, 3)
+    assert line.startswith("no candidate confirmed on h200-8 in 3 compiles"), line
+    assert "need 80.0 GiB or more of 100.0" in line and "2 more are estimated to fit" in line
+    assert "the leanest leaner at 50.0 GiB" in line and "--compile" in line
+    assert plan.no_winner(rows[:1], 100 * gib, target, 3).startswith("the model fits nowhere")
 
 
 def _tiny_rows(cands, rates):
