@@ -135,6 +135,47 @@ def test_memory_estimate_is_never_more_pessimistic_than_pruning_trusts():
         assert ratio >= bounds.LOW, (row["label"], ratio)
 
 
+def test_a_compile_over_its_estimate_steers_the_next_tries_to_leaner_candidates():
+    """After a compile needs twice its estimate, a candidate over the budget at twice its
+    estimate is passed over (left estimated), and the try goes to one that fits. The
+    compiles are real (two tiny steps on 4 CPU devices), the estimates set by hand."""
+    from seqpipe import gpu_topology
+    from seqpipe.plan import confirm
+
+    rates = timing.rates_for(gpu_topology.parse("h200-8"))
+    heavy, lean = _tiny_rows(
+        [
+            Candidate(1, 4, 1, "seq1f1b", 4, 4, 1, "full", "none"),
+            Candidate(1, 4, 1, "seq1f1b", 4, 4, 1, "full", "full"),
+        ],
+        rates,
+    )
+    devices, peaks = jax.devices()[:4], {}
+
+    def compile_step(config, devices, with_evaluation):  # each config compiled once
+        if id(config) not in peaks:
+            peaks[id(config)] = train.compile_config(config, devices, with_evaluation)
+        return peaks[id(config)]
+
+    big = confirm.confirm(heavy, devices, 2**40, compile_step)["memory_per_device_bytes"]
+    small = confirm.confirm(lean, devices, 2**40, compile_step)["memory_per_device_bytes"]
+    assert small < big, (small, big)
+    budget = (small + big) // 2
+
+    def row(base, label, step, estimate):
+        return base | {"label": label, "step_s": step, "memory_per_device_bytes": estimate}
+
+    rows = [
+        row(heavy, "fastest, low by 2x", 1.0, big // 2),
+        row(heavy, "next, over at 2x", 2.0, int(budget * 0.6)),
+        row(lean, "lean", 3.0, budget // 4),
+    ]
+    out = confirm.confirm_best(rows, devices, budget, 1, 2, lambda label: None, compile_step)
+    assert [r.get("memory_source") for r in out] == ["compiled", "estimated", "compiled"]
+    assert [r.get("fits") for r in out] == [False, None, True]
+    assert rank.winner(out)["label"] == "lean"
+
+
 def test_json_last_line_holds_the_winner_and_the_others():
     from seqpipe import gpu_topology
 
