@@ -137,7 +137,11 @@ class Stash:
                 jax.lax.dynamic_update_slice(kv_cache.row_major(buf), update, at)
             )
 
-        return self.replace(buffers=tuple(map(write, self.buffers, values)))
+        # Strict: a slot that holds fewer buffers than the values kept must fail here, not
+        # drop the rest for the backward's read to find missing.
+        return self.replace(
+            buffers=tuple(write(b, x) for b, x in zip(self.buffers, values, strict=True))
+        )
 
     def _read(self, lead: tuple, avals) -> list:
         def read(buf, a):

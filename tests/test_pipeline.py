@@ -7,6 +7,7 @@ The models: today's GPT, and a Llama-family one with every feature at once (`LLA
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -532,3 +533,23 @@ def test_weights_are_cast_once_a_step_where_the_policy_says_so(policy):
     ]
     n_weights = len(jax.tree.leaves(params))
     assert len(casts) == (n_weights if remat.POLICIES[policy].casts_once else 0)
+
+
+def test_splash_pipeline_keeping_residuals_matches_reference(monkeypatch):
+    """splash (in Pallas interpret mode, as off a TPU it runs) through the layer stash: the
+    carry's stash and the forward's layout come from two probes of one layer, and each
+    must see splash's mask tables alike. When the kernel cached per shape held the first
+    trace's tracers as its tables, the first probe saw constants and the next tracers to
+    stash: the carry had fewer buffers than the forward kept, and the backward's read of
+    the stash failed (`zip() argument 2 is longer than argument 1`, llama3_1_8b on v5p-64:
+    4x2x4 interleaved_1f1b M=4 V=4 remat=dots). Loss and gradients against the reference."""
+    from seqpipe import splash
+
+    monkeypatch.setattr(
+        splash, "splash_attention", functools.partial(splash.splash_attention, interpret=True)
+    )
+    splash._kernel.cache_clear()  # this trace is the first to build the kernel
+    case = ("interleaved_1f1b", (1, 2), 1, "uniform", "equal", 2, "splash", "llama")
+    config = make_config(*case)
+    config.pipeline.remat = "dots"
+    check_against_reference(case, config)

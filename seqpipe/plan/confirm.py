@@ -30,13 +30,21 @@ def confirm_best(
     rows: list[dict], devices, budget: int, count: int, tries: int, tick, compile_step
 ) -> list:
     """Compile the fastest runnable rows in order until `count` fit or `tries` were
-    compiled; returns every row, the compiled ones replaced. `tick(label)` after each."""
+    compiled; returns every row, the compiled ones replaced. `tick(label)` after each.
+
+    A compile that needs more than its estimate says the model runs low for this target
+    and problem: the rows after it are read at the largest such ratio seen, and a row over
+    the budget at that ratio is passed over (left estimated, not rejected), so the tries
+    go to candidates that may fit rather than to the next fastest of the same size."""
     done: dict[int, dict] = {}
-    for row in rank.ranked(rows)[:tries]:
-        if sum(r["fits"] for r in done.values()) >= count:
+    low_by = 1.0  # the largest compiled / estimated ratio seen
+    for row in rank.ranked(rows):
+        if len(done) >= tries or sum(r["fits"] for r in done.values()) >= count:
             break
-        done[id(row)] = confirm(
-            row, devices, budget, compile_step
-        )  # fits False where it did not compile
+        if row["memory_per_device_bytes"] * low_by > budget:
+            continue
+        out = done[id(row)] = confirm(row, devices, budget, compile_step)
+        if "memory_estimate_bytes" in out:
+            low_by = max(low_by, out["memory_per_device_bytes"] / out["memory_estimate_bytes"])
         tick(row["label"])
     return [done.get(id(r), r) for r in rows]

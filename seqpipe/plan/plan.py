@@ -131,6 +131,26 @@ def fits_nowhere(rows: list[dict], budget: int, target) -> str:
     )
 
 
+def no_winner(rows: list[dict], budget: int, target, tries: int) -> str:
+    """The one line where no compile confirmed a candidate: the model fits nowhere, or
+    candidates the estimate says fit were left uncompiled when the tries ran out."""
+    left = rank.ranked(rows)
+    if not left:
+        return fits_nowhere(rows, budget, target)
+    failed = [r for r in rows if r.get("memory_source") == "compiled" and not r.get("fits")]
+    least = min(
+        (r["memory_per_device_bytes"] for r in failed if "memory_per_device_bytes" in r),
+        default=None,
+    )
+    lean = min(left, key=rank.need)
+    compiled = f"the compiled ones need {least / GiB:.1f} GiB or more" if least else "none compiled"
+    return (
+        f"no candidate confirmed on {target.name} in {tries} compiles ({compiled} of "
+        f"{budget / GiB:.1f}); {len(left)} more are estimated to fit, the leanest "
+        f"{lean['label']} at {rank.need(lean) / GiB:.1f} GiB: rerun with a larger --compile"
+    )
+
+
 def run(args, config, overrides, target, seq_len, batch, Bar, compile_step) -> int:
     """The planner, start to end; `compile_step` is `train.compile_config` (the caller
     passes it in, so the planner does not import the trainer)."""
@@ -153,7 +173,7 @@ def run(args, config, overrides, target, seq_len, batch, Bar, compile_step) -> i
     bar.done()
     best = rank.winner(rows)
     if best is None:
-        cli.fail(fits_nowhere(rows, budget, target))
+        cli.fail(no_winner(rows, budget, target, tries))
     picks = [
         (name, search.evaluate(config, c, seq_len, batch, rates, budget, True))
         for name, c in hand_picked(config, p)

@@ -38,7 +38,12 @@ def spec_of(config, c: Candidate):
     built once for candidates that differ only in remat."""
     key = dataclasses.replace(c, remat="full")
     if key not in _TABLES:
-        _TABLES[key] = spec.make_spec(config)
+        # Under `full` whatever the candidate's policy: the spec is shared by the policies
+        # (built from the first candidate's, every other policy was priced as that one).
+        full = config.copy_and_resolve_references()
+        with full.unlocked():
+            full.pipeline.remat = "full"
+        _TABLES[key] = spec.make_spec(full)
     return _TABLES[key]
 
 
