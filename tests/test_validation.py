@@ -77,26 +77,26 @@ def configs(draw):
 def check(c, run: bool) -> None:
     try:
         config_lib.validate(c)  # before the device count is known, as train.py loads it
-        run = run_config.resolve(c, jax.devices())  # the 8 devices
+        resolved = run_config.resolve(c, jax.devices())  # the 8 devices
     except config_lib.ConfigError as e:
         message = str(e)
         assert "\n" not in message and any(k in message for k in KEYS_MENTIONED), message
         event("refused")
         return
     event("accepted")
-    c = run.config
+    c = resolved.config
     mesh = sharding.make_mesh(c.mesh.data, c.mesh.stage)
     tokens = jax.ShapeDtypeStruct(
         (c.train.global_batch_size, c.train.seq_len + 1),
         np.int32,
         sharding=sharding.batch_sharding(mesh),
     )
-    cfg = run.model
+    cfg = resolved.model
     params = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
-    if not run.pipelined:
+    if not resolved.pipelined:
         step = jax.jit(lambda p, t: reference.loss_and_grads(p, t, cfg))
     else:
-        spec = run.spec
+        spec = resolved.spec
         step = jax.jit(lambda p, t: pipeline.loss_and_grads(p, t, spec, mesh))
     lowered = step.lower(params, tokens)
     if run:
