@@ -4,7 +4,7 @@
         --seq-len 8192 --global-batch 32 [--pick 10] [--config.key=value ...]
 
 Picks `--pick` candidates spread over meshes, schedules and remat policies (`pick`),
-compiles each for the target (`train.compile_only`, no evaluation) and prints estimate,
+compiles each for the target (`train.compile_config`, no evaluation) and prints estimate,
 compiled figure and their ratio as Markdown; the ratios bound `seqpipe.plan.bounds.LOW`
 and `HIGH`.
 """
@@ -43,7 +43,7 @@ def main(argv):
         if "invalid" in row:
             continue
         t0 = time.perf_counter()
-        rep = train.compile_only(train.resolve(row["config"], devices), with_evaluation=False)
+        rep = train.compile_config(row["config"], devices, with_evaluation=False)
         got, est = rep["peak_memory_per_device_bytes"], row["memory_per_device_bytes"]
         print(
             f"| {c.label} | {est / 2**30:.2f} | {got / 2**30:.2f} | {got / est:.3f} | "

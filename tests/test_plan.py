@@ -129,8 +129,7 @@ def test_memory_estimate_is_never_more_pessimistic_than_pruning_trusts():
     for row in _tiny_rows(TINY, rates):
         c = row["candidate"]
         devices = jax.devices()[: c.data * c.stage * c.tensor]
-        run = train.resolve(row["config"], devices)
-        report = train.compile_only(run, with_evaluation=False)
+        report = train.compile_config(row["config"], devices, with_evaluation=False)
         ratio = report["peak_memory_per_device_bytes"] / row["memory_per_device_bytes"]
         assert ratio >= bounds.LOW, (row["label"], ratio)
 
