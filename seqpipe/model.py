@@ -703,14 +703,16 @@ def loss(
     return total / jnp.maximum(jnp.sum(counted), 1)
 
 
-def flops_per_token(cfg: GPTConfig, seq_len: int) -> float:
+def flops_per_token(cfg: GPTConfig, seq_len: int, causal: bool = False) -> float:
     """Training FLOPs per token, PaLM convention: 6N (non-embedding matmuls and head) + 12*N_l*D*L.
 
-    The attention term counts the full L x L score matrix as PaLM does; causal
-    attention needs half of it, which `seqpipe.partition` accounts for separately.
+    The attention term counts the full L x L score matrix as PaLM does; `causal` halves
+    it, the work a kernel that skips masked blocks does (`seqpipe.partition` accounts for
+    the causal shape per segment separately).
     """
     n, d, v = cfg.num_layers, cfg.d_model, cfg.vocab_size
-    return 6.0 * (n * layer_matmul_params(cfg) + d * v) + 12.0 * n * d * seq_len
+    attention = 12.0 * n * d * seq_len * (0.5 if causal else 1.0)
+    return 6.0 * (n * layer_matmul_params(cfg) + d * v) + attention
 
 
 def layer_matmul_params(cfg: GPTConfig) -> int:

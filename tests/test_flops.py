@@ -37,6 +37,7 @@ def test_analytic_by_hand_grouped_and_swiglu():
     assert got["dense"] == 2 * 5 * 144
     assert got["attention"] == 2 * (2 * 2 * 2 * 4) + 2 * (2 * 3 * 5 * 4)  # query heads' work
     assert model.flops_per_token(cfg, 5) == 6 * (144 + 4 * 16) + 12 * 4 * 5
+    assert model.flops_per_token(cfg, 5, causal=True) == 6 * (144 + 4 * 16) + 6 * 4 * 5
 
 
 def _spec(

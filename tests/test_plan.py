@@ -289,3 +289,16 @@ def test_a_candidates_estimate_does_not_depend_on_what_was_estimated_before():
     first_none, first_full = estimates(("none", "full")), estimates(("full", "none"))
     assert first_none == first_full
     assert first_none["none"] > first_none["full"]  # every residual kept, not the input
+
+
+def test_mfu_at_a_tpus_peak_stays_below_one_where_attention_dominates():
+    """The time model prices splash's causal half of the scores; MFU counted the full
+    L x L score matrix (PaLM's), so the 8B at 65536 on a v5p-64 read 131%. Counted as
+    the kernel computes it, MFU at the chip's peak is a ceiling below 100%."""
+    from seqpipe import topology
+
+    base = config_lib.load("tiny", {})
+    rates = timing.rates_for(topology.parse("v5p-8"))
+    c = Candidate(1, 2, 1, "seq1f1b", 4, 4, 1, "full", "dots")
+    row = search.evaluate(base, c, 8192, 4, rates, 2**40)
+    assert 0.5 < row["mfu"] < 1.0, row["mfu"]

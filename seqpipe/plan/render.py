@@ -28,7 +28,7 @@ def table(rows: list[dict]) -> str:
     """The ranked rows as Markdown; `source` says which memory figure was compiled."""
     lines = [
         "| # | candidate (data x stage x tensor, schedule, M, K, V, depth, remat) | step s "
-        "| tokens/s | MFU | memory GiB | memory | bubble |",
+        "| tokens/s | MFU causal | memory GiB | memory | bubble |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for i, r in enumerate(rows, 1):

@@ -161,13 +161,15 @@ def after_loop(state: dict, data: int, shard_optimizer: bool, rates: Rates) -> f
 
 
 def step_time(spec, rows: int, data: int, shard_optimizer: bool, state: dict, rates) -> dict:
-    """The step's seconds, bubble, tokens/s and MFU (PaLM's FLOPs over every device's peak)."""
+    """The step's seconds, bubble, tokens/s and MFU: PaLM's FLOPs with causal attention's
+    half of the score matrix (what splash and the fused kernels compute; the full count
+    would read above 100% at a TPU's peak) over every device's peak."""
     pipe = pipeline_time(spec, rows, rates)
     seconds = pipe["loop_s"] + after_loop(state, data, shard_optimizer, rates)
     m = spec.schedule.microbatches
     tokens = rows * m * data * sum(spec.lengths)
     devices = data * spec.stages * spec.cfg.tensor
-    flops = model.flops_per_token(spec.cfg, sum(spec.lengths)) * tokens
+    flops = model.flops_per_token(spec.cfg, sum(spec.lengths), causal=True) * tokens
     return {
         "step_s": seconds,
         "bubble": pipe["bubble"],

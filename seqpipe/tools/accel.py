@@ -353,7 +353,7 @@ def measure(
     cfg = run.model
     tokens_per_step = t.global_batch_size * t.seq_len
     fpt = model.flops_per_token(cfg, t.seq_len)
-    fpt_causal = fpt - 6.0 * cfg.num_layers * cfg.d_model * t.seq_len  # attention halved
+    fpt_causal = model.flops_per_token(cfg, t.seq_len, causal=True)
     peak = peak_flops(jax.devices()[0].device_kind)
     out = {
         "variant": name,
