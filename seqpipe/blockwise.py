@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from seqpipe import kv_cache
+from seqpipe import attention_residuals, kv_cache
 
 BLOCK_Q = 512
 BLOCK_K = 512
@@ -347,7 +347,9 @@ def blockwise_attention(
 
 def _fwd(q, k_prefix, v_prefix, k_seg, v_seg, block_q, block_k, documents=None):
     prefix = _reader(k_prefix, v_prefix)
-    out, lse = _forward(q, prefix, k_seg, v_seg, block_q, block_k, documents)
+    out, lse = attention_residuals.mark(
+        *_forward(q, prefix, k_seg, v_seg, block_q, block_k, documents)
+    )
     return out, (q, k_prefix, v_prefix, k_seg, v_seg, out, lse, documents)
 
 
@@ -403,7 +405,9 @@ def _cached_fwd(
     q, cache, sink_k, sink_v, k_seg, v_seg, prefix_len, block_q, block_k, documents=None
 ):
     prefix = _cache_reader(cache, prefix_len, q.dtype)
-    out, lse = _forward(q, prefix, k_seg, v_seg, block_q, block_k, documents)
+    out, lse = attention_residuals.mark(
+        *_forward(q, prefix, k_seg, v_seg, block_q, block_k, documents)
+    )
     # The sinks are not kept, only their length: their values are never read.
     sink_len = jnp.zeros((0, sink_k.shape[1]), jnp.int8)
     return out, (q, cache, k_seg, v_seg, out, lse, sink_len, documents)

@@ -58,7 +58,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from seqpipe import kv_cache
+from seqpipe import attention_residuals, kv_cache
 
 # A finite "minus infinity" for masked scores: exp(MASKED - m) is 0, and a row's maximum
 # is never -inf, so no inf - inf turns into NaN.
@@ -649,7 +649,9 @@ def _attention(q, k_prefix, v_prefix, k_seg, v_seg, bounds, blocks, interpret):
 def _fwd(q, k_prefix, v_prefix, k_seg, v_seg, bounds, blocks, interpret):
     _check(q, blocks)
     prefix = _array_prefix(k_prefix, v_prefix, _group(q, k_seg))
-    out, lse = _forward(q, prefix, k_seg, v_seg, bounds, blocks, interpret)
+    out, lse = attention_residuals.mark(
+        *_forward(q, prefix, k_seg, v_seg, bounds, blocks, interpret)
+    )
     return out, (q, k_prefix, v_prefix, k_seg, v_seg, bounds, out, lse)
 
 
@@ -702,7 +704,9 @@ def _cached(q, cache, sink_k, sink_v, k_seg, v_seg, bounds, prefix_len, blocks, 
 def _cached_fwd(q, cache, sink_k, sink_v, k_seg, v_seg, bounds, prefix_len, blocks, interpret):
     _check(q, blocks)
     prefix = _cache_prefix(cache, prefix_len)
-    out, lse = _forward(q, prefix, k_seg, v_seg, bounds, blocks, interpret)
+    out, lse = attention_residuals.mark(
+        *_forward(q, prefix, k_seg, v_seg, bounds, blocks, interpret)
+    )
     sink_len = jnp.zeros((0, sink_k.shape[1]), jnp.int8)  # the sinks' length, not values
     return out, (q, cache, k_seg, v_seg, bounds, out, lse, sink_len)
 

@@ -302,3 +302,43 @@ def test_mfu_at_a_tpus_peak_stays_below_one_where_attention_dominates():
     c = Candidate(1, 2, 1, "seq1f1b", 4, 4, 1, "full", "dots")
     row = search.evaluate(base, c, 8192, 4, rates, 2**40)
     assert 0.5 < row["mfu"] < 1.0, row["mfu"]
+
+
+@pytest.mark.parametrize("attention", ["xla", "blockwise"])
+def test_dots_keeps_no_attention_scores_and_the_residual_fit_is_exact(attention):
+    """`dots` kept every matmul output, attention's score blocks inside `blockwise` too
+    (its own backward never reads them): the 8B at 65536 on an H200 compiled at 2.7 TiB
+    a GPU, estimated at 99 GiB by a model that traced one length and scaled it. A layer's
+    residuals under `dots` and `layer` now do not grow with the K/V length, and the
+    model's fit in the segment and K/V length predicts a third trace to the byte."""
+    import dataclasses
+
+    from seqpipe.model import GPTConfig
+    from seqpipe.plan import memory
+
+    tiny = config_lib.load("tiny", {})
+    cfg = dataclasses.replace(GPTConfig.from_config(tiny.model), attention=attention)
+    traced = memory._layer_residuals
+    for remat in ("dots", "layer"):
+        assert traced(cfg, remat, 128) == traced(cfg, remat, 384), remat
+    for remat in ("none", "dots"):
+        assert memory.residual_bytes(cfg, remat, 128, 1024) == traced(cfg, remat, 896), remat
+
+
+def test_dots_keeps_a_fused_kernels_output_and_log_sum_exp_for_its_backward():
+    """Under `dots`, `blockwise` keeps what its backward reads besides its inputs (the
+    output, [b, L, H x E] in the compute dtype, and the float32 log-sum-exp, [b, H, L]),
+    so the backward does not run its forward again; `xla` attention keeps neither."""
+    import dataclasses
+
+    from seqpipe.model import GPTConfig
+    from seqpipe.plan import memory
+
+    cfg = GPTConfig.from_config(config_lib.load("tiny", {}).model)
+    kept = {
+        a: memory._layer_residuals(dataclasses.replace(cfg, attention=a), "dots", 128)
+        for a in ("xla", "blockwise")
+    }
+    act = 2 if cfg.dtype == "bfloat16" else 4
+    out, lse = 128 * cfg.d_model * act, cfg.num_heads * 128 * 4
+    assert kept["blockwise"] - kept["xla"] == out + lse

@@ -62,20 +62,30 @@ def state_bytes(cfg, stage_layers: int, data: int, shard_optimizer: bool) -> dic
     return {"params": params, "moments": moments, "stage": stage, "count": stage // itemsize}
 
 
-PROBE = 128  # tokens of the one trace per policy: residuals grow linearly in tokens
+PROBE = 128  # tokens of a traced segment; residuals are fitted in the segment and K/V length
 
 
 @functools.lru_cache(maxsize=64)
-def residual_per_token(cfg, remat: str) -> float:
-    """Bytes one layer's forward keeps per token under `remat` (`remat=none`: every vjp
-    residual; what `dots` or `layer` keep), traced once on one device with tensor = 1 for
-    a segment of PROBE tokens after PROBE cached ones, divided by the tensor devices
-    (their activations and matmul outputs are split)."""
+def _layer_residuals(cfg, remat: str, cached: int) -> int:
+    """Bytes one layer's forward keeps under `remat` (`none`: every vjp residual; what
+    `dots` or `layer` keep) for a segment of PROBE tokens after `cached` ones, traced on
+    one device with tensor = 1."""
     whole = dataclasses.replace(cfg, tensor=1)
     table = schedule.build("seq1f1b", 2, 2, 2)
-    spec = PipelineSpec(whole, table, schedule.lower(table), (PROBE, PROBE), remat, (1, 1))
+    spec = PipelineSpec(whole, table, schedule.lower(table), (cached, PROBE), remat, (1, 1))
     stored = units.SegmentUnit(spec, 1, layers=1).layer_layout(1).stored
-    return sum(math.prod(a.shape) * a.dtype.itemsize for a in stored) / PROBE / cfg.tensor
+    return sum(math.prod(a.shape) * a.dtype.itemsize for a in stored)
+
+
+def residual_bytes(cfg, remat: str, tokens: int, kv_len: int) -> float:
+    """Bytes one layer keeps for `tokens` of segments attending over `kv_len` keys, on one
+    of `cfg.tensor` devices: a + b x kv_len per token, fitted to two traces. b is zero
+    where attention keeps no scores (the fused kernels, `blockwise`); `xla` attention
+    under `none` keeps its probabilities, which grow with the K/V length."""
+    short, long = _layer_residuals(cfg, remat, PROBE), _layer_residuals(cfg, remat, 3 * PROBE)
+    per_key = (long - short) / (PROBE * 2 * PROBE)  # K/V length 2 PROBE -> 4 PROBE
+    per_token = short / PROBE - per_key * 2 * PROBE
+    return tokens * (per_token + per_key * kv_len) / cfg.tensor
 
 
 def carry_bytes(spec_full, rows: int, remat: str) -> int:
@@ -88,8 +98,10 @@ def carry_bytes(spec_full, rows: int, remat: str) -> int:
     cfg = spec_full.cfg
     act = 2 if cfg.dtype == "bfloat16" else 4
     slots = full["stash"] / (rows * spec_full.msg_len * cfg.d_model * act)
-    tokens = rows * spec_full.seg_max
-    res = slots * spec_full.chunk_layers * tokens * residual_per_token(cfg, remat)
+    # Each slot's segment priced at the whole sequence's K/V: exact for the last segment,
+    # an upper bound for the others.
+    layer = residual_bytes(cfg, remat, rows * spec_full.seg_max, sum(spec_full.lengths))
+    res = slots * spec_full.chunk_layers * layer
     return int(full["carry"] - full["stash"] + res)
 
 
@@ -110,7 +122,7 @@ def estimate(spec_full, remat: str, rows: int, data: int, shard_optimizer: bool)
     policy = remat_lib.POLICIES[remat]
     st = state_bytes(cfg, spec_full.chunk_layers * spec_full.virtual, data, shard_optimizer)
     act = 2 if cfg.dtype == "bfloat16" else 4
-    layer = rows * spec_full.seg_max * residual_per_token(cfg, "none")
+    layer = residual_bytes(cfg, "none", rows * spec_full.seg_max, sum(spec_full.lengths))
     loss_len = cfg.loss_chunk if cfg.loss_chunk > 0 else spec_full.seg_max
     out = {
         "state": st["params"] + st["moments"],
