@@ -342,3 +342,46 @@ def test_dots_keeps_a_fused_kernels_output_and_log_sum_exp_for_its_backward():
     act = 2 if cfg.dtype == "bfloat16" else 4
     out, lse = 128 * cfg.d_model * act, cfg.num_heads * 128 * 4
     assert kept["blockwise"] - kept["xla"] == out + lse
+
+
+def test_the_tries_left_go_to_faster_candidates_estimated_over_the_budget():
+    """A faster candidate estimated over the budget, within the model's error, is passed
+    over until one fits; the tries left then compile the faster ones, leanest estimate
+    first, and one that fits wins. The compiles are real (tiny steps on 4 CPU devices)."""
+    from seqpipe import gpu_topology
+    from seqpipe.plan import confirm
+
+    rates = timing.rates_for(gpu_topology.parse("h200-8"))
+    heavy, lean = _tiny_rows(
+        [
+            Candidate(1, 4, 1, "seq1f1b", 4, 4, 1, "full", "none"),
+            Candidate(1, 4, 1, "seq1f1b", 4, 4, 1, "full", "full"),
+        ],
+        rates,
+    )
+    devices, peaks = jax.devices()[:4], {}
+
+    def compile_step(config, devices, with_evaluation):
+        if id(config) not in peaks:
+            peaks[id(config)] = train.compile_config(config, devices, with_evaluation)
+        return peaks[id(config)]
+
+    big = confirm.confirm(heavy, devices, 2**40, compile_step)["memory_per_device_bytes"]
+    small = confirm.confirm(lean, devices, 2**40, compile_step)["memory_per_device_bytes"]
+    budget = (small + big) // 2
+
+    def row(base, label, step, estimate):
+        return base | {"label": label, "step_s": step, "memory_per_device_bytes": estimate}
+
+    rows = [
+        row(heavy, "fastest, does not fit", 0.5, int(budget * 1.3)),
+        row(lean, "faster, fits", 1.0, int(budget * 1.2)),
+        row(lean, "slow, fits", 3.0, budget // 4),
+    ]
+    out = confirm.confirm_best(rows, devices, budget, 1, 3, lambda label: None, compile_step)
+    assert [r.get("fits") for r in out] == [False, True, True]
+    best = rank.winner(out)
+    assert best["label"] == "faster, fits" and confirm.unconfirmed(out, best) == []
+    out = confirm.confirm_best(rows, devices, budget, 1, 2, lambda label: None, compile_step)
+    assert [r.get("fits") for r in out] == [None, True, True]
+    assert [r["label"] for r in confirm.unconfirmed(out, rank.winner(out))] == [rows[0]["label"]]

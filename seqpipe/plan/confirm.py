@@ -35,7 +35,9 @@ def confirm_best(
     A compile that needs more than its estimate says the model runs low for this target
     and problem: the rows after it are read at the largest such ratio seen, and a row over
     the budget at that ratio is passed over (left estimated, not rejected), so the tries
-    go to candidates that may fit rather than to the next fastest of the same size."""
+    go to candidates that may fit rather than to the next fastest of the same size.
+
+    The tries left then go to the rows faster than the fastest that fit (`challenge`)."""
     done: dict[int, dict] = {}
     low_by = 1.0  # the largest compiled / estimated ratio seen
     for row in rank.ranked(rows):
@@ -47,4 +49,34 @@ def confirm_best(
         if "memory_estimate_bytes" in out:
             low_by = max(low_by, out["memory_per_device_bytes"] / out["memory_estimate_bytes"])
         tick(row["label"])
+    challenge(rows, done, devices, budget, tries, tick, compile_step)
     return [done.get(id(r), r) for r in rows]
+
+
+def challenge(rows, done: dict, devices, budget: int, tries: int, tick, compile_step) -> None:
+    """Compile, leanest estimate first, the rows faster than the fastest compiled row that
+    fits, while tries are left: rows estimated over the budget but within the model's
+    error, which only a compile can rule out. One that fits becomes the one to beat."""
+    fitting = [r["step_s"] for r in done.values() if r["fits"]]
+    if not fitting:
+        return
+    best = min(fitting)
+    faster = [r for r in rank.ranked(rows) if id(r) not in done and r["step_s"] < best]
+    for row in sorted(faster, key=lambda r: (r["memory_per_device_bytes"], r["step_s"])):
+        if len(done) >= tries:
+            break
+        if row["step_s"] >= best:
+            continue
+        out = done[id(row)] = confirm(row, devices, budget, compile_step)
+        tick(row["label"])
+        if out["fits"]:
+            best = out["step_s"]
+
+
+def unconfirmed(rows: list[dict], best: dict) -> list[dict]:
+    """The runnable rows faster than the winner that no compile has checked."""
+    return [
+        r
+        for r in rank.ranked(rows)
+        if r["step_s"] < best["step_s"] and r.get("memory_source") != "compiled"
+    ]

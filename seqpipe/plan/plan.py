@@ -9,7 +9,7 @@ from seqpipe.plan import bounds, confirm, rank, render, search, space, timing
 from seqpipe.plan.space import Candidate
 
 GiB = 2**30
-LIMIT = 300  # candidates estimated at most, in the bound's order (the rest: unexplored)
+LIMIT = 3000  # candidates estimated at most, in the bound's order (the rest: unexplored)
 REFINE = 5  # the fastest candidates whose equal-FLOP segments and layer split are tried
 
 
@@ -167,8 +167,8 @@ def run(args, config, overrides, target, seq_len, batch, Bar, compile_step) -> i
         devices = target.devices()
     except errors.TopologyError as e:
         cli.fail(str(e))
-    bar = Bar("compiling", args.compile)
     tries = 3 * args.compile
+    bar = Bar("compiling", tries)  # at most: until --compile fit, then faster challengers
     rows = confirm.confirm_best(rows, devices, budget, args.compile, tries, bar.tick, compile_step)
     bar.done()
     best = rank.winner(rows)
@@ -223,11 +223,21 @@ def report(args, config, overrides, target, rows, best, picks, rates, budget) ->
         file=out,
     )
     print(cmd, file=out)
+    left = confirm.unconfirmed(rows, best)
+    if left:
+        lean = min(left, key=rank.need)
+        print(
+            f"not confirmed: {len(left)} faster candidates were not compiled (the leanest, "
+            f"{lean['label']}, estimated at {rank.need(lean) / GiB:.1f} GiB of "
+            f"{budget / GiB:.1f}); a larger --compile tries them",
+            file=out,
+        )
     if args.json:
         extra = {
             "topology": target.name,
             "time_model": rates.basis,
             "budget_bytes": budget,
             "comparison": comp,
+            "unconfirmed_faster": len(left),
         }
         print(render.last_line(best, cmd, others, extra), file=out, flush=True)

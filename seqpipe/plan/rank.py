@@ -38,7 +38,7 @@ def reason(row: dict, best: dict | None, budget: int) -> str:
             f"of {budget / GiB:.2f}"
         )
     if "unexplored" in row:
-        return "not estimated: past the 300 fastest by the lower bound"
+        return "not estimated: past the estimate cap (plan.LIMIT) in the lower bound's order"
     if "pruned" in row:
         if best is None:
             return "pruned: slower than the best by its bound"

@@ -43,11 +43,14 @@ def table(rows: list[dict]) -> str:
 def rejected(rows: list[dict], best: dict | None, budget: int, limit: int) -> str:
     """The first `limit` rejected rows (compiled ones first, then the fastest), with the
     reason for each, and how many more."""
+    # Compiled first, then estimated, then bounded only, then never estimated; fastest first.
     order = sorted(
         rows,
         key=lambda r: (
             r.get("memory_source") != "compiled",
             "invalid" in r,
+            "pruned" in r,
+            "unexplored" in r,
             r.get("step_s", r.get("pruned", r.get("unexplored", float("inf")))),
         ),
     )
