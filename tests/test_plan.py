@@ -78,8 +78,13 @@ def test_ranking_and_reasons():
         _row("fast compiled", 1.0, 20, memory_source="compiled", fits=True),
         _row("faster, did not fit", 0.8, 300, memory_source="compiled", fits=False),
         {"candidate": None, "label": "bad", "invalid": "no"},
+        _row("as fast, leaner, estimated", 1.0, 10),
     ]
-    assert [r["label"] for r in rank.ranked(rows)] == ["fast compiled", "slow"]
+    assert [r["label"] for r in rank.ranked(rows)] == [
+        "fast compiled",
+        "as fast, leaner, estimated",
+        "slow",
+    ]
     best = rank.winner(rows)
     assert best["label"] == "fast compiled"
     assert rank.reason(rows[0], best, 100) == "slower than the winner by 100.0%"
@@ -385,3 +390,23 @@ def test_the_tries_left_go_to_faster_candidates_estimated_over_the_budget():
     out = confirm.confirm_best(rows, devices, budget, 1, 2, lambda label: None, compile_step)
     assert [r.get("fits") for r in out] == [None, True, True]
     assert [r["label"] for r in confirm.unconfirmed(out, rank.winner(out))] == [rows[0]["label"]]
+
+
+@pytest.mark.parametrize("schedule", ["seq1f1b", "seq_zb_h1"])
+def test_the_models_residual_carry_is_the_executors(schedule):
+    """Under a policy that keeps residuals, the model's carry is the executor's to the
+    byte where segments are equal and attention keeps no scores (`blockwise`). A table
+    that splits B from W keeps what W reads too: the 8B at 65536 under zb_h1 M=8 `dots`
+    on an H200 was estimated at 997 GiB from the unsplit layer's residuals, compiled at
+    1527."""
+    import dataclasses
+
+    from seqpipe import carry
+    from seqpipe.plan import memory
+
+    base = config_lib.load("tiny", {"model.attention": "blockwise"})
+    c = Candidate(1, 2, 1, schedule, 4, 2, 1, "full", "full")
+    full = search.spec_of(search.config_of(base, c, 512, 8, False), c)
+    for remat in ("none", "dots", "layer"):
+        exact = carry.breakdown(dataclasses.replace(full, remat=remat), 2)["carry"]
+        assert memory.carry_bytes(full, 2, remat) == exact, remat

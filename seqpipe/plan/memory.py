@@ -66,23 +66,26 @@ PROBE = 128  # tokens of a traced segment; residuals are fitted in the segment a
 
 
 @functools.lru_cache(maxsize=64)
-def _layer_residuals(cfg, remat: str, cached: int) -> int:
+def _layer_residuals(cfg, remat: str, cached: int, split: bool = False) -> int:
     """Bytes one layer's forward keeps under `remat` (`none`: every vjp residual; what
     `dots` or `layer` keep) for a segment of PROBE tokens after `cached` ones, traced on
-    one device with tensor = 1."""
+    one device with tensor = 1; `split`: under a table that splits B from W, whose layers
+    keep what W reads too."""
     whole = dataclasses.replace(cfg, tensor=1)
-    table = schedule.build("seq1f1b", 2, 2, 2)
+    table = schedule.build("seq_zb_h1" if split else "seq1f1b", 2, 2, 2)
     spec = PipelineSpec(whole, table, schedule.lower(table), (cached, PROBE), remat, (1, 1))
     stored = units.SegmentUnit(spec, 1, layers=1).layer_layout(1).stored
     return sum(math.prod(a.shape) * a.dtype.itemsize for a in stored)
 
 
-def residual_bytes(cfg, remat: str, tokens: int, kv_len: int) -> float:
+def residual_bytes(cfg, remat: str, tokens: int, kv_len: int, split: bool = False) -> float:
     """Bytes one layer keeps for `tokens` of segments attending over `kv_len` keys, on one
     of `cfg.tensor` devices: a + b x kv_len per token, fitted to two traces. b is zero
     where attention keeps no scores (the fused kernels, `blockwise`); `xla` attention
-    under `none` keeps its probabilities, which grow with the K/V length."""
-    short, long = _layer_residuals(cfg, remat, PROBE), _layer_residuals(cfg, remat, 3 * PROBE)
+    under `none` keeps its probabilities, which grow with the K/V length. `split`: as
+    `_layer_residuals`."""
+    short = _layer_residuals(cfg, remat, PROBE, split)
+    long = _layer_residuals(cfg, remat, 3 * PROBE, split)
     per_key = (long - short) / (PROBE * 2 * PROBE)  # K/V length 2 PROBE -> 4 PROBE
     per_token = short / PROBE - per_key * 2 * PROBE
     return tokens * (per_token + per_key * kv_len) / cfg.tensor
@@ -100,7 +103,8 @@ def carry_bytes(spec_full, rows: int, remat: str) -> int:
     slots = full["stash"] / (rows * spec_full.msg_len * cfg.d_model * act)
     # Each slot's segment priced at the whole sequence's K/V: exact for the last segment,
     # an upper bound for the others.
-    layer = residual_bytes(cfg, remat, rows * spec_full.seg_max, sum(spec_full.lengths))
+    tokens, kv_len = rows * spec_full.seg_max, sum(spec_full.lengths)
+    layer = residual_bytes(cfg, remat, tokens, kv_len, spec_full.schedule.split)
     res = slots * spec_full.chunk_layers * layer
     return int(full["carry"] - full["stash"] + res)
 
