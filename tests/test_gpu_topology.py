@@ -153,7 +153,8 @@ def test_without_a_pipeline_the_pallas_gpu_kernel_runs_on_each_data_shards_rows(
 
 
 @needs_plugin
-@pytest.mark.parametrize("schedule", ["seq1f1b", "seq_zb_h1"])
+# seq_zb_h1 carries every buffer seq1f1b does and the B-to-W ones: seq1f1b under test-all.
+@pytest.mark.parametrize("schedule", [pytest.param("seq1f1b", marks=pytest.mark.slow), "seq_zb_h1"])
 def test_a_gpu_tick_copies_and_transposes_no_buffer_it_carries(tmp_path, schedule):
     """On a GPU a conditional's results never share its operands' memory, and loops that
     choose their own layouts for one buffer need transposes between them: either way

@@ -68,19 +68,19 @@ PROBE = 128  # tokens of a traced segment; residuals are fitted in the segment a
 @functools.lru_cache(maxsize=64)
 def _layer_residuals(cfg, remat: str, cached: int, split: bool = False) -> int:
     """Bytes one layer's forward keeps under `remat` (`none`: every vjp residual; what
-    `dots` or `layer` keep) for a segment of PROBE tokens after `cached` ones, traced on
-    one device with tensor = 1; `split`: under a table that splits B from W, whose layers
-    keep what W reads too."""
-    whole = dataclasses.replace(cfg, tensor=1)
+    `dots` or `layer` keep) on one device, for a segment of PROBE tokens after `cached`
+    ones, traced at `cfg.tensor` (a layer's input and norms stay whole on each tensor
+    device, its matmul outputs are split); `split`: under a table that splits B from W,
+    whose layers keep what W reads too."""
     table = schedule.build("seq_zb_h1" if split else "seq1f1b", 2, 2, 2)
-    spec = PipelineSpec(whole, table, schedule.lower(table), (cached, PROBE), remat, (1, 1))
+    spec = PipelineSpec(cfg, table, schedule.lower(table), (cached, PROBE), remat, (1, 1))
     stored = units.SegmentUnit(spec, 1, layers=1).layer_layout(1).stored
     return sum(math.prod(a.shape) * a.dtype.itemsize for a in stored)
 
 
 def residual_bytes(cfg, remat: str, tokens: int, kv_len: int, split: bool = False) -> float:
     """Bytes one layer keeps for `tokens` of segments attending over `kv_len` keys, on one
-    of `cfg.tensor` devices: a + b x kv_len per token, fitted to two traces. b is zero
+    device: a + b x kv_len per token, fitted to two traces. b is zero
     where attention keeps no scores (the fused kernels, `blockwise`); `xla` attention
     under `none` keeps its probabilities, which grow with the K/V length. `split`: as
     `_layer_residuals`."""
@@ -88,7 +88,7 @@ def residual_bytes(cfg, remat: str, tokens: int, kv_len: int, split: bool = Fals
     long = _layer_residuals(cfg, remat, 3 * PROBE, split)
     per_key = (long - short) / (PROBE * 2 * PROBE)  # K/V length 2 PROBE -> 4 PROBE
     per_token = short / PROBE - per_key * 2 * PROBE
-    return tokens * (per_token + per_key * kv_len) / cfg.tensor
+    return tokens * (per_token + per_key * kv_len)
 
 
 def carry_bytes(spec_full, rows: int, remat: str) -> int:
