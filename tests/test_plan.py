@@ -411,3 +411,23 @@ def test_the_models_residual_carry_is_the_executors(schedule, tensor):
     for remat in ("none", "dots", "layer"):
         exact = carry.breakdown(dataclasses.replace(full, remat=remat), 2)["carry"]
         assert memory.carry_bytes(full, 2, remat) == exact, remat
+
+
+def test_the_agreement_script_reads_the_need_from_the_tpu_compilers_refusal():
+    """libtpu refuses a step over HBM instead of reporting its peak; its temporaries are a
+    lower bound on the peak, which is what checking LOW needs (the message as libtpu
+    0.0.50 words it for llama3_1_8b at 65536 on a v5p-64)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "scripts" / "plan_memory_agreement.py"
+    spec = importlib.util.spec_from_file_location("plan_memory_agreement", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    message = (
+        "RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total "
+        "memory required for HLO temporaries (133.54G) exceeds available HBM (95.73G). "
+        "HLO module: jit_train_step."
+    )
+    assert script.over_hbm(message) == int(133.54 * 2**30)
+    assert script.over_hbm("INTERNAL: something else") is None
