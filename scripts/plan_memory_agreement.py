@@ -48,7 +48,7 @@ def main(argv):
         try:
             rep = train.compile_config(row["config"], devices, with_evaluation=False)
         except Exception as e:  # the TPU compiler refuses a step over HBM, with its need
-            need = over_hbm(str(e))
+            need = topology.refused_need(str(e))
             if need is None:
                 raise
             print(
@@ -63,15 +63,6 @@ def main(argv):
             f"{time.perf_counter() - t0:.0f} |",
             flush=True,
         )
-
-
-def over_hbm(message: str) -> int | None:
-    """The temporaries' bytes in the TPU compiler's out-of-HBM error (a lower bound on the
-    step's peak), or None for another error."""
-    import re
-
-    found = re.search(r"HLO temporaries \(([\d.]+)G\) exceeds available HBM", message)
-    return int(float(found.group(1)) * 2**30) if found else None
 
 
 def pick(cands, count):

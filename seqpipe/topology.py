@@ -185,3 +185,14 @@ def report(s: Slice, memory_total: int) -> dict:
         "hbm_fraction": round(memory_total / s.spec.hbm_bytes, 4),
         "fits": memory_total <= s.spec.hbm_bytes,
     }
+
+
+_OVER_HBM = re.compile(r"HLO temporaries \(([\d.]+)G\) exceeds available HBM")
+
+
+def refused_need(message: str) -> int | None:
+    """The temporaries' bytes a chip would need, from the TPU compiler's refusal of a step
+    over its HBM (libtpu raises instead of reporting the peak), or None for another error.
+    A lower bound on the step's peak: the arguments come on top."""
+    found = _OVER_HBM.search(message)
+    return int(float(found.group(1)) * 2**30) if found else None

@@ -170,3 +170,16 @@ def test_compile_only_for_a_tpu_slice_with_tensor_parallelism_and_a_step_that_do
     assert too_big.returncode == 1, too_big.stderr
     line = too_big.stderr.strip()
     assert "\n" not in line and line.startswith("error: does not fit: RESOURCE_EXHAUSTED")
+
+
+def test_the_tpu_compilers_refusal_gives_the_need():
+    """libtpu refuses a step over HBM instead of reporting its peak; its temporaries are a
+    lower bound on the peak (the message as libtpu 0.0.50 words it, from tiny at 65536
+    tokens with `xla` attention on a v5p-8)."""
+    message = (
+        "RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total "
+        "memory required for HLO temporaries (171.78G) exceeds available HBM (95.73G). "
+        "HLO module: jit_train_step."
+    )
+    assert topology.refused_need(message) == int(171.78 * 2**30)
+    assert topology.refused_need("RESOURCE_EXHAUSTED: out of memory on host") is None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from seqpipe import topology
 from seqpipe.plan import rank
 
 
@@ -9,13 +10,22 @@ def confirm(row: dict, devices, budget: int, compile_step) -> dict:
     """The row with its step compiled for `devices` by `compile_step` (`train.compile_config`,
     without the evaluation): compiled memory per device, whether it fits `budget`, the compile's
     seconds, and the estimate's error against it."""
+    estimate = row["memory_per_device_bytes"]
     try:
         report = compile_step(row["config"], devices, with_evaluation=False)
     except Exception as e:  # the compiler (or the trace) refused it: a reason, not a crash
+        need = topology.refused_need(str(e))
+        if need is not None:  # over a TPU's HBM: its need, a lower bound on the peak
+            return row | {
+                "memory_per_device_bytes": need,
+                "memory_source": "compiled",
+                "memory_estimate_bytes": estimate,
+                "over_hbm": True,
+                "fits": False,
+            }
         first = (str(e).strip().splitlines() or [""])[0][:200]
         return row | {"fits": False, "compile_error": f"{type(e).__name__}: {first}"}
     peak = int(report["peak_memory_per_device_bytes"])
-    estimate = row["memory_per_device_bytes"]
     return row | {
         "memory_per_device_bytes": peak,
         "memory_source": "compiled",

@@ -52,6 +52,12 @@ def reason(row: dict, best: dict | None, budget: int) -> str:
         return f"slower than the winner by at least {100 * slower:.1f}% (its bound, not estimated)"
     if "compile_error" in row:
         return f"does not compile for the target: {row['compile_error']}"
+    if row.get("over_hbm"):
+        got = row["memory_per_device_bytes"]
+        return (
+            f"does not fit (compiled): the TPU compiler refused it, its temporaries alone "
+            f"{got / GiB:.2f} GiB of {budget / GiB:.2f}"
+        )
     if row.get("fits") is False:
         got = row["memory_per_device_bytes"]
         return (
