@@ -187,7 +187,7 @@ def report(s: Slice, memory_total: int) -> dict:
     }
 
 
-_OVER_HBM = re.compile(r"HLO temporaries \(([\d.]+)G\) exceeds available HBM")
+_OVER_HBM = re.compile(r"HLO temporaries \(([\d.]+)([KMGT])\) exceeds available HBM")
 
 
 def refused_need(message: str) -> int | None:
@@ -195,4 +195,6 @@ def refused_need(message: str) -> int | None:
     over its HBM (libtpu raises instead of reporting the peak), or None for another error.
     A lower bound on the step's peak: the arguments come on top."""
     found = _OVER_HBM.search(message)
-    return int(float(found.group(1)) * 2**30) if found else None
+    if found is None:
+        return None
+    return int(float(found.group(1)) * 2 ** (10 * "KMGT".index(found.group(2)) + 10))

@@ -182,4 +182,6 @@ def test_the_tpu_compilers_refusal_gives_the_need():
         "HLO module: jit_train_step."
     )
     assert topology.refused_need(message) == int(171.78 * 2**30)
+    terabytes = message.replace("(171.78G)", "(1.28T)")  # llama3_1_8b 2x8x2 zb_h1 `dots`
+    assert topology.refused_need(terabytes) == int(1.28 * 2**40)
     assert topology.refused_need("RESOURCE_EXHAUSTED: out of memory on host") is None
