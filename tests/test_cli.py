@@ -78,7 +78,9 @@ def test_bare_config_name_is_found_in_configs(tmp_path):
     assert "model.num_heads=5 must divide model.d_model=2048" in result.stderr
 
 
-@pytest.mark.parametrize("packing", ["none", "best_fit"])
+# Unpacked rows are the harder case's subset (and `verify` runs unpacked in test_hf_train):
+# under make test-all.
+@pytest.mark.parametrize("packing", [pytest.param("none", marks=pytest.mark.slow), "best_fit"])
 def test_verify_accepts_a_correct_pipeline_and_writes_nothing(tmp_path, packing):
     """A check writes only to the token cache: it used to write ./runs/tiny/tokenizer.json
     (a BPE here, the tokenizer it kept a copy of). Packed, it checks packed rows: a corpus

@@ -46,8 +46,14 @@ def _losses(workdir) -> dict[int, float]:
 # hosts, each tensor pair within one.
 @pytest.mark.parametrize(
     "data_size, stages, tensor",
-    # 2 x 4 (one replica a process) only under make test-all: 4 x 2 and 1 x 8 bracket it.
-    [(1, 8, 1), pytest.param(2, 4, 1, marks=pytest.mark.slow), (4, 2, 1), (1, 4, 2)],
+    # 1 x 8 and 2 x 4 only under make test-all: 4 x 2 (replicas across processes) and
+    # 1 x 4 x 2 (stages and tensor devices across them) cover what crosses processes.
+    [
+        pytest.param(1, 8, 1, marks=pytest.mark.slow),
+        pytest.param(2, 4, 1, marks=pytest.mark.slow),
+        (4, 2, 1),
+        (1, 4, 2),
+    ],
     ids=["1x8", "2x4", "4x2", "1x4x2"],
 )
 def test_two_processes_match_one(tmp_path, data_size, stages, tensor):

@@ -217,12 +217,6 @@ def report(args, config, overrides, target, rows, best, picks, rates, budget) ->
     comp = rank.comparison(best, picks)
     print("the winner against hand-picked settings (same model):", file=out)
     print(render.comparison(comp), "\n", file=out)
-    print(
-        f"winner: {best['label']}, {best['step_s']:.4g} s a step (estimated), "
-        f"{best['memory_per_device_bytes'] / GiB:.2f} GiB a device (compiled)",
-        file=out,
-    )
-    print(cmd, file=out)
     left = confirm.unconfirmed(rows, best)
     if left:
         lean = min(left, key=rank.need)
@@ -232,6 +226,12 @@ def report(args, config, overrides, target, rows, best, picks, rates, budget) ->
             f"{budget / GiB:.1f}); a larger --compile tries them",
             file=out,
         )
+    print(
+        f"winner: {best['label']}, {best['step_s']:.4g} s a step (estimated), "
+        f"{best['memory_per_device_bytes'] / GiB:.2f} GiB a device (compiled)",
+        file=out,
+    )
+    print(cmd, file=out)
     if args.json:
         extra = {
             "topology": target.name,
