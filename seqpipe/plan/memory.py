@@ -80,10 +80,9 @@ def _layer_residuals(cfg, remat: str, cached: int, split: bool = False) -> int:
 
 def residual_bytes(cfg, remat: str, tokens: int, kv_len: int, split: bool = False) -> float:
     """Bytes one layer keeps for `tokens` of segments attending over `kv_len` keys, on one
-    device: a + b x kv_len per token, fitted to two traces. b is zero
-    where attention keeps no scores (the fused kernels, `blockwise`); `xla` attention
-    under `none` keeps its probabilities, which grow with the K/V length. `split`: as
-    `_layer_residuals`."""
+    device: a + b x kv_len per token, fitted to two traces. b is zero where attention
+    keeps no scores (the fused kernels, `blockwise`); `xla` attention under `none` keeps
+    its probabilities, which grow with the K/V length. `split`: as `_layer_residuals`."""
     short = _layer_residuals(cfg, remat, PROBE, split)
     long = _layer_residuals(cfg, remat, 3 * PROBE, split)
     per_key = (long - short) / (PROBE * 2 * PROBE)  # K/V length 2 PROBE -> 4 PROBE
