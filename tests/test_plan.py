@@ -139,10 +139,9 @@ def test_memory_estimate_is_never_more_pessimistic_than_pruning_trusts():
         assert ratio >= bounds.LOW, (row["label"], ratio)
 
 
-def test_a_compile_over_its_estimate_steers_the_next_tries_to_leaner_candidates():
-    """After a compile needs twice its estimate, a candidate over the budget at twice its
-    estimate is passed over (left estimated), and the try goes to one that fits. The
-    compiles are real (two tiny steps on 4 CPU devices), the estimates set by hand."""
+def _heavy_and_lean():
+    """Two tiny seq1f1b candidates on 4 CPU devices, `remat=none` and `full`, each compiled
+    (once, by the `compile_step` returned), and a budget between their compiled peaks."""
     from seqpipe import gpu_topology
     from seqpipe.plan import confirm
 
@@ -164,15 +163,26 @@ def test_a_compile_over_its_estimate_steers_the_next_tries_to_leaner_candidates(
     big = confirm.confirm(heavy, devices, 2**40, compile_step)["memory_per_device_bytes"]
     small = confirm.confirm(lean, devices, 2**40, compile_step)["memory_per_device_bytes"]
     assert small < big, (small, big)
-    budget = (small + big) // 2
+    return heavy, lean, devices, compile_step, big, (small + big) // 2
 
-    def row(base, label, step, estimate):
-        return base | {"label": label, "step_s": step, "memory_per_device_bytes": estimate}
+
+def _priced(base, label, step, estimate):
+    """`base`'s row under another label, step time and memory estimate."""
+    return base | {"label": label, "step_s": step, "memory_per_device_bytes": estimate}
+
+
+def test_a_compile_over_its_estimate_steers_the_next_tries_to_leaner_candidates():
+    """After a compile needs twice its estimate, a candidate over the budget at twice its
+    estimate is passed over (left estimated), and the try goes to one that fits. The
+    compiles are real (two tiny steps on 4 CPU devices), the estimates set by hand."""
+    from seqpipe.plan import confirm
+
+    heavy, lean, devices, compile_step, big, budget = _heavy_and_lean()
 
     rows = [
-        row(heavy, "fastest, low by 2x", 1.0, big // 2),
-        row(heavy, "next, over at 2x", 2.0, int(budget * 0.6)),
-        row(lean, "lean", 3.0, budget // 4),
+        _priced(heavy, "fastest, low by 2x", 1.0, big // 2),
+        _priced(heavy, "next, over at 2x", 2.0, int(budget * 0.6)),
+        _priced(lean, "lean", 3.0, budget // 4),
     ]
     out = confirm.confirm_best(rows, devices, budget, 1, 2, lambda label: None, compile_step)
     assert [r.get("memory_source") for r in out] == ["compiled", "estimated", "compiled"]
@@ -353,35 +363,14 @@ def test_the_tries_left_go_to_faster_candidates_estimated_over_the_budget():
     """A faster candidate estimated over the budget, within the model's error, is passed
     over until one fits; the tries left then compile the faster ones, leanest estimate
     first, and one that fits wins. The compiles are real (tiny steps on 4 CPU devices)."""
-    from seqpipe import gpu_topology
     from seqpipe.plan import confirm
 
-    rates = timing.rates_for(gpu_topology.parse("h200-8"))
-    heavy, lean = _tiny_rows(
-        [
-            Candidate(1, 4, 1, "seq1f1b", 4, 4, 1, "full", "none"),
-            Candidate(1, 4, 1, "seq1f1b", 4, 4, 1, "full", "full"),
-        ],
-        rates,
-    )
-    devices, peaks = jax.devices()[:4], {}
-
-    def compile_step(config, devices, with_evaluation):
-        if id(config) not in peaks:
-            peaks[id(config)] = train.compile_config(config, devices, with_evaluation)
-        return peaks[id(config)]
-
-    big = confirm.confirm(heavy, devices, 2**40, compile_step)["memory_per_device_bytes"]
-    small = confirm.confirm(lean, devices, 2**40, compile_step)["memory_per_device_bytes"]
-    budget = (small + big) // 2
-
-    def row(base, label, step, estimate):
-        return base | {"label": label, "step_s": step, "memory_per_device_bytes": estimate}
+    heavy, lean, devices, compile_step, big, budget = _heavy_and_lean()
 
     rows = [
-        row(heavy, "fastest, does not fit", 0.5, int(budget * 1.3)),
-        row(lean, "faster, fits", 1.0, int(budget * 1.2)),
-        row(lean, "slow, fits", 3.0, budget // 4),
+        _priced(heavy, "fastest, does not fit", 0.5, int(budget * 1.3)),
+        _priced(lean, "faster, fits", 1.0, int(budget * 1.2)),
+        _priced(lean, "slow, fits", 3.0, budget // 4),
     ]
     out = confirm.confirm_best(rows, devices, budget, 1, 3, lambda label: None, compile_step)
     assert [r.get("fits") for r in out] == [False, True, True]
