@@ -202,7 +202,8 @@ def _forward(q, prefix, k_seg, v_seg, block_q, block_k, documents=None):
 
     init = (jnp.zeros_like(q), jnp.zeros((b, h, g, q_len), jnp.float32))
     out, lse = jax.lax.fori_loop(0, qb.count, query_block, init)
-    return out.reshape(b, q_len, heads, e), lse
+    # Named for `remat=dots` to keep: the backward reads them besides the inputs.
+    return attention_residuals.mark(out.reshape(b, q_len, heads, e), lse)
 
 
 class _Cotangents(NamedTuple):
@@ -347,9 +348,7 @@ def blockwise_attention(
 
 def _fwd(q, k_prefix, v_prefix, k_seg, v_seg, block_q, block_k, documents=None):
     prefix = _reader(k_prefix, v_prefix)
-    out, lse = attention_residuals.mark(
-        *_forward(q, prefix, k_seg, v_seg, block_q, block_k, documents)
-    )
+    out, lse = _forward(q, prefix, k_seg, v_seg, block_q, block_k, documents)
     return out, (q, k_prefix, v_prefix, k_seg, v_seg, out, lse, documents)
 
 
@@ -405,9 +404,7 @@ def _cached_fwd(
     q, cache, sink_k, sink_v, k_seg, v_seg, prefix_len, block_q, block_k, documents=None
 ):
     prefix = _cache_reader(cache, prefix_len, q.dtype)
-    out, lse = attention_residuals.mark(
-        *_forward(q, prefix, k_seg, v_seg, block_q, block_k, documents)
-    )
+    out, lse = _forward(q, prefix, k_seg, v_seg, block_q, block_k, documents)
     # The sinks are not kept, only their length: their values are never read.
     sink_len = jnp.zeros((0, sink_k.shape[1]), jnp.int8)
     return out, (q, cache, k_seg, v_seg, out, lse, sink_len, documents)

@@ -521,7 +521,7 @@ def _forward(q, prefix: _Prefix, k_seg, v_seg, bounds, blocks: Blocks, interpret
     s = _statics(q, prefix.length, blocks.forward, group)
     seq, kv_seq = _seq_spec(q_len, width), _seq_spec(q_len, width, group)
     starts, starts_spec = _with_bounds(bounds, 0, q_len)
-    return _call(
+    out, lse = _call(
         functools.partial(_forward_kernel, s=s, prefix=prefix.kind),
         (pl.cdiv(q_len, s.bq), b, heads),
         [seq, *prefix.specs, kv_seq, kv_seq, *starts_spec],
@@ -535,6 +535,8 @@ def _forward(q, prefix: _Prefix, k_seg, v_seg, bounds, blocks: Blocks, interpret
         interpret,
         "segment_attention_forward",
     )(q, *prefix.inputs, k_seg, v_seg, *starts)
+    # Named for `remat=dots` to keep: the backward reads them besides the inputs.
+    return attention_residuals.mark(out, lse)
 
 
 def _backward(q, prefix: _Prefix, k_seg, v_seg, bounds, out, lse, d_out, blocks: Blocks, interpret):
@@ -649,9 +651,7 @@ def _attention(q, k_prefix, v_prefix, k_seg, v_seg, bounds, blocks, interpret):
 def _fwd(q, k_prefix, v_prefix, k_seg, v_seg, bounds, blocks, interpret):
     _check(q, blocks)
     prefix = _array_prefix(k_prefix, v_prefix, _group(q, k_seg))
-    out, lse = attention_residuals.mark(
-        *_forward(q, prefix, k_seg, v_seg, bounds, blocks, interpret)
-    )
+    out, lse = _forward(q, prefix, k_seg, v_seg, bounds, blocks, interpret)
     return out, (q, k_prefix, v_prefix, k_seg, v_seg, bounds, out, lse)
 
 
@@ -704,9 +704,7 @@ def _cached(q, cache, sink_k, sink_v, k_seg, v_seg, bounds, prefix_len, blocks, 
 def _cached_fwd(q, cache, sink_k, sink_v, k_seg, v_seg, bounds, prefix_len, blocks, interpret):
     _check(q, blocks)
     prefix = _cache_prefix(cache, prefix_len)
-    out, lse = attention_residuals.mark(
-        *_forward(q, prefix, k_seg, v_seg, bounds, blocks, interpret)
-    )
+    out, lse = _forward(q, prefix, k_seg, v_seg, bounds, blocks, interpret)
     sink_len = jnp.zeros((0, sink_k.shape[1]), jnp.int8)  # the sinks' length, not values
     return out, (q, cache, k_seg, v_seg, bounds, out, lse, sink_len)
 
