@@ -4,7 +4,7 @@
         --seq-len 8192 --global-batch 32 [--pick 10] [--config.key=value ...]
 
 Picks `--pick` candidates spread over meshes, schedules and remat policies (`pick`),
-compiles each for the target (`train.compile_config`, no evaluation) and prints estimate,
+compiles each for the target as the planner does (`confirm.confirm`) and prints estimate,
 compiled figure and their ratio as Markdown; the ratios bound `seqpipe.plan.bounds.LOW`
 and `HIGH`. A step the TPU compiler refuses as over HBM gives its temporaries, a lower
 bound on its peak (and so on its ratio, which is what LOW needs).
@@ -30,7 +30,7 @@ def main(argv):
     target = topology.parse(args.topology)
     target.prepare_env()
     from seqpipe import train
-    from seqpipe.plan import plan, search, space, timing
+    from seqpipe.plan import confirm, plan, search, space, timing
 
     config = config_lib.load(args.config, config_lib.parse_overrides(rest))
     p = plan.problem_of(config, target, args.seq_len, args.global_batch)
@@ -44,23 +44,17 @@ def main(argv):
         if "invalid" in row:
             continue
         t0 = time.perf_counter()
-        est = row["memory_per_device_bytes"]
-        try:
-            rep = train.compile_config(row["config"], devices, with_evaluation=False)
-        except Exception as e:  # the TPU compiler refuses a step over HBM, with its need
-            need = topology.refused_need(str(e))
-            if need is None:
-                raise
-            print(
-                f"| {c.label} | {est / 2**30:.2f} | > {need / 2**30:.2f} (temporaries alone, "
-                f"over HBM) | > {need / est:.3f} | {time.perf_counter() - t0:.0f} |",
-                flush=True,
-            )
-            continue
-        got = rep["peak_memory_per_device_bytes"]
+        # Compiled as the planner confirms a candidate: a step the TPU compiler refuses as
+        # over HBM comes back with its need, a lower bound on its peak.
+        out = confirm.confirm(row, devices, target.budget(), train.compile_config)
+        if "compile_error" in out:
+            raise SystemExit(f"{c.label}: {out['compile_error']}")
+        est, got = out["memory_estimate_bytes"], out["memory_per_device_bytes"]
+        over = "> " if out.get("over_hbm") else ""
+        refused = " (temporaries alone, over HBM)" if over else ""
         print(
-            f"| {c.label} | {est / 2**30:.2f} | {got / 2**30:.2f} | {got / est:.3f} | "
-            f"{time.perf_counter() - t0:.0f} |",
+            f"| {c.label} | {est / 2**30:.2f} | {over}{got / 2**30:.2f}{refused} | "
+            f"{over}{got / est:.3f} | {time.perf_counter() - t0:.0f} |",
             flush=True,
         )
 
