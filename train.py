@@ -6,7 +6,7 @@
 --coordinator HOST:PORT --num_processes N --process_id I    one process of N
 """
 
-from seqpipe import signals
+from seqpipe.host import signals
 
 if __name__ == "__main__":
     signals.install()  # first: a signal at any moment of the start-up is one line
@@ -14,7 +14,9 @@ if __name__ == "__main__":
 import json  # noqa: E402
 import sys  # noqa: E402
 
-from seqpipe import cli, xla_flags  # noqa: E402
+from seqpipe.errors import TrainingError  # noqa: E402
+from seqpipe.run import cli  # noqa: E402
+from seqpipe.targets import xla_flags  # noqa: E402
 
 
 def _mesh_text(mesh: dict) -> str:
@@ -25,7 +27,7 @@ def _mesh_text(mesh: dict) -> str:
 
 def summary(result: dict, target=None) -> str:
     """The --compile_only report in one line (the JSON follows it); `target` is the TPU
-    slice or GPU system compiled for (`seqpipe.topology.parse`), if any."""
+    slice or GPU system compiled for (`seqpipe.targets.topology.parse`), if any."""
     mem = result["memory_per_device_bytes"]
     gib = lambda key: f"{mem[key] / 2**30:.2f}"
     where = "per device"
@@ -63,23 +65,23 @@ def main(argv: list[str]) -> int:
         cli.init_distributed(args)  # imports jax: only after the device count is set
     else:
         config = cli.resolve_or_exit(config, target.chips, target)
-    from seqpipe import train
+    from seqpipe.train import aot, trainer
 
     if args.compile_only:
         import jax
 
         try:
             if target is None:
-                run = cli.run_or_exit(lambda: train.resolve(config))
+                run = cli.run_or_exit(lambda: aot.resolve(config))
             else:
-                from seqpipe import topology
+                from seqpipe.targets import topology
 
                 try:
                     devices = target.devices()
                 except topology.TopologyError as e:
                     cli.fail(str(e))
-                run = cli.run_or_exit(lambda: train.resolve(config, devices, target.budget()))
-            result = train.compile_only(run)
+                run = cli.run_or_exit(lambda: aot.resolve(config, devices, target.budget()))
+            result = aot.compile_only(run)
         except jax.errors.JaxRuntimeError as e:  # the compiler's verdict, not a crash
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
@@ -89,13 +91,13 @@ def main(argv: list[str]) -> int:
         print(summary(result, target))
         print(json.dumps(result))
         return 0 if result.get("fits", True) else 1
-    from seqpipe import checkpoint
+    from seqpipe.train import checkpoint
 
     kept = f"the checkpoints in {checkpoint.directory(args.workdir)} are as they were"
     signals.set_context("before training", f"{kept}; run again to resume")
     try:
-        cli.run_or_exit(lambda: train.run(config, args.workdir))
-    except train.TrainingError as e:
+        cli.run_or_exit(lambda: trainer.run(config, args.workdir))
+    except TrainingError as e:
         # Every file is closed by now; what orbax's threads print on the way out would bury
         # the one line that says what to do.
         cli.fail(str(e), code=1, at_once=True)

@@ -4,7 +4,7 @@ Long enough sequences that activations and KV caches dominate a stage's memory, 
 enough that compiling and running every schedule fits in minutes on two CPU cores.
 """
 
-from seqpipe.config import base_config
+from seqpipe.run.config import base_config
 
 
 def get_config():

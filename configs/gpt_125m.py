@@ -1,6 +1,6 @@
 """GPT-3 Small shape (about 125M parameters with a 50k vocabulary)."""
 
-from seqpipe.config import base_config
+from seqpipe.run.config import base_config
 
 
 def get_config():

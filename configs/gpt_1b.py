@@ -1,6 +1,6 @@
 """GPT-3 XL shape, about 1.3B parameters: 24 layers, d_model 2048, 16 heads, seq 2048."""
 
-from seqpipe.config import base_config
+from seqpipe.run.config import base_config
 
 
 def get_config():

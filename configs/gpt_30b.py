@@ -7,7 +7,7 @@ split 8 ways by tensor parallelism: the paper's headline run on 64 devices (READ
 train.global_batch_size=16 * mesh.data.
 """
 
-from seqpipe.config import base_config
+from seqpipe.run.config import base_config
 
 
 def get_config():

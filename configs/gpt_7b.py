@@ -9,7 +9,7 @@ also needs tensor parallelism (mesh.tensor, e.g. 1 x 4 x 8) and O(L)-memory atte
 (README: the 7B and 30B shapes).
 """
 
-from seqpipe.config import base_config
+from seqpipe.run.config import base_config
 
 
 def get_config():

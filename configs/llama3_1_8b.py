@@ -8,7 +8,7 @@ segments, one sequence per micro-batch and replica (`mesh.data=-1` takes the dev
 stages leave). Start from the public weights with `--config.train.init_from=hf:DIR`.
 """
 
-from seqpipe.config import base_config
+from seqpipe.run.config import base_config
 
 
 def get_config():

@@ -7,7 +7,7 @@ Continued pretraining at 32768 tokens: Seq1F1B over 4 stages, 8 micro-batches of
 segments. Start from the public weights with `--config.train.init_from=hf:DIR`.
 """
 
-from seqpipe.config import base_config
+from seqpipe.run.config import base_config
 
 
 def get_config():

@@ -7,7 +7,7 @@ micro-batches of 8 segments. Start from the public weights with
 `--config.train.init_from=hf:DIR`.
 """
 
-from seqpipe.config import base_config
+from seqpipe.run.config import base_config
 
 
 def get_config():

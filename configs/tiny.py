@@ -1,7 +1,7 @@
 """The CPU demo: Seq1F1B on a 2 x 4 mesh of fake CPU devices, a 4-layer model, real text
 (the Python standard library's own sources, tokenized with a BPE trained on them)."""
 
-from seqpipe.config import base_config
+from seqpipe.run.config import base_config
 
 
 def get_config():

@@ -10,7 +10,7 @@ document. Rows:
 - causal: the analytic count unpacked (every query times the keys up to it);
 - documents: the analytic count with the document mask (every query times its document's
   keys up to it), what an ideal kernel runs;
-- pallas_gpu: `gpu_attention.executed_flops`, without and with documents (its loops skip
+- pallas_gpu: `pallas_gpu.executed_flops`, without and with documents (its loops skip
   the key blocks before each query block's first document start);
 - splash static: `splash.executed_flops`, the blocks its static causal mask keeps, the same
   with documents (SegmentIds only mask inside the blocks it runs);
@@ -25,7 +25,10 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from seqpipe import gpu_attention, splash  # noqa: E402
+from seqpipe.kernels import (
+    pallas_gpu,
+    splash,  # noqa: E402
+)
 
 WIDTH = 2048  # gpt_1b: 16 heads of 128
 
@@ -68,8 +71,8 @@ def table(seq: int, segments: int, doc_len: int, shift: int) -> dict:
     offset = 0
     for q_len in lengths:
         row_starts = starts[offset : offset + q_len]
-        gpu += gpu_attention.executed_flops(q_len, offset, WIDTH)
-        gpu_docs += gpu_attention.executed_flops(q_len, offset, WIDTH, starts=row_starts)
+        gpu += pallas_gpu.executed_flops(q_len, offset, WIDTH)
+        gpu_docs += pallas_gpu.executed_flops(q_len, offset, WIDTH, starts=row_starts)
         splash_static += splash.executed_flops(q_len, offset, WIDTH)
         kept, size, grid = splash_blocks(q_len, offset, row_starts, None)
         splash_row += 4 * kept * size * WIDTH

@@ -5,7 +5,7 @@ GPU, to compare with what that commit measured on the device (docs/performance.m
     python scripts/gpu_compile_calibration.py /tmp/old --config.train.seq_len=8192 ...
 
 Commits before --topology h200 existed take jax.devices() for their mesh: it is pointed at
-the compile-only H200 of this checkout's `seqpipe.gpu_topology`.
+the compile-only H200 of this checkout's `seqpipe.targets.gpu_topology`.
 """
 
 import sys
@@ -16,7 +16,7 @@ HERE = Path(__file__).resolve().parent.parent
 
 def main(old_root: str, overrides: list[str]) -> None:
     sys.path.insert(0, str(HERE))
-    from seqpipe import gpu_topology
+    from seqpipe.targets import gpu_topology
 
     h200 = gpu_topology.parse("h200")
     h200.prepare_env()
@@ -28,11 +28,12 @@ def main(old_root: str, overrides: list[str]) -> None:
     for name in [m for m in sys.modules if m == "seqpipe" or m.startswith("seqpipe.")]:
         del sys.modules[name]  # the old commit's seqpipe from here on
     sys.path[0] = old_root
-    from seqpipe import cli, train
+    from seqpipe.run import cli
+    from seqpipe.train import aot
 
     argv = ["--config", f"{old_root}/configs/gpt_1b.py", "--config.mesh.data=1"]
     config, _ = cli.load_or_exit(argv + ["--config.mesh.stage=1", *overrides], "x", cli.train_flags)
-    memory = train.compile_only(config)["memory_per_device_bytes"]
+    memory = aot.compile_only(config)["memory_per_device_bytes"]
     gib = {k: round(v / 2**30, 2) for k, v in memory.items()}
     print(f"temporaries {gib['temporaries']} GiB, total {gib['total']} GiB")
 

@@ -13,7 +13,7 @@ import time
 import ml_collections
 import numpy as np
 
-from seqpipe import data, documents, packing
+from seqpipe.data import documents, loader, packing
 
 
 def paragraphs_corpus(directory: str) -> str:
@@ -46,7 +46,7 @@ def real_documents(directory: str) -> None:
                 ),
             )
         )
-        train, _, _ = data.read_corpus(config)
+        train, _, _ = loader.read_corpus(config)
         starts, size = np.asarray(train.starts), train.tokens.size
         layout = packing.best_fit(starts, size, seq_len + 1)
         padding = 1 - size / (layout.num_rows * (seq_len + 1))

@@ -17,8 +17,8 @@ import time
 def main(argv):
     import argparse
 
-    from seqpipe import config as config_lib
-    from seqpipe import topology
+    from seqpipe.run import config as config_lib
+    from seqpipe.targets import topology
 
     parser = argparse.ArgumentParser()
     for flag in ("--config", "--topology"):
@@ -29,8 +29,8 @@ def main(argv):
     args, rest = parser.parse_known_args(argv)
     target = topology.parse(args.topology)
     target.prepare_env()
-    from seqpipe import train
     from seqpipe.plan import confirm, plan, search, space, timing
+    from seqpipe.train import aot
 
     config = config_lib.load(args.config, config_lib.parse_overrides(rest))
     p = plan.problem_of(config, target, args.seq_len, args.global_batch)
@@ -46,7 +46,7 @@ def main(argv):
         t0 = time.perf_counter()
         # Compiled as the planner confirms a candidate: a step the TPU compiler refuses as
         # over HBM comes back with its need, a lower bound on its peak.
-        out = confirm.confirm(row, devices, target.budget(), train.compile_config)
+        out = confirm.confirm(row, devices, target.budget(), aot.compile_config)
         if "compile_error" in out:
             raise SystemExit(f"{c.label}: {out['compile_error']}")
         est, got = out["memory_estimate_bytes"], out["memory_per_device_bytes"]

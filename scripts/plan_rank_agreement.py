@@ -29,8 +29,8 @@ def main(argv):
     parser.add_argument("--top", type=int, default=5)
     parser.add_argument("--pool", type=int, default=12)
     args = parser.parse_args(argv)
-    from seqpipe import config as config_lib
     from seqpipe.plan import rank, search, space, timing
+    from seqpipe.run import config as config_lib
     from seqpipe.tools import tick_model
 
     config = config_lib.load("bench", {})

@@ -12,3 +12,11 @@ class DataError(ValueError):
 
 class RestoreError(RuntimeError):
     """No checkpoint in the workdir restores; the message is one line."""
+
+
+class ConfigError(ValueError):
+    """A bad config value; the message is one line naming the key and what would be valid."""
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (for example a non-finite loss); the message says why."""

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import jax
 
-from seqpipe import config as config_lib
+from seqpipe.run import config as config_lib
 
 REPO = Path(__file__).resolve().parent.parent
 # Many tests here compile the same tiny step; a persistent compilation cache (shared with
@@ -56,9 +56,9 @@ def tiny_config(**overrides):
 
 
 def run_of(config):
-    """`config` resolved (`seqpipe.run_config`) for the first devices its mesh names (all
+    """`config` resolved (`seqpipe.run.run_config`) for the first devices its mesh names (all
     of them where an axis is -1), `auto` picked without compiling."""
-    from seqpipe import run_config
+    from seqpipe.run import run_config
 
     m = config.mesh
     count = m.data * m.stage * m.tensor

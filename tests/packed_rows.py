@@ -1,4 +1,4 @@
-"""Packed rows for tests (the data contract's, `seqpipe.document_mask`): documents crossing
+"""Packed rows for tests (the data contract's, `seqpipe.models.document_mask`): documents crossing
 segment and micro-batch boundaries, one-token documents, a row that is one document,
 padding at a row's end."""
 
@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from seqpipe import document_mask
+from seqpipe.models import document_mask
 
 # Document lengths of a row of 17 (seq_len 16 + 1), cycled over a batch's rows.
 LAYOUTS_17 = (

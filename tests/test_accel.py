@@ -73,14 +73,14 @@ def test_classify_by_innermost_telling_frame():
     def ins(opcode, *stack, calls=()):
         return accel.classify({"opcode": opcode, "stack": list(stack)}, set(calls))
 
-    model, attn = ("/x/seqpipe/model.py", "layer"), ("/x/seqpipe/attention.py", "_probs")
-    xent = ("/x/seqpipe/model.py", "_chunk_xent")
-    pipe = ("/x/seqpipe/pipeline.py", "write_slot")
+    model, attn = ("/x/seqpipe/models/model.py", "layer"), ("/x/seqpipe/kernels/attention.py", "_probs")
+    xent = ("/x/seqpipe/models/model.py", "_chunk_xent")
+    pipe = ("/x/seqpipe/pipeline/executor.py", "write_slot")
     assert ins("fusion", model, pipe, calls={"dot"}) == "matmuls"
     assert ins("fusion", attn, model, pipe, calls={"dot"}) == "attention"
-    kernel = ("/x/seqpipe/gpu_attention.py", "_forward")
-    assert ins("custom-call", kernel, ("/x/seqpipe/units.py", "SegmentUnit.body")) == "attention"
-    assert ins("dot", xent, ("/x/seqpipe/units.py", "SegmentUnit.head")) == "cross-entropy"
+    kernel = ("/x/seqpipe/kernels/pallas_gpu.py", "_forward")
+    assert ins("custom-call", kernel, ("/x/seqpipe/pipeline/units.py", "SegmentUnit.body")) == "attention"
+    assert ins("dot", xent, ("/x/seqpipe/pipeline/units.py", "SegmentUnit.head")) == "cross-entropy"
     assert ins("fusion", ("/site/optax/_src/transform.py", "update_fn")) == "optimizer"
     assert ins("dynamic-update-slice", pipe) == "pipeline buffers / grad accumulation"
     assert ins("copy") == "copies" and ins("add", model) == "other"
@@ -119,7 +119,7 @@ def test_bad_variant_is_one_line(capsys):
 
 
 def test_a_variant_with_a_remat_policy_sets_it_and_keeps_its_schedule():
-    from seqpipe import cli
+    from seqpipe.run import cli
 
     config, _ = cli.load_or_exit(["--config", "gpt_1b", *accel.QUICK], "x")
     c = accel.variant_config(config, "seq1f1b:4@none")

@@ -8,9 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from seqpipe import attention, blockwise, compat, gpu_attention, kv_cache, splash
-from seqpipe import config as config_lib
-from seqpipe.attention import segment_attention
+from seqpipe.kernels import attention, blockwise, kv_cache, pallas_gpu, splash
+from seqpipe.kernels.attention import segment_attention
+from seqpipe.run import config as config_lib
+from seqpipe.targets import compat
 
 RTOL = ATOL = 1e-5  # float32 on CPU: both compute in float32
 KERNEL_TOL = 1e-6  # pallas_gpu in interpret mode, float32: measured within 5.4e-7
@@ -184,20 +185,20 @@ def test_grouped_splash_in_interpret_mode_matches_xla():
 # Tiles smaller than the segments, query and key blocks of different sizes both ways
 # round (the diagonal crossing differs), every length off every block: the prefix (5)
 # and the segments (5, 7) leave a partial last block in each kernel.
-TINY_TILES = gpu_attention.Blocks(forward=(4, 2), dkv=(4, 2), dq=(2, 4))
+TINY_TILES = pallas_gpu.Blocks(forward=(4, 2), dkv=(4, 2), dq=(2, 4))
 
 
 def test_pallas_gpu_in_interpret_mode_matches_xla():
     """The Triton kernels in Pallas interpret mode, three heads, two segments: prefix 0,
     then prefix 5. Float32 throughout, as xla: measured within 5.4e-7 of it, so the
     tolerance is 1e-6, not the 1e-5 of blockwise."""
-    fn = functools.partial(gpu_attention.pallas_gpu_attention, blocks=TINY_TILES, interpret=True)
+    fn = functools.partial(pallas_gpu.pallas_gpu_attention, blocks=TINY_TILES, interpret=True)
     check_segments(fn, (5, 7), tol=KERNEL_TOL)
 
 
 @pytest.mark.parametrize("kv", [1, 2])
 def test_grouped_pallas_gpu_in_interpret_mode_matches_xla(kv):
-    fn = functools.partial(gpu_attention.pallas_gpu_attention, blocks=TINY_TILES, interpret=True)
+    fn = functools.partial(pallas_gpu.pallas_gpu_attention, blocks=TINY_TILES, interpret=True)
     check_segments(fn, (5, 7), tol=KERNEL_TOL, h=4, kv=kv)
     check_segments(cached_tiny_tiles, (5, 7), first=1, tol=KERNEL_TOL, h=4, kv=kv)
 
@@ -205,7 +206,7 @@ def test_grouped_pallas_gpu_in_interpret_mode_matches_xla(kv):
 def test_pallas_gpu_with_default_tiles_in_interpret_mode():
     """The default tiles, fitted to a short segment: 20 queries in a 32-row block, a
     40-key prefix in a 64-key block (Triton's tiles are powers of two, 16 or more)."""
-    fn = functools.partial(gpu_attention.pallas_gpu_attention, interpret=True)
+    fn = functools.partial(pallas_gpu.pallas_gpu_attention, interpret=True)
     check_segments(fn, (40, 20), first=1, tol=KERNEL_TOL, b=1, h=2, e=16)
 
 
@@ -214,7 +215,7 @@ def test_pallas_gpu_in_bfloat16_matches_xla_within_rounding():
     in another order; they agree to bfloat16's rounding, as blockwise does."""
     q, k, v, g = (x.astype(jnp.bfloat16) for x in sequence(19))
     args = (q[:, 11:], k[:, :11], v[:, :11], k[:, 11:], v[:, 11:], g[:, 11:])
-    fn = functools.partial(gpu_attention.pallas_gpu_attention, blocks=TINY_TILES, interpret=True)
+    fn = functools.partial(pallas_gpu.pallas_gpu_attention, blocks=TINY_TILES, interpret=True)
     want = _out_and_grads(segment_attention)(*args)
     got = _out_and_grads(fn)(*args)
     for name, x, y in zip(NAMES, got, want, strict=True):
@@ -224,10 +225,10 @@ def test_pallas_gpu_in_bfloat16_matches_xla_within_rounding():
 
 
 def cached_tiny_tiles(q, kp, vp, ks, vs):
-    """`gpu_attention.cached_attention` reading the prefix from a cache (kp, vp are the
+    """`pallas_gpu.cached_attention` reading the prefix from a cache (kp, vp are the
     sinks, so their cotangents are the prefix's)."""
     cache = _in_cache(kp, vp, q.dtype)
-    fn = gpu_attention.cached_attention
+    fn = pallas_gpu.cached_attention
     return fn(q, cache, kp, vp, ks, vs, kp.shape[1], TINY_TILES, True)
 
 
@@ -244,14 +245,14 @@ def test_bfloat16_cache_words_give_pallas_gpu_bit_for_bit():
     q, k, v, g = (x.astype(jnp.bfloat16) for x in sequence(13))
     own, pre = slice(6, 13), slice(0, 6)
     args = (q[:, own], k[:, pre], v[:, pre], k[:, own], v[:, own])
-    tiles = functools.partial(gpu_attention.pallas_gpu_attention, blocks=TINY_TILES, interpret=True)
+    tiles = functools.partial(pallas_gpu.pallas_gpu_attention, blocks=TINY_TILES, interpret=True)
     want = _out_and_grads(tiles)(*args, g[:, own])
     cache = _in_cache(k[:, pre], v[:, pre], jnp.bfloat16)
     assert cache.words_k.dtype == jnp.uint16
     sink = jnp.zeros((2, 9, 3, 8), jnp.bfloat16)
 
     def cached(q, sk, sv, ks, vs):
-        return gpu_attention.cached_attention(q, cache, sk, sv, ks, vs, 6, TINY_TILES, True)
+        return pallas_gpu.cached_attention(q, cache, sk, sv, ks, vs, 6, TINY_TILES, True)
 
     out, vjp = jax.jit(lambda *a: jax.vjp(cached, *a))(args[0], sink, sink, *args[3:])
     got = (out, *vjp(g[:, own]))
@@ -285,7 +286,7 @@ def _cached_out_and_grads(sink_shape: tuple):
         sink = jnp.zeros(sink_shape, jnp.bfloat16)
 
         def fn(q, sk, sv, ks, vs):
-            return gpu_attention.cached_attention(q, cache, sk, sv, ks, vs, 300)
+            return pallas_gpu.cached_attention(q, cache, sk, sv, ks, vs, 300)
 
         out, vjp = jax.vjp(fn, q, sink, sink, ks, vs)
         return (out, *vjp(g))
@@ -302,9 +303,7 @@ def test_pallas_gpu_lowers_to_verified_triton_modules(monkeypatch):
     shape = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.bfloat16)
     q, prefix = shape((2, 100, 4, 128)), shape((2, 300, 4, 128))
     with compat.gpu_target("NVIDIA H200"):
-        traced = _out_and_grads(gpu_attention.pallas_gpu_attention).trace(
-            q, prefix, prefix, q, q, q
-        )
+        traced = _out_and_grads(pallas_gpu.pallas_gpu_attention).trace(q, prefix, prefix, q, q, q)
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert verified == [True] * 4
     assert text.count("__gpu$xla.gpu.triton") == 4
@@ -342,7 +341,7 @@ def test_grouped_pallas_gpu_lowers_to_verified_triton_modules(monkeypatch):
 def test_pallas_gpu_refuses_odd_widths_in_one_line():
     q = jnp.zeros((1, 4, 1, 24))
     with pytest.raises(ValueError, match="powers of two for the head width"):
-        gpu_attention.pallas_gpu_attention(q, q, q, q, q, interpret=True)
+        pallas_gpu.pallas_gpu_attention(q, q, q, q, q, interpret=True)
 
 
 def test_auto_picks_per_backend():
@@ -366,7 +365,8 @@ def test_the_kernels_are_refused_off_their_platform_in_one_line():
     """Splash (TPU) and pallas_gpu (NVIDIA GPU) compile for their own platform only; with
     or without a pipeline (without one, each data shard runs in a shard_map:
     `reference.per_shard`)."""
-    from seqpipe import attention, run_config
+    from seqpipe.kernels import attention
+    from seqpipe.run import run_config
 
     def config(name, schedule):
         c = config_lib.base_config()
@@ -389,7 +389,8 @@ def test_without_a_pipeline_each_data_shard_runs_whole_and_the_mean_is_the_batch
     """`reference.per_shard` (how a step without a pipeline runs a Pallas kernel, which
     XLA cannot partition): the loss and every gradient equal the model run whole on the
     batch, on a mesh whose `stage` axis holds copies."""
-    from seqpipe import model, reference, sharding
+    from seqpipe.models import model, reference
+    from seqpipe.parallel import sharding
 
     cfg = model.GPTConfig(
         vocab_size=64, num_layers=2, d_model=32, num_heads=4, d_ff=64, attention="blockwise"

@@ -1,5 +1,5 @@
 """`model.attention=auto` on a TPU: splash where its step fits the device, else blockwise,
-saying which and why (`seqpipe.attention_auto`)."""
+saying which and why (`seqpipe.run.attention_auto`)."""
 
 import importlib.util
 from pathlib import Path
@@ -7,9 +7,12 @@ from pathlib import Path
 import pytest
 from test_topology import needs_libtpu
 
-from seqpipe import attention_auto, spec, topology, train
-from seqpipe import config as config_lib
-from seqpipe.remat_auto import HEADROOM
+from seqpipe.pipeline import spec
+from seqpipe.run import attention_auto
+from seqpipe.run import config as config_lib
+from seqpipe.run.remat_auto import HEADROOM
+from seqpipe.targets import topology
+from seqpipe.train import aot
 
 GiB = 2**30
 
@@ -108,14 +111,14 @@ def test_a_tpu_step_whose_splash_does_not_fit_compiles_with_blockwise(monkeypatc
     devices = topology.devices(topology.parse("v5p-8"))
     overrides = {key: str(value) for key, value in NO_REMAT.items()}
     config = config_lib.load("tiny", {**overrides, "model.attention": "auto"})
-    roomy = train.compile_only(train.resolve(config, devices, 95 * GiB))
+    roomy = aot.compile_only(aot.resolve(config, devices, 95 * GiB))
     assert roomy["attention"] == "splash" and list(roomy["attention_auto"]["peaks"]) == ["splash"]
     blockwise = attention_auto.with_attention(config, "blockwise")
-    blockwise = train.compile_only(train.resolve(blockwise, devices))
+    blockwise = aot.compile_only(aot.resolve(blockwise, devices))
     splash, block = roomy["peak_memory_per_device_bytes"], blockwise["peak_memory_per_device_bytes"]
     assert block < splash  # else no budget splits them
     budget = int((splash + block) / 2 / HEADROOM)
-    result = train.compile_only(train.resolve(config, devices, budget))
+    result = aot.compile_only(aot.resolve(config, devices, budget))
     assert result["attention"] == "blockwise"
     assert result["attention_auto"]["peaks"] == {"splash": splash, "blockwise": block}
     assert result["peak_memory_per_device_bytes"] == block

@@ -6,7 +6,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from seqpipe.gpu_attention import Blocks
+from seqpipe.kernels.pallas_gpu import Blocks
 from seqpipe.tools import attention_check
 
 SMALL = {"forward": (16, 16), "dkv": (16, 16), "dq": (16, 16)}

@@ -6,8 +6,9 @@ import weakref
 
 import pytest
 
-from seqpipe import config as config_lib
-from seqpipe import pipeline, remat, schedule
+from seqpipe import schedule
+from seqpipe.pipeline import executor, remat
+from seqpipe.run import config as config_lib
 from seqpipe.tools import bench, flops, tick_model
 
 
@@ -16,14 +17,14 @@ def test_predicted_matches_schedule_stats_with_unit_costs():
     c.model.update(num_layers=4)
     c.mesh.update(stage=4)
     c.pipeline.update(schedule="seq1f1b", microbatches=4, segments=2)
-    spec = pipeline.make_spec(c)
+    spec = executor.make_spec(c)
     got = tick_model.predicted(spec, lambda sp, seg, first, last, kind, n: 2.0 if kind else 1.0)
     want = schedule.stats(spec.schedule)
     assert math.isclose(got["time"], want["time"])
     assert math.isclose(got["bubble"], want["bubble"], abs_tol=1e-6)
     # A split table: its B and W are costed apart (kind 1 and 2), F = B = W = 1 here.
     c.pipeline.update(schedule="seq_zb_h1")
-    spec = pipeline.make_spec(c)
+    spec = executor.make_spec(c)
     got = tick_model.predicted(spec, lambda sp, seg, first, last, kind, n: [1.0, 1.0, 1.0][kind])
     want = schedule.stats(spec.schedule)
     assert math.isclose(got["time"], want["time"])
@@ -39,7 +40,7 @@ def test_release_frees_the_compiled_units():
     c.model.update(vocab_size=64, num_layers=2, d_model=16, num_heads=2, d_ff=32)
     c.mesh.update(stage=2)
     c.pipeline.update(schedule="1f1b", microbatches=2)
-    spec = pipeline.make_spec(c)
+    spec = executor.make_spec(c)
     compiled, _ = flops.compiled_unit(spec, 1, 0, False, False, 0)
     ref = weakref.ref(compiled)
     del compiled

@@ -16,10 +16,13 @@ from helpers import (
 )
 from jax.sharding import PartitionSpec as P
 
-from seqpipe import checkpoint, layout, optim, sharding, train
-from seqpipe import config as config_lib
-from seqpipe.config import ConfigError
-from seqpipe.data import DataError
+from seqpipe.data.loader import DataError
+from seqpipe.parallel import layout, sharding
+from seqpipe.run import config as config_lib
+from seqpipe.run.config import ConfigError
+from seqpipe.train import checkpoint, optim
+from seqpipe.train import step as step_lib
+from seqpipe.train import trainer as trainer_lib
 
 
 def _steps(workdir) -> list[int]:
@@ -29,14 +32,14 @@ def _steps(workdir) -> list[int]:
 @pytest.mark.oldest  # also on the oldest supported release
 def test_resume_is_exact(tmp_path):
     """8 steps straight == 4 steps, a restart, then 4 more: bit for bit on CPU."""
-    straight = train.run(tiny_config(), str(tmp_path / "a"))
-    first = train.run(tiny_config(**{"train.stop_at": "4"}), str(tmp_path / "b"))
+    straight = trainer_lib.run(tiny_config(), str(tmp_path / "a"))
+    first = trainer_lib.run(tiny_config(**{"train.stop_at": "4"}), str(tmp_path / "b"))
     assert [r["step"] for r in first] == [1, 2, 3, 4]
     assert _steps(tmp_path / "b") == [4]
     # As if an earlier attempt had crashed after logging step 5 and half of step 6.
     with open(tmp_path / "b" / "metrics.jsonl", "a") as f:
         f.write('{"step": 5, "loss": 0.0}\n{"step": 6, "lo')
-    second = train.run(tiny_config(), str(tmp_path / "b"))
+    second = trainer_lib.run(tiny_config(), str(tmp_path / "b"))
     assert [r["step"] for r in second] == [5, 6, 7, 8]
     expect = {r["step"]: r["loss"] for r in straight}
     assert [r["loss"] for r in second] == [expect[s] for s in (5, 6, 7, 8)]
@@ -49,7 +52,7 @@ def test_resume_is_exact(tmp_path):
     latest = sorted((tmp_path / "b").glob("events.out.tfevents.*"))[-1]
     assert any(e.session_log.status == 1 and e.step == 5 for e in read_event_protos(latest))
     # A finished run has nothing left to do.
-    assert train.run(tiny_config(), str(tmp_path / "b")) == []
+    assert trainer_lib.run(tiny_config(), str(tmp_path / "b")) == []
 
 
 def test_packed_rows_train_evaluate_and_resume_exactly(tmp_path):
@@ -67,20 +70,22 @@ def test_packed_rows_train_evaluate_and_resume_exactly(tmp_path):
         "data.packing": "best_fit",
         "train.eval_every": "4",
     }
-    straight = train.run(tiny_config(**packed), str(tmp_path / "a"))
-    train.run(tiny_config(**packed, **{"train.stop_at": "4"}), str(tmp_path / "b"))
-    second = train.run(tiny_config(**packed), str(tmp_path / "b"))
+    straight = trainer_lib.run(tiny_config(**packed), str(tmp_path / "a"))
+    trainer_lib.run(tiny_config(**packed, **{"train.stop_at": "4"}), str(tmp_path / "b"))
+    second = trainer_lib.run(tiny_config(**packed), str(tmp_path / "b"))
     expect = {r["step"]: r for r in straight}
     assert [r["step"] for r in second] == [5, 6, 7, 8]
     assert [r["loss"] for r in second] == [expect[s]["loss"] for s in (5, 6, 7, 8)]
     assert second[-1]["eval_loss"] == expect[8]["eval_loss"]
-    unpacked = train.run(tiny_config(**{**packed, "data.packing": "none"}), str(tmp_path / "c"))
+    unpacked = trainer_lib.run(
+        tiny_config(**{**packed, "data.packing": "none"}), str(tmp_path / "c")
+    )
     assert all(np.isfinite(r["loss"]) for r in straight)
     assert [r["loss"] for r in unpacked] != [r["loss"] for r in straight]
 
 
 def test_every_keep_and_final(tmp_path):
-    train.run(
+    trainer_lib.run(
         tiny_config(**{"train.steps": "7", "checkpoint.every": "2", "checkpoint.keep": "2"}),
         str(tmp_path),
     )
@@ -92,19 +97,19 @@ def test_every_keep_and_final(tmp_path):
 
 def test_incomplete_checkpoint_is_skipped(tmp_path):
     """A save cut short (still under orbax's temporary name) is never restored."""
-    train.run(tiny_config(**{"train.stop_at": "3"}), str(tmp_path))
+    trainer_lib.run(tiny_config(**{"train.stop_at": "3"}), str(tmp_path))
     ckpt = checkpoint.directory(tmp_path)
     (ckpt / "5.orbax-checkpoint-tmp-1234" / "state").mkdir(parents=True)
-    records = train.run(tiny_config(**{"train.stop_at": "4"}), str(tmp_path))
+    records = trainer_lib.run(tiny_config(**{"train.stop_at": "4"}), str(tmp_path))
     assert [r["step"] for r in records] == [4]
 
 
 def test_different_model_is_refused(tmp_path):
-    train.run(tiny_config(**{"train.stop_at": "1"}), str(tmp_path))
+    trainer_lib.run(tiny_config(**{"train.stop_at": "1"}), str(tmp_path))
     with pytest.raises(ConfigError, match="different model.*model.d_model=32 saved, 64 now"):
-        train.run(tiny_config(**{"model.d_model": "64"}), str(tmp_path))
+        trainer_lib.run(tiny_config(**{"model.d_model": "64"}), str(tmp_path))
     with pytest.raises(ConfigError, match="batch order.*train.global_batch_size=8 saved, 16"):
-        train.run(tiny_config(**{"train.global_batch_size": "16"}), str(tmp_path))
+        trainer_lib.run(tiny_config(**{"train.global_batch_size": "16"}), str(tmp_path))
 
     # From the command line: one line on stderr, exit 2, the workdir untouched.
     def snapshot():
@@ -121,11 +126,11 @@ def test_different_model_is_refused(tmp_path):
 def test_another_packing_is_another_batch_order(tmp_path):
     """The saved data position counts rows of one packing: under another it would point
     into other rows, so it is refused as another batch order is."""
-    train.run(tiny_config(**{"train.stop_at": "1"}), str(tmp_path))
+    trainer_lib.run(tiny_config(**{"train.stop_at": "1"}), str(tmp_path))
     for packing, also in (("concat", "data.reset_positions=None saved, True now"), ("none", "")):
         config = config_lib.resolve(tiny_config(**{"data.packing": packing}), 8)
         tx = optim.make_optimizer(config.train)
-        abstract = train.abstract_state(run_of(config), sharding.mesh_of(config), tx)
+        abstract = step_lib.abstract_state(run_of(config), sharding.mesh_of(config), tx)
         manager = checkpoint.make_manager(tmp_path, config)
         try:
             if packing == "none":  # what the run was trained with: restores
@@ -145,7 +150,7 @@ def test_keys_that_hold_no_parameter_and_the_optimizer_may_change_on_resume_in_o
 ):
     """model.attention, model.loss_chunk (how the step computes) and the optimizer's
     settings go on changed; one line names each change."""
-    train.run(tiny_config(**{"train.stop_at": "1"}), str(tmp_path))
+    trainer_lib.run(tiny_config(**{"train.stop_at": "1"}), str(tmp_path))
     capfd.readouterr()
     changed = {
         "model.attention": "blockwise",
@@ -154,7 +159,7 @@ def test_keys_that_hold_no_parameter_and_the_optimizer_may_change_on_resume_in_o
         "train.b1": "0.8",
         "train.weight_decay": "0.05",
     }
-    records = train.run(tiny_config(**changed, **{"train.stop_at": "2"}), str(tmp_path))
+    records = trainer_lib.run(tiny_config(**changed, **{"train.stop_at": "2"}), str(tmp_path))
     assert [r["step"] for r in records] == [2]
     notes = [x for x in capfd.readouterr().err.splitlines() if x.startswith("note:")]
     assert len(notes) == 1, notes
@@ -167,7 +172,7 @@ def test_keys_that_hold_no_parameter_and_the_optimizer_may_change_on_resume_in_o
     ):
         assert part in notes[0], notes[0]
     # Unchanged since: no line.
-    train.run(tiny_config(**changed, **{"train.stop_at": "3"}), str(tmp_path))
+    trainer_lib.run(tiny_config(**changed, **{"train.stop_at": "3"}), str(tmp_path))
     assert "note:" not in capfd.readouterr().err
 
 
@@ -176,7 +181,7 @@ def _restore(workdir, config, data, stage):
     tx = optim.make_optimizer(config.train)
     manager = checkpoint.make_manager(workdir, config)
     step, state, data_state = checkpoint.restore_latest(
-        manager, train.abstract_state(run_of(config), mesh, tx), config
+        manager, step_lib.abstract_state(run_of(config), mesh, tx), config
     )
     manager.close()
     return step, state, data_state, mesh
@@ -187,28 +192,28 @@ def test_another_tokenizer_is_refused(tmp_path):
     another tokenizer are other text. The refusal overwrites nothing; the saved
     tokenizer.json, as the message suggests, resumes."""
     byte_run = tmp_path / "byte"
-    train.run(tiny_config(**{"train.stop_at": "1"}), str(byte_run))
+    trainer_lib.run(tiny_config(**{"train.stop_at": "1"}), str(byte_run))
     bpe = {"data.tokenizer": "bpe", "model.vocab_size": "300", "data.cache_dir": str(tmp_path)}
     with pytest.raises(DataError, match="trained with no BPE .* data.tokenizer=bpe"):
-        train.run(tiny_config(**bpe), str(byte_run))
+        trainer_lib.run(tiny_config(**bpe), str(byte_run))
     assert not (byte_run / "tokenizer.json").exists()
 
     bpe_run = tmp_path / "bpe"
-    train.run(tiny_config(**bpe, **{"train.stop_at": "1"}), str(bpe_run))
+    trainer_lib.run(tiny_config(**bpe, **{"train.stop_at": "1"}), str(bpe_run))
     saved = bpe_run / "tokenizer.json"
     before = saved.read_bytes()
     with pytest.raises(DataError, match=f"trained with the BPE in {saved}, not the .*=byte"):
-        train.run(tiny_config(**{"model.vocab_size": "300"}), str(bpe_run))
+        trainer_lib.run(tiny_config(**{"model.vocab_size": "300"}), str(bpe_run))
     other = json.loads(before)
     other["model"]["merges"] = other["model"]["merges"][:-1]  # one merge fewer
     (tmp_path / "other.json").write_text(json.dumps(other))
     with pytest.raises(DataError, match=f"data.tokenizer_path={saved}\\) or use a new"):
-        train.run(
+        trainer_lib.run(
             tiny_config(**bpe, **{"data.tokenizer_path": str(tmp_path / "other.json")}),
             str(bpe_run),
         )
     assert saved.read_bytes() == before and _steps(bpe_run) == [1]
-    resumed = train.run(
+    resumed = trainer_lib.run(
         tiny_config(**bpe, **{"data.tokenizer_path": str(saved), "train.stop_at": "2"}),
         str(bpe_run),
     )
@@ -219,8 +224,8 @@ def test_restore_into_another_mesh(tmp_path):
     """Written on 8 x 1 (data parallel), restored on 2 x 4 with layers split over stages,
     and on 1 x 8; the values are the same and training goes on to the same losses."""
     dp = tiny_config(**{"train.stop_at": "3"})
-    straight = train.run(tiny_config(**{"train.stop_at": "4"}), str(tmp_path / "straight"))
-    train.run(dp, str(tmp_path / "run"))
+    straight = trainer_lib.run(tiny_config(**{"train.stop_at": "4"}), str(tmp_path / "straight"))
+    trainer_lib.run(dp, str(tmp_path / "run"))
     step, s8, data8, _ = _restore(tmp_path / "run", dp, 8, 1)
     pp = tiny_config(**PIPELINED)
     step24, s24, data24, mesh24 = _restore(tmp_path / "run", pp, 2, 4)
@@ -245,7 +250,9 @@ def test_restore_into_another_mesh(tmp_path):
         for x in moments
     )
     # Step 4 on the pipelined 2 x 4 mesh from the 8 x 1 checkpoint: same loss as straight on.
-    resumed = train.run(tiny_config(**{**PIPELINED, "train.stop_at": "4"}), str(tmp_path / "run"))
+    resumed = trainer_lib.run(
+        tiny_config(**{**PIPELINED, "train.stop_at": "4"}), str(tmp_path / "run")
+    )
     assert [r["step"] for r in resumed] == [4]
     np.testing.assert_allclose(resumed[0]["loss"], straight[-1]["loss"], rtol=1e-5)
 
@@ -254,13 +261,13 @@ def test_a_sharded_optimizer_resumes_on_another_mesh_and_unsharded(tmp_path):
     """Saved with the optimizer state split over 2 replicas (2 x 4), resumed split over 4
     (4 x 2) and then whole on every replica: the losses of a straight run."""
     on = {**PIPELINED, "train.shard_optimizer": "on"}
-    straight = train.run(tiny_config(**on, **{"train.stop_at": "4"}), str(tmp_path / "a"))
+    straight = trainer_lib.run(tiny_config(**on, **{"train.stop_at": "4"}), str(tmp_path / "a"))
     run = str(tmp_path / "b")
-    train.run(tiny_config(**on, **{"train.stop_at": "2"}), run)
+    trainer_lib.run(tiny_config(**on, **{"train.stop_at": "2"}), run)
     four = {"mesh.data": "4", "mesh.stage": "2", "train.stop_at": "3"}
-    resumed = train.run(tiny_config(**{**on, **four}), run)
+    resumed = trainer_lib.run(tiny_config(**{**on, **four}), run)
     off = {"train.shard_optimizer": "off", "train.stop_at": "4"}
-    resumed += train.run(tiny_config(**PIPELINED, **off), run)
+    resumed += trainer_lib.run(tiny_config(**PIPELINED, **off), run)
     assert [r["step"] for r in resumed] == [3, 4]
     np.testing.assert_allclose(
         [r["loss"] for r in resumed], [r["loss"] for r in straight[2:]], rtol=1e-6
@@ -268,13 +275,13 @@ def test_a_sharded_optimizer_resumes_on_another_mesh_and_unsharded(tmp_path):
 
 
 def test_checkpoint_dir_layout(tmp_path):
-    train.run(tiny_config(**{"train.stop_at": "2"}), str(tmp_path))
+    trainer_lib.run(tiny_config(**{"train.stop_at": "2"}), str(tmp_path))
     step_dir = Path(checkpoint.directory(tmp_path)) / "2"
     assert {"state", "data", "meta"} <= {p.name for p in step_dir.iterdir()}
 
 
 # Interleaved Seq1F1B on 2 x 4 with two chunks per stage: the train state's layers are in
-# stage order (`seqpipe.layout`), not the canonical order checkpoints keep.
+# stage order (`seqpipe.parallel.layout`), not the canonical order checkpoints keep.
 INTERLEAVED = {
     **PIPELINED,
     "pipeline.schedule": "seq1f1b_interleaved",
@@ -296,9 +303,9 @@ def test_checkpoints_are_canonical_whatever_the_layout(tmp_path):
     def v1(stop):
         return tiny_config(**{**PIPELINED, **layers8, "train.stop_at": stop})
 
-    straight = train.run(v2("4"), str(tmp_path / "straight"))
+    straight = trainer_lib.run(v2("4"), str(tmp_path / "straight"))
     run = str(tmp_path / "run")
-    trainer = train.Trainer(run_of(v2("2")), run)
+    trainer = trainer_lib.Trainer(run_of(v2("2")), run)
     try:
         assert [r["step"] for r in trainer.train()] == [1, 2]
     finally:
@@ -310,7 +317,7 @@ def test_checkpoints_are_canonical_whatever_the_layout(tmp_path):
     chex.assert_trees_all_equal(_restore(run, tiny_config(**layers8), 8, 1)[1], canonical)
     chex.assert_trees_all_equal(_restore(run, v1("2"), 2, 4)[1], canonical)
     chex.assert_trees_all_equal(_restore(run, v2("2"), 2, 4)[1], live)
-    resumed = train.run(v1("3"), run) + train.run(v2("4"), run)
+    resumed = trainer_lib.run(v1("3"), run) + trainer_lib.run(v2("4"), run)
     assert [r["step"] for r in resumed] == [3, 4]
     for key in ("loss", "eval_loss"):
         np.testing.assert_allclose(
@@ -329,9 +336,9 @@ def test_an_uneven_split_saves_canonically_and_resumes_under_any_split(tmp_path)
     def uneven(stop, split="2,2,1,1", **more):
         return tiny_config(**{**six, "pipeline.layers_per_stage": split, "train.stop_at": stop})
 
-    straight = train.run(uneven("4"), str(tmp_path / "straight"))
+    straight = trainer_lib.run(uneven("4"), str(tmp_path / "straight"))
     run = str(tmp_path / "run")
-    trainer = train.Trainer(run_of(uneven("2")), run)
+    trainer = trainer_lib.Trainer(run_of(uneven("2")), run)
     try:
         assert [r["step"] for r in trainer.train()] == [1, 2]
     finally:
@@ -347,7 +354,7 @@ def test_an_uneven_split_saves_canonically_and_resumes_under_any_split(tmp_path)
     chex.assert_trees_all_equal(restored, canonical)
     flops = {**six, "pipeline.layers_per_stage": "flops", "train.stop_at": "3"}
     even = {**six, "mesh.data": "4", "mesh.stage": "2", "train.stop_at": "4"}
-    resumed = train.run(tiny_config(**flops), run) + train.run(tiny_config(**even), run)
+    resumed = trainer_lib.run(tiny_config(**flops), run) + trainer_lib.run(tiny_config(**even), run)
     assert [r["step"] for r in resumed] == [3, 4]
     for key in ("loss", "eval_loss"):
         np.testing.assert_allclose(
@@ -364,7 +371,7 @@ def test_a_restored_uneven_split_holds_its_layers_once_and_warns_nothing(tmp_pat
     import warnings
 
     six = {**PIPELINED, "model.num_layers": "6", "pipeline.layers_per_stage": "2,2,1,1"}
-    train.run(tiny_config(**six, **{"train.stop_at": "1"}), str(tmp_path))
+    trainer_lib.run(tiny_config(**six, **{"train.stop_at": "1"}), str(tmp_path))
     config = config_lib.resolve(tiny_config(**six), 8)
     mesh, tx = sharding.mesh_of(config), optim.make_optimizer(config.train)
     manager = checkpoint.make_manager(tmp_path, config)
@@ -373,7 +380,7 @@ def test_a_restored_uneven_split_holds_its_layers_once_and_warns_nothing(tmp_pat
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         step, state, _ = checkpoint.restore_latest(
-            manager, train.abstract_state(run_of(config), mesh, tx), config
+            manager, step_lib.abstract_state(run_of(config), mesh, tx), config
         )
     manager.close()
     assert step == 1

@@ -285,7 +285,7 @@ BY_PROCESS = {
 def broken_data(tmp_path_factory):
     import numpy as np
 
-    from seqpipe import tokenizer
+    from seqpipe.data import tokenizer
 
     d = tmp_path_factory.mktemp("data")
     (d / "empty.txt").write_text("")
@@ -351,7 +351,7 @@ def test_every_invalid_input_is_refused_by_train_py(name, broken_data, tmp_path)
 
 
 # A config file that sets an integer depth, as a user tuning memory would.
-DEEP = """from seqpipe.config import base_config
+DEEP = """from seqpipe.run.config import base_config
 
 
 def get_config():
@@ -377,7 +377,7 @@ def test_inflight_overrides_either_way_between_a_name_and_an_integer(
 ):
     """`pipeline.inflight` takes a name or an integer: the flag decides which, not the type
     of the value in the file (an integer there once made `=full` 'expected a int')."""
-    from seqpipe import cli
+    from seqpipe.run import cli
 
     path = tmp_path / "deep.py"
     path.write_text(DEEP.format(inflight=in_file))
@@ -389,7 +389,8 @@ def test_inflight_overrides_either_way_between_a_name_and_an_integer(
 
 def test_a_lost_peer_line_names_the_process_and_the_newest_checkpoint(tmp_path):
     """What a survivor says when a collective fails for a lost peer (the gloo error)."""
-    from seqpipe import checkpoint, peers
+    from seqpipe.host import peers
+    from seqpipe.train import checkpoint
 
     ckpt = checkpoint.directory(tmp_path)
     (ckpt / "4").mkdir(parents=True)

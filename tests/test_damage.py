@@ -8,15 +8,15 @@ import pytest
 from helpers import run_python, run_train, tiny_config
 from hostile import SHORT, one_line_error
 
-from seqpipe import checkpoint, train
+from seqpipe.train import checkpoint, trainer
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A workdir with checkpoints 1 and 2, and the losses of steps 1-3 run straight."""
     workdir = tmp_path_factory.mktemp("trained") / "w"
-    train.run(tiny_config(**SHORT), str(workdir))
-    straight = train.run(tiny_config(**{**SHORT, "train.stop_at": "3"}), str(workdir) + "-3")
+    trainer.run(tiny_config(**SHORT), str(workdir))
+    straight = trainer.run(tiny_config(**{**SHORT, "train.stop_at": "3"}), str(workdir) + "-3")
     return workdir, {r["step"]: r["loss"] for r in straight}
 
 
@@ -55,7 +55,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous(trained, tmp_pat
     ckpt = checkpoint.directory(workdir)
     DAMAGE[damage](ckpt / "2")
     capsys.readouterr()
-    records = train.run(tiny_config(**{**SHORT, "train.stop_at": "3"}), str(workdir))
+    records = trainer.run(tiny_config(**{**SHORT, "train.stop_at": "3"}), str(workdir))
     err = capsys.readouterr().err.strip().splitlines()
     # orbax's advice when the previous save's background write took over 1 s, which on
     # busy cores it does: about the machine's load, not the damage.

@@ -10,7 +10,8 @@ import ml_collections
 import numpy as np
 import pytest
 
-from seqpipe import data, documents, sharding
+from seqpipe.data import documents, loader
+from seqpipe.parallel import sharding
 
 STDLIB = sysconfig.get_paths()["stdlib"]
 
@@ -49,7 +50,7 @@ def take(it, n):
 
 def test_bpe_trains_on_stdlib_text_caches_and_round_trips(tmp_path):
     config = make_config(tmp_path)
-    tok = data.load_tokenizer(config)
+    tok = loader.load_tokenizer(config)
     assert tok.vocab_size == 512
     text = open(os.path.join(STDLIB, "email", "utils.py"), encoding="utf-8").read()
     ids = tok.encode(text)
@@ -60,21 +61,21 @@ def test_bpe_trains_on_stdlib_text_caches_and_round_trips(tmp_path):
     # Cached under the data cache and copied into the workdir once the data is read; a
     # reload is the same tokenizer.
     assert not os.path.exists(tmp_path / "work")
-    data.load_tokens(config, str(tmp_path / "work"))
+    loader.load_tokens(config, str(tmp_path / "work"))
     assert json.loads((tmp_path / "work" / "tokenizer.json").read_text()) == json.loads(
         tok.to_json()
     )
     (cached,) = (tmp_path / "cache").glob("bpe-512-*.json")
-    again = data.load_tokenizer(config)
+    again = loader.load_tokenizer(config)
     assert again.to_json() == tok.to_json()
     assert json.loads(cached.read_text()) == json.loads(tok.to_json())
     # Another vocab size is another cache entry, never the stale one.
     config.model.vocab_size = 600
-    assert data.load_tokenizer(config).vocab_size == 600
+    assert loader.load_tokenizer(config).vocab_size == 600
 
 
 def test_byte_tokenizer_round_trips(tmp_path):
-    tok = data.load_tokenizer(make_config(tmp_path, tokenizer="byte"))
+    tok = loader.load_tokenizer(make_config(tmp_path, tokenizer="byte"))
     text = "def f(x):\n    return 'ünïcode ∑ 😀'\n"
     assert tok.vocab_size == 256
     assert tok.encode(text) == list(text.encode())
@@ -84,8 +85,8 @@ def test_byte_tokenizer_round_trips(tmp_path):
 def test_tokenizer_larger_than_model_vocab_is_an_error(tmp_path):
     config = make_config(tmp_path, tokenizer="byte")
     config.model.vocab_size = 200
-    with pytest.raises(data.DataError, match="vocab_size"):
-        data.load_tokenizer(config)
+    with pytest.raises(loader.DataError, match="vocab_size"):
+        loader.load_tokenizer(config)
 
 
 # ---------------------------------------------------------------- corpus and splits
@@ -93,7 +94,7 @@ def test_tokenizer_larger_than_model_vocab_is_an_error(tmp_path):
 
 def test_stdlib_corpus_split_and_cache(tmp_path):
     config = make_config(tmp_path, source="stdlib", path="", tokenizer="byte")
-    train, held_out = data.load_tokens(config, "")
+    train, held_out = loader.load_tokens(config, "")
     files = documents._stdlib_files()
     assert files == sorted(files) and not any("site-packages" in f for f in files)
     total = sum(len(open(f, "rb").read().decode("utf-8", "replace").encode()) for f in files)
@@ -103,15 +104,15 @@ def test_stdlib_corpus_split_and_cache(tmp_path):
     first = open(files[0], "rb").read()
     assert bytes(train[: len(first)].astype(np.uint8)) == first
     # Second load comes from the cached array, identical.
-    train2, held_out2 = data.load_tokens(config, "")
+    train2, held_out2 = loader.load_tokens(config, "")
     np.testing.assert_array_equal(train2, train)
     np.testing.assert_array_equal(held_out2, held_out)
 
 
 def test_bpe_tokens_carry_end_of_text_between_documents(tmp_path):
     config = make_config(tmp_path)
-    tok = data.load_tokenizer(config)
-    train, held_out = data.load_tokens(config, "")
+    tok = loader.load_tokenizer(config)
+    train, held_out = loader.load_tokens(config, "")
     stream = np.concatenate([train, held_out])
     files = [f for f in documents._text_files(config.data.path) if os.path.getsize(f)]
     assert np.count_nonzero(stream == tok.eot_id) == len(files)  # empty files add nothing
@@ -123,7 +124,7 @@ def test_eval_split_is_at_least_one_window(tmp_path):
     path = tmp_path / "small.txt"
     path.write_text("abcdefghij" * 10)  # 100 byte tokens
     config = make_config(tmp_path, path=str(path), tokenizer="byte")
-    train, held_out = data.load_tokens(config, "")
+    train, held_out = loader.load_tokens(config, "")
     assert held_out.size == config.train.seq_len + 1 and train.size == 100 - 17
 
 
@@ -135,7 +136,7 @@ def test_directory_source_skips_binary_and_hidden_files(tmp_path):
     (corpus / ".hidden").write_text("hidden")
     (corpus / "blob.bin").write_bytes(b"\0\1\2" * 10)
     config = make_config(tmp_path, path=str(corpus), tokenizer="byte")
-    train, held_out = data.load_tokens(config, "")
+    train, held_out = loader.load_tokens(config, "")
     text = bytes(np.concatenate([train, held_out]).astype(np.uint8)).decode()
     assert text == "second " * 20 + "first " * 20  # sorted paths: b.txt < sub/a.txt
 
@@ -145,7 +146,7 @@ def test_tokens_source_reads_a_uint16_file(tmp_path):
     path = tmp_path / "ids.bin"
     ids.tofile(path)
     config = make_config(tmp_path, source="tokens", path=str(path), tokenizer="byte")
-    train, held_out = data.load_tokens(config, "")
+    train, held_out = loader.load_tokens(config, "")
     assert isinstance(train, np.memmap)  # read in place, never copied
     np.testing.assert_array_equal(np.concatenate([train, held_out]), ids)
     assert held_out.size == 100
@@ -160,27 +161,27 @@ def test_tokens_source_reads_a_uint16_file(tmp_path):
     ],
 )
 def test_bad_paths_are_clear_errors(tmp_path, overrides, match):
-    with pytest.raises(data.DataError, match=match):
-        data.load_tokens(make_config(tmp_path, tokenizer="byte", **overrides), "")
+    with pytest.raises(loader.DataError, match=match):
+        loader.load_tokens(make_config(tmp_path, tokenizer="byte", **overrides), "")
 
 
 def test_out_of_range_token_ids_are_an_error(tmp_path):
     path = tmp_path / "ids.bin"
     np.array([1, 2, 3, 700] * 100, np.uint16).tofile(path)
     config = make_config(tmp_path, source="tokens", path=str(path), tokenizer="byte")
-    with pytest.raises(data.DataError, match="token id 700 >= model.vocab_size=512"):
-        data.load_tokens(config, "")
+    with pytest.raises(loader.DataError, match="token id 700 >= model.vocab_size=512"):
+        loader.load_tokens(config, "")
 
 
 def test_empty_and_too_small_corpora_are_errors(tmp_path):
     (tmp_path / "empty.txt").write_text("")
     config = make_config(tmp_path, path=str(tmp_path / "empty.txt"), tokenizer="byte")
-    with pytest.raises(data.DataError, match="empty"):
-        data.load_tokens(config, "")
+    with pytest.raises(loader.DataError, match="empty"):
+        loader.load_tokens(config, "")
     (tmp_path / "tiny.txt").write_text("x" * 20)
     config.data.path = str(tmp_path / "tiny.txt")
-    with pytest.raises(data.DataError, match="too few"):
-        data.load_tokens(config, "")
+    with pytest.raises(loader.DataError, match="too few"):
+        loader.load_tokens(config, "")
 
 
 # ---------------------------------------------------------------- pipeline
@@ -192,7 +193,7 @@ EVERY_ROW = slice(None)  # what a lone process reads
 
 def test_windows_are_contiguous_slices_and_an_epoch_covers_each_once(tmp_path):
     config = stream_config(tmp_path)
-    batches = take(data.train_iterator(config, STREAM, EVERY_ROW), 8)  # 8 x 8 = one epoch
+    batches = take(loader.train_iterator(config, STREAM, EVERY_ROW), 8)  # 8 x 8 = one epoch
     for b in batches:
         chex.assert_shape(b, (8, 5))
         chex.assert_type(b, np.int32)
@@ -204,9 +205,9 @@ def test_windows_are_contiguous_slices_and_an_epoch_covers_each_once(tmp_path):
 
 
 def test_same_seed_same_batches_other_seed_other_order(tmp_path):
-    a = take(data.train_iterator(stream_config(tmp_path, seed=1), STREAM, EVERY_ROW), 20)
-    b = take(data.train_iterator(stream_config(tmp_path, seed=1), STREAM, EVERY_ROW), 20)
-    c = take(data.train_iterator(stream_config(tmp_path, seed=2), STREAM, EVERY_ROW), 20)
+    a = take(loader.train_iterator(stream_config(tmp_path, seed=1), STREAM, EVERY_ROW), 20)
+    b = take(loader.train_iterator(stream_config(tmp_path, seed=1), STREAM, EVERY_ROW), 20)
+    c = take(loader.train_iterator(stream_config(tmp_path, seed=2), STREAM, EVERY_ROW), 20)
     np.testing.assert_array_equal(np.stack(a), np.stack(b))
     assert not np.array_equal(np.stack(a), np.stack(c))
     # Each epoch is reshuffled, not replayed.
@@ -215,11 +216,11 @@ def test_same_seed_same_batches_other_seed_other_order(tmp_path):
 
 def test_iterator_state_restores_exactly(tmp_path):
     config = stream_config(tmp_path)
-    it = data.train_iterator(config, STREAM, EVERY_ROW)
+    it = loader.train_iterator(config, STREAM, EVERY_ROW)
     take(it, 5)
     state = json.loads(json.dumps(it.get_state()))  # survives a trip through a checkpoint
     expected = take(it, 12)  # crosses an epoch boundary
-    restored = data.train_iterator(config, STREAM, EVERY_ROW)
+    restored = loader.train_iterator(config, STREAM, EVERY_ROW)
     take(restored, 2)  # wherever it was, set_state wins
     restored.set_state(state)
     np.testing.assert_array_equal(np.stack(take(restored, 12)), np.stack(expected))
@@ -246,7 +247,7 @@ ROWS = {
 def test_each_process_reads_the_rows_its_devices_hold(layout):
     data_size, stages, per_process = layout
     mesh = sharding.make_mesh(data_size, stages)
-    rows = data.rows_by_process(mesh, 8, process_of(per_process))
+    rows = loader.rows_by_process(mesh, 8, process_of(per_process))
     assert list(rows) == list(range(8 // per_process))
     assert list(rows.values()) == ROWS[layout]
     # Processes whose devices share a data index (a row of the mesh) read the same rows.
@@ -257,9 +258,9 @@ def test_each_process_reads_the_rows_its_devices_hold(layout):
 
 def test_process_rows_serve_the_same_global_batches_in_any_layout(tmp_path):
     config = stream_config(tmp_path)
-    whole = take(data.train_iterator(config, STREAM, EVERY_ROW), 10)
-    halves = [take(data.train_iterator(config, STREAM, r), 10) for r in ROWS[(2, 4, 4)]]
-    both = [take(data.train_iterator(config, STREAM, r), 10) for r in ROWS[(1, 8, 4)]]
+    whole = take(loader.train_iterator(config, STREAM, EVERY_ROW), 10)
+    halves = [take(loader.train_iterator(config, STREAM, r), 10) for r in ROWS[(2, 4, 4)]]
+    both = [take(loader.train_iterator(config, STREAM, r), 10) for r in ROWS[(1, 8, 4)]]
     for step, full in enumerate(whole):
         first, second = halves[0][step], halves[1][step]
         assert first.shape == second.shape == (4, 5)
@@ -267,9 +268,9 @@ def test_process_rows_serve_the_same_global_batches_in_any_layout(tmp_path):
         np.testing.assert_array_equal(both[0][step], full)
         np.testing.assert_array_equal(both[1][step], full)
     # A checkpointed iterator state means the same global batch under any other layout.
-    second_half = data.train_iterator(config, STREAM, slice(4, 8))
+    second_half = loader.train_iterator(config, STREAM, slice(4, 8))
     take(second_half, 3)
-    restored = data.train_iterator(config, STREAM, EVERY_ROW)
+    restored = loader.train_iterator(config, STREAM, EVERY_ROW)
     restored.set_state(json.loads(json.dumps(second_half.get_state())))
     np.testing.assert_array_equal(take(restored, 1)[0], whole[3])
 
@@ -278,8 +279,8 @@ def test_rows_a_process_cannot_read_in_one_range_are_refused():
     # Process 0 (devices 0-3) sits at data indices 0 and 2 of this 4 x 2 mesh.
     devices = np.array(jax.devices())[[0, 1, 4, 5, 2, 3, 6, 7]].reshape(4, 2)
     mesh = jax.sharding.Mesh(devices, (sharding.DATA, sharding.STAGE))
-    with pytest.raises(data.DataError) as refused:
-        data.rows_by_process(mesh, 8, process_of(4))
+    with pytest.raises(loader.DataError) as refused:
+        loader.rows_by_process(mesh, 8, process_of(4))
     message = str(refused.value)
     assert "\n" not in message
     assert message.startswith(
@@ -290,12 +291,14 @@ def test_rows_a_process_cannot_read_in_one_range_are_refused():
 
 
 def test_global_batch_must_split_over_data_replicas():
-    with pytest.raises(data.DataError, match="global_batch_size=6 does not split over mesh.data=4"):
-        data.rows_by_process(sharding.make_mesh(4, 2), 6)
+    with pytest.raises(
+        loader.DataError, match="global_batch_size=6 does not split over mesh.data=4"
+    ):
+        loader.rows_by_process(sharding.make_mesh(4, 2), 6)
 
 
 def test_a_lone_process_reads_every_row(tmp_path):
-    assert data.local_rows(stream_config(tmp_path), sharding.make_mesh(2, 4)) == slice(0, 8)
+    assert loader.local_rows(stream_config(tmp_path), sharding.make_mesh(2, 4)) == slice(0, 8)
 
 
 def test_eval_batches_are_deterministic_sharded_and_from_the_held_out_tail(tmp_path):
@@ -305,20 +308,21 @@ def test_eval_batches_are_deterministic_sharded_and_from_the_held_out_tail(tmp_p
     np.arange(2000, dtype=np.uint16).tofile(path)
     config.data.path = str(path)
     config.model.vocab_size = 2000
-    train, held_out = data.load_tokens(config, "")
-    evals = [b["tokens"] for b in data.eval_batches(config, held_out, 5, EVERY_ROW)]
+    train, held_out = loader.load_tokens(config, "")
+    evals = [b["tokens"] for b in loader.eval_batches(config, held_out, 5, EVERY_ROW)]
     assert (
-        data.eval_batches(config, held_out, 5, EVERY_ROW)[4]["tokens"].tolist() == evals[4].tolist()
+        loader.eval_batches(config, held_out, 5, EVERY_ROW)[4]["tokens"].tolist()
+        == evals[4].tolist()
     )
     for b in evals:
         assert b.shape == (4, 17) and b.min() >= train.size  # never a training token
         np.testing.assert_array_equal(b, b[:, :1] + np.arange(17))
     assert [b[0, 0] for b in evals[:3]] == [1800, 1864, 1928]  # in order, windows wrap at 12
-    halves = [data.eval_batches(config, held_out, 5, rows) for rows in (slice(0, 2), slice(2, 4))]
+    halves = [loader.eval_batches(config, held_out, 5, rows) for rows in (slice(0, 2), slice(2, 4))]
     for b, x, y in zip(evals, *halves, strict=True):
         np.testing.assert_array_equal(np.concatenate([x["tokens"], y["tokens"]]), b)
     train_starts = {
-        int(s) for b in take(data.train_iterator(config, train, EVERY_ROW), 30) for s in b[:, 0]
+        int(s) for b in take(loader.train_iterator(config, train, EVERY_ROW), 30) for s in b[:, 0]
     }
     assert max(train_starts) + 17 <= train.size
 
@@ -326,7 +330,7 @@ def test_eval_batches_are_deterministic_sharded_and_from_the_held_out_tail(tmp_p
 def test_to_global_shards_the_batch_over_data(tmp_path):
     mesh = sharding.make_mesh(4, 2)
     batch = np.arange(8 * 5, dtype=np.int32).reshape(8, 5)
-    x = data.to_global(batch, mesh, 8)
+    x = loader.to_global(batch, mesh, 8)
     assert x.shape == (8, 5) and x.sharding.spec == jax.sharding.PartitionSpec("data")
     np.testing.assert_array_equal(np.asarray(x), batch)
     # Each device holds two rows; the two stages of a data replica hold the same ones.
@@ -338,9 +342,9 @@ def test_to_global_shards_the_batch_over_data(tmp_path):
 def test_bpe_on_the_whole_stdlib(tmp_path, vocab_size):
     config = make_config(tmp_path, source="stdlib", path="")
     config.model.vocab_size = vocab_size
-    tok = data.load_tokenizer(config)
+    tok = loader.load_tokenizer(config)
     assert tok.vocab_size == vocab_size
-    train, held_out = data.load_tokens(config, "")
+    train, held_out = loader.load_tokens(config, "")
     assert train.size + held_out.size > 2_000_000
     assert tok.decode(train[:2000]).startswith(open(documents._stdlib_files()[0]).read()[:500])
 
@@ -372,7 +376,7 @@ def _within(fn, seconds=60):
 
 
 def _load_within(config, seconds=60):
-    return _within(lambda: data.load_tokens(config, ""), seconds)
+    return _within(lambda: loader.load_tokens(config, ""), seconds)
 
 
 def _unblock(fifo):
@@ -407,11 +411,11 @@ def test_a_named_pipe_or_device_as_data_path_is_refused_in_one_line(tmp_path):
     fifo = tmp_path / "pipe.txt"
     os.mkfifo(fifo)
     try:
-        with pytest.raises(data.DataError, match="is a named pipe, not a regular file"):
+        with pytest.raises(loader.DataError, match="is a named pipe, not a regular file"):
             _load_within(make_config(tmp_path, path=str(fifo), tokenizer="byte"))
     finally:
         _unblock(fifo)
-    with pytest.raises(data.DataError, match="is a character device, not a regular file"):
+    with pytest.raises(loader.DataError, match="is a character device, not a regular file"):
         _load_within(make_config(tmp_path, path="/dev/zero", tokenizer="byte"))
 
 
@@ -445,7 +449,7 @@ def test_invalid_utf8_is_counted_in_one_line_and_refused_past_the_threshold(tmp_
     (corpus / "good.txt").write_text("plain text " * 2000)  # 22,000 bytes
     (corpus / "some.txt").write_bytes(b"caf\xe9 " * 4 + b"ok " * 100)  # 4 invalid bytes
     config = make_config(tmp_path, path=str(corpus), tokenizer="byte")
-    train, held_out = data.load_tokens(config, "")
+    train, held_out = loader.load_tokens(config, "")
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("4 invalid UTF-8 sequences in 1 of the corpus's files"), line
     assert f"most in {corpus / 'some.txt'}: 4" in line and "replaced by U+FFFD" in line
@@ -456,11 +460,13 @@ def test_invalid_utf8_is_counted_in_one_line_and_refused_past_the_threshold(tmp_
     config = make_config(
         tmp_path, path=str(corpus), tokenizer="byte", cache_dir=str(tmp_path / "c2")
     )
-    with pytest.raises(data.DataError, match=r"30004 invalid UTF-8 .* data.max_invalid_utf8=0.001"):
-        data.load_tokens(config, "")
+    with pytest.raises(
+        loader.DataError, match=r"30004 invalid UTF-8 .* data.max_invalid_utf8=0.001"
+    ):
+        loader.load_tokens(config, "")
     assert not list((tmp_path / "c2").glob("tokens-*"))
     config.data.max_invalid_utf8 = 1.0  # taken as it is, when asked
-    train, held_out = data.load_tokens(config, "")
+    train, held_out = loader.load_tokens(config, "")
     assert "30004 invalid UTF-8 sequences in 2 of the corpus's files" in capsys.readouterr().err
 
 
@@ -478,9 +484,11 @@ def take_all(it, n):
 
 
 def test_concat_rows_are_todays_rows_with_their_documents(tmp_path):
-    stream, _, t = data.read_corpus(packed_config(tmp_path, "concat"))
-    none = take_all(data.train_iterator(packed_config(tmp_path, "none"), stream, EVERY_ROW), 6)
-    concat = take_all(data.train_iterator(packed_config(tmp_path, "concat"), stream, EVERY_ROW), 6)
+    stream, _, t = loader.read_corpus(packed_config(tmp_path, "concat"))
+    none = take_all(loader.train_iterator(packed_config(tmp_path, "none"), stream, EVERY_ROW), 6)
+    concat = take_all(
+        loader.train_iterator(packed_config(tmp_path, "concat"), stream, EVERY_ROW), 6
+    )
     assert all(set(b) == {"tokens"} for b in none)
     for a, b in zip(none, concat, strict=True):
         np.testing.assert_array_equal(a["tokens"], b["tokens"])  # bit for bit
@@ -507,10 +515,10 @@ EMAIL = os.path.join(STDLIB, "email", "*.py")
 
 def test_best_fit_serves_every_document_token_once_an_epoch(tmp_path):
     config = paragraphs_config(tmp_path, "best_fit")
-    stream, _, t = data.read_corpus(config)
+    stream, _, t = loader.read_corpus(config)
     tokens, starts = np.asarray(stream.tokens), np.asarray(stream.starts)
-    num_rows, _ = data._rows(config, stream)
-    batches = take_all(data.train_iterator(config, stream, EVERY_ROW), -(-num_rows // 4))
+    num_rows, _ = loader._rows(config, stream)
+    batches = take_all(loader.train_iterator(config, stream, EVERY_ROW), -(-num_rows // 4))
     epoch = {k: np.concatenate([b[k] for b in batches])[:num_rows] for k in batches[0]}
     real = epoch["tokens"][epoch["documents"] > 0]
     np.testing.assert_array_equal(np.sort(real), np.sort(tokens))  # each token once
@@ -528,12 +536,12 @@ def test_best_fit_serves_every_document_token_once_an_epoch(tmp_path):
 @pytest.mark.parametrize("mode", ["concat", "best_fit"])
 def test_packed_iterator_state_restores_exactly(tmp_path, mode):
     config = packed_config(tmp_path, mode)
-    stream, _, _ = data.read_corpus(config)
-    it = data.train_iterator(config, stream, EVERY_ROW)
+    stream, _, _ = loader.read_corpus(config)
+    it = loader.train_iterator(config, stream, EVERY_ROW)
     take_all(it, 5)
     state = it.get_state()
     expected = take_all(it, 7)
-    restored = data.train_iterator(config, stream, EVERY_ROW)
+    restored = loader.train_iterator(config, stream, EVERY_ROW)
     restored.set_state(json.loads(json.dumps(state)))  # as a checkpoint keeps it
     for a, b in zip(expected, take_all(restored, 7), strict=True):
         assert set(a) == set(b) == {"tokens", "documents", "positions"}
@@ -544,9 +552,9 @@ def test_packed_iterator_state_restores_exactly(tmp_path, mode):
 @pytest.mark.parametrize("mode", ["concat", "best_fit"])
 def test_packed_eval_batches_are_packed_rows_of_the_held_out_tail(tmp_path, mode):
     config = packed_config(tmp_path, mode, batch=4)
-    _, held_out, _ = data.read_corpus(config)
-    evals = data.eval_batches(config, held_out, 3, EVERY_ROW)
-    halves = [data.eval_batches(config, held_out, 3, r) for r in (slice(0, 2), slice(2, 4))]
+    _, held_out, _ = loader.read_corpus(config)
+    evals = loader.eval_batches(config, held_out, 3, EVERY_ROW)
+    halves = [loader.eval_batches(config, held_out, 3, r) for r in (slice(0, 2), slice(2, 4))]
     for b, x, y in zip(evals, *halves, strict=True):
         assert {k: v.shape for k, v in b.items()} == {k: (4, 33) for k in b} and len(b) == 3
         for key in b:
@@ -556,10 +564,10 @@ def test_packed_eval_batches_are_packed_rows_of_the_held_out_tail(tmp_path, mode
 
 
 def test_identity_counts_document_starts_only_when_packed(tmp_path):
-    stream, _, _ = data.read_corpus(packed_config(tmp_path, "concat"))
-    plain = data.identity(stream.tokens)
-    packed = data.identity(stream.tokens, stream.starts)
-    moved = data.identity(
+    stream, _, _ = loader.read_corpus(packed_config(tmp_path, "concat"))
+    plain = loader.identity(stream.tokens)
+    packed = loader.identity(stream.tokens, stream.starts)
+    moved = loader.identity(
         stream.tokens, stream.starts + np.r_[0, np.ones(len(stream.starts) - 1, int)]
     )
     assert (
@@ -571,9 +579,9 @@ def test_identity_counts_document_starts_only_when_packed(tmp_path):
 def test_a_global_batch_holds_every_key_sharded_over_data(tmp_path):
     mesh = sharding.make_mesh(4, 2)
     config = packed_config(tmp_path, "best_fit", batch=8)
-    stream, _, _ = data.read_corpus(config)
-    local = next(data.train_iterator(config, stream, EVERY_ROW))
-    batch = data.global_batch(local, mesh, 8)
+    stream, _, _ = loader.read_corpus(config)
+    local = next(loader.train_iterator(config, stream, EVERY_ROW))
+    batch = loader.global_batch(local, mesh, 8)
     for key, rows in local.items():
         assert batch[key].sharding.spec == jax.sharding.PartitionSpec("data")
         np.testing.assert_array_equal(np.asarray(batch[key]), rows)

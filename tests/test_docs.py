@@ -237,7 +237,7 @@ def flags_of(args: list[str]) -> list[str]:
 
 def config_problem(args: list[str]) -> str | None:
     """Load --config with its --config.* overrides as train.py does; the error, if any."""
-    from seqpipe import config as config_lib
+    from seqpipe.run import config as config_lib
 
     name, overrides, i = None, [], 0
     while i < len(args):

@@ -1,4 +1,4 @@
-"""Packed documents (`seqpipe.document_mask`): the document mask in `xla` and `blockwise`, RoPE at
+"""Packed documents (`seqpipe.models.document_mask`): the document mask in `xla` and `blockwise`, RoPE at
 the rows' positions, the counted-target loss, and every schedule on packed rows against
 the un-pipelined reference.
 
@@ -23,8 +23,11 @@ from test_attention import _in_cache
 from test_pipeline import LLAMA, SEQ_LEN, make_config, randomized_gains
 from test_tensor import tensor_config
 
-from seqpipe import attention, blockwise, document_mask, model, pipeline, reference, sharding
 from seqpipe import schedule as schedule_lib
+from seqpipe.kernels import attention, blockwise
+from seqpipe.models import document_mask, model, reference
+from seqpipe.parallel import sharding
+from seqpipe.pipeline import executor
 from seqpipe.tools.verify import GRAD_RTOL, LOSS_RTOL, canonical_loss_and_grads, max_relative_error
 
 NAMES = ("out", "dq", "dk_prefix", "dv_prefix", "dk_own", "dv_own")
@@ -207,7 +210,7 @@ def test_rope_at_positions_has_the_rotations_gradient():
 
 
 def _rope_by_autodiff(x, pos):
-    from seqpipe.rope import NO_SCALING, tables
+    from seqpipe.kernels.rope import NO_SCALING, tables
 
     cos, sin = (jnp.asarray(t)[pos][:, :, None] for t in tables(np.arange(6), 8, 1e4, NO_SCALING))
     x1, x2 = jnp.split(x, 2, -1)
@@ -312,7 +315,7 @@ def packed_config(schedule, mesh, k, part, remat="full", attention_name="xla", a
 
 def check_packed(config, arch="gpt"):
     """The pipeline on packed rows against the reference (`xla`), loss and every gradient."""
-    spec = pipeline.make_spec(config)
+    spec = executor.make_spec(config)
     mesh = sharding.mesh_of(config)
     params = model.init_params(spec.cfg, jax.random.key(0))
     if arch == "llama":
@@ -368,11 +371,11 @@ def test_micro_batches_and_replicas_each_get_their_own_rows_ids():
     """Permuting the rows permutes nothing in the mean: each row keeps its ids wherever
     it lands (a mask built for the whole batch, or for the first micro-batch, would not)."""
     config = packed_config("seq1f1b", (2, 2), 2, "uniform")
-    spec, mesh = pipeline.make_spec(config), sharding.mesh_of(config)
+    spec, mesh = executor.make_spec(config), sharding.mesh_of(config)
     params = model.init_params(spec.cfg, jax.random.key(0))
     batch = packed_batch(config.train.global_batch_size, SEQ_LEN, spec.cfg.vocab_size)
     order = np.roll(np.arange(len(batch["tokens"])), 3)
-    step = jax.jit(lambda p, b: pipeline.loss_and_grads(p, b, spec, mesh)[0])
+    step = jax.jit(lambda p, b: executor.loss_and_grads(p, b, spec, mesh)[0])
     losses = [
         float(
             step(
@@ -414,30 +417,31 @@ def test_verify_compares_a_packed_batch():
 def test_the_trainer_takes_packed_batches_and_unpacked_ones_as_today():
     """train.py's step batch: packed rows as the dict of global arrays (every key split
     over `data`), unpacked rows as the tokens array alone (today's program)."""
-    from seqpipe import data, train
+    from seqpipe.data import loader
+    from seqpipe.train import step as step_lib
 
     config = packed_config("seq1f1b", (2, 2), 2, "uniform")
     mesh = sharding.mesh_of(config)
     rows = packed_batch(4, SEQ_LEN, 61)
-    got = data.global_batch(rows, mesh, 4)
+    got = loader.global_batch(rows, mesh, 4)
     assert sorted(got) == ["documents", "positions", "tokens"]
     assert all(x.sharding == sharding.batch_sharding(mesh) for x in got.values())
     assert np.array_equal(np.asarray(got["documents"]), rows["documents"])
-    plain = data.global_batch({"tokens": rows["tokens"]}, mesh, 4)
+    plain = loader.global_batch({"tokens": rows["tokens"]}, mesh, 4)
     assert isinstance(plain, jax.Array) and np.array_equal(np.asarray(plain), rows["tokens"])
-    assert isinstance(train.abstract_batch(run_of(config), mesh), jax.ShapeDtypeStruct)
+    assert isinstance(step_lib.abstract_batch(run_of(config), mesh), jax.ShapeDtypeStruct)
 
 
 def test_the_pipelined_evaluation_of_packed_rows_is_the_models_loss():
-    from seqpipe import spec as spec_lib
+    from seqpipe.pipeline import spec as spec_lib
 
     config = packed_config("seq1f1b", (2, 2), 3, "uniform", attention_name="blockwise")
-    spec = spec_lib.forward_only(pipeline.make_spec(config))
+    spec = spec_lib.forward_only(executor.make_spec(config))
     mesh = sharding.mesh_of(config)
     params = model.init_params(spec.cfg, jax.random.key(0))
     batch = packed_batch(config.train.global_batch_size, SEQ_LEN, spec.cfg.vocab_size)
     rows = on_device(batch, sharding.batch_sharding(mesh))
-    got = jax.jit(lambda p, b: pipeline.eval_loss(p, b, spec, mesh))(params, rows)
+    got = jax.jit(lambda p, b: executor.eval_loss(p, b, spec, mesh))(params, rows)
     oracle = dataclasses.replace(spec.cfg, attention="xla")
     want = reference.batch_loss(params, {k: jnp.asarray(v) for k, v in batch.items()}, oracle)
     np.testing.assert_allclose(float(got), float(want), rtol=LOSS_RTOL)
@@ -449,7 +453,7 @@ def test_the_unpipelined_kernel_path_averages_packed_shards_by_their_counted_tar
     the plain mean of their means was not the batch's loss. Weighted, loss and gradients
     equal the whole batch's."""
     config = packed_config("seq1f1b", (2, 2), 2, "uniform")
-    cfg = pipeline.make_spec(config).cfg
+    cfg = executor.make_spec(config).cfg
     mesh = sharding.make_mesh(4, 1)
     params = model.init_params(cfg, jax.random.key(0))
     batch = packed_batch(4, SEQ_LEN, cfg.vocab_size)

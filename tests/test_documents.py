@@ -1,4 +1,4 @@
-"""Documents in (`seqpipe.documents`) and their tokens (`seqpipe.data`): real files written
+"""Documents in (`seqpipe.data.documents`) and their tokens (`seqpipe.data`): real files written
 from the standard library's text, real tokenizers, every bad input in one line."""
 
 import json
@@ -12,8 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from seqpipe import data, documents
-from seqpipe import tokenizer as tok
+from seqpipe.data import documents, loader
+from seqpipe.data import tokenizer as tok
 
 EMAIL = os.path.join(sysconfig.get_paths()["stdlib"], "email")
 # Real text: the email package's modules, one document each.
@@ -105,7 +105,7 @@ def test_text_source_is_one_document_per_file(tmp_path):
 def test_every_document_ends_with_the_bpe_end_symbol_and_starts_are_kept(tmp_path):
     path = write_jsonl(tmp_path / "c.jsonl", [{"text": t} for t in TEXTS])
     config = config_for(tmp_path, "jsonl", path, tokenizer="bpe", eval_fraction=0.01)
-    train, held_out, t = data.read_corpus(config)
+    train, held_out, t = loader.read_corpus(config)
     stream = np.concatenate([train.tokens, held_out.tokens])
     ends = np.flatnonzero(stream == t.eot_id)
     assert len(ends) == len(TEXTS)  # one end symbol per document, none inside one
@@ -145,9 +145,9 @@ def test_a_hf_tokenizer_without_endoftext_begins_with_its_bos_and_ends_with_the_
     directory = llama3_like(tmp_path)
     path = write_jsonl(tmp_path / "c.jsonl", [{"text": t} for t in TEXTS[:6]])
     config = config_for(tmp_path, "jsonl", path, tokenizer=f"hf:{directory}", eval_fraction=0.01)
-    t = data.load_tokenizer(config)
+    t = loader.load_tokenizer(config)
     assert t.hf.token_to_id(tok.EOT) is None and t.eot_id == 2
-    train, held_out, _ = data.read_corpus(config)
+    train, held_out, _ = loader.read_corpus(config)
     stream = np.concatenate([train.tokens, held_out.tokens])
     starts = [*train.starts, *(held_out.starts[1:] + train.tokens.size)]
     ends = [*starts[1:], stream.size]
@@ -157,7 +157,7 @@ def test_a_hf_tokenizer_without_endoftext_begins_with_its_bos_and_ends_with_the_
     # Another eos is other tokens: the cache never serves the old ones.
     other = llama3_like(tmp_path, eos=1)
     assert other == directory
-    again, _, _ = data.read_corpus(config)
+    again, _, _ = loader.read_corpus(config)
     assert np.count_nonzero(again.tokens == 1) >= 5 and not np.any(again.tokens == 2)
     assert len(list((tmp_path / "cache").glob("tokens-*.npy"))) == 2
 
@@ -168,16 +168,16 @@ def test_token_file_documents_end_after_each_eod_id(tmp_path):
     ids.tofile(path)
     config = config_for(tmp_path, "tokens", path, eod_id=0, tokenizer="bpe", eval_fraction=0.1)
     config.model.vocab_size = 10
-    train, held_out, _ = data.read_corpus(config)
+    train, held_out, _ = loader.read_corpus(config)
     assert train.tokens.size == 180  # the last 20 held out
     starts = np.flatnonzero(ids == 0) + 1  # after each end; the last ends the file
     np.testing.assert_array_equal(train.starts, [0, *starts[starts < 180]])
     assert held_out.starts.tolist() == [0, 3, 5, 9, 13, 15, 19]
     config.data.eod_id = -1  # no documents: one stream
-    assert data.read_corpus(config)[0].starts.tolist() == [0]
+    assert loader.read_corpus(config)[0].starts.tolist() == [0]
     config.data.eod_id = 3  # an id the file never holds
-    with pytest.raises(data.DataError, match=r"holds no data.eod_id=3, so no document ends"):
-        data.read_corpus(config)
+    with pytest.raises(loader.DataError, match=r"holds no data.eod_id=3, so no document ends"):
+        loader.read_corpus(config)
 
 
 # ---------------------------------------------------------------- bad input
@@ -203,8 +203,8 @@ def test_a_bad_json_line_is_refused_naming_file_and_line_and_nothing_is_written(
     path = tmp_path / "c.jsonl"
     (path.write_bytes if isinstance(content, bytes) else path.write_text)(content)
     config = config_for(tmp_path, "jsonl", path, tokenizer="bpe")
-    with pytest.raises(data.DataError, match=match) as e:
-        data.read_corpus(config)
+    with pytest.raises(loader.DataError, match=match) as e:
+        loader.read_corpus(config)
     assert "data.skip_bad_lines=True" in str(e.value) and "\n" not in str(e.value)
     assert not (tmp_path / "cache").exists() or not os.listdir(tmp_path / "cache")
 
@@ -223,7 +223,7 @@ def test_skip_bad_lines_counts_and_reports_them_in_one_line(tmp_path, capsys):
 def test_a_null_parquet_row_is_a_bad_line(tmp_path, capsys):
     pq.write_table(pa.table({"text": [TEXTS[0], None, TEXTS[1]]}), tmp_path / "n.parquet")
     config = config_for(tmp_path, "parquet", tmp_path / "n.parquet")
-    with pytest.raises(data.DataError, match=r"n.parquet:2 \(row 2\) has a null 'text'"):
+    with pytest.raises(loader.DataError, match=r"n.parquet:2 \(row 2\) has a null 'text'"):
         read_docs(config)
     config.data.skip_bad_lines = True
     assert read_docs(config) == TEXTS[:2]
@@ -241,28 +241,28 @@ def test_parquet_without_the_column_or_with_another_type_or_not_parquet_is_refus
     }
     for name, match in cases.items():
         config = config_for(tmp_path, "parquet", tmp_path / f"{name}.parquet", tokenizer="bpe")
-        with pytest.raises(data.DataError, match=match):
-            data.read_corpus(config)
+        with pytest.raises(loader.DataError, match=match):
+            loader.read_corpus(config)
     assert not (tmp_path / "cache").exists() or not os.listdir(tmp_path / "cache")
 
 
 def test_an_empty_corpus_is_refused(tmp_path):
     write_jsonl(tmp_path / "e.jsonl", [{"text": ""}, {"text": ""}])
-    with pytest.raises(data.DataError, match=r"the corpus \(1 jsonl files\) holds no document"):
+    with pytest.raises(loader.DataError, match=r"the corpus \(1 jsonl files\) holds no document"):
         read_docs(config_for(tmp_path, "jsonl", tmp_path / "e.jsonl"))
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "x.txt").write_text("text, but not JSON lines")
-    with pytest.raises(data.DataError, match=r"matches no jsonl files \(.jsonl, .json\)"):
+    with pytest.raises(loader.DataError, match=r"matches no jsonl files \(.jsonl, .json\)"):
         read_docs(config_for(tmp_path, "jsonl", tmp_path / "d"))
 
 
 def test_a_cache_entry_cut_in_its_document_starts_is_rebuilt(tmp_path, capsys):
     config = config_for(tmp_path, "text", os.path.join(EMAIL, "*.py"))
-    train, _, _ = data.read_corpus(config)
+    train, _, _ = loader.read_corpus(config)
     starts = np.array(train.starts)
     (entry,) = (tmp_path / "cache").glob("tokens-*.npy")
     os.truncate(entry, entry.stat().st_size - 8)  # the tokens whole, the starts cut
     np.testing.assert_array_equal(np.load(entry, mmap_mode="r")[:10], train.tokens[:10])
-    again, _, _ = data.read_corpus(config)
+    again, _, _ = loader.read_corpus(config)
     np.testing.assert_array_equal(again.starts, starts)
     assert f"the cache entry {entry} is damaged" in capsys.readouterr().err

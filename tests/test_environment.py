@@ -10,7 +10,8 @@ import pytest
 from hostile import read_only_later
 from test_faults import _fill, small_disk  # noqa: F401  (a fixture)
 
-from seqpipe import cli, config, data
+from seqpipe.data import loader
+from seqpipe.run import cli, config
 from seqpipe.schedule import cli as schedule
 
 TEXT = "def f(x):\n    return x + 1\n" * 2000  # 58 KB of text
@@ -33,8 +34,8 @@ def _entries(cache) -> list[str]:
 
 def test_a_cache_dir_that_is_a_file_is_one_line(tmp_path):
     (tmp_path / "cache").write_text("mine")
-    with pytest.raises(data.DataError) as info:
-        data.load_tokens(_config(tmp_path, tmp_path / "cache"), "")
+    with pytest.raises(loader.DataError) as info:
+        loader.load_tokens(_config(tmp_path, tmp_path / "cache"), "")
     assert str(info.value) == (
         f"data.cache_dir {tmp_path}/cache cannot be made (File exists); set data.cache_dir "
         "(or $SEQPIPE_CACHE) to a writable directory"
@@ -45,21 +46,21 @@ def test_a_read_only_cache_is_refused_before_tokenizing_and_read_when_filled(tmp
     cache = tmp_path / "ro"
     with read_only_later(cache) as make_read_only:
         make_read_only()
-        with pytest.raises(data.DataError, match=f"data.cache_dir {cache} is not writable and"):
-            data.load_tokens(_config(tmp_path, cache), "")
+        with pytest.raises(loader.DataError, match=f"data.cache_dir {cache} is not writable and"):
+            loader.load_tokens(_config(tmp_path, cache), "")
     with read_only_later(tmp_path / "ro2") as make_read_only:
         c = _config(tmp_path, tmp_path / "ro2")
-        train = np.array(data.load_tokens(c, "")[0])
+        train = np.array(loader.load_tokens(c, "")[0])
         make_read_only()  # a shared cache, filled: read-only is fine
-        np.testing.assert_array_equal(data.load_tokens(c, "")[0], train)
+        np.testing.assert_array_equal(loader.load_tokens(c, "")[0], train)
 
 
 def test_a_full_cache_disk_is_one_line_and_leaves_no_partial_file(small_disk):  # noqa: F811
     cache = small_disk / "cache"
     cache.mkdir()
     _fill(small_disk, leave=16 * 1024)  # the token array needs 116 KB
-    with pytest.raises(data.DataError) as info:
-        data.load_tokens(_config(small_disk.parent, cache), "")
+    with pytest.raises(loader.DataError) as info:
+        loader.load_tokens(_config(small_disk.parent, cache), "")
     message = str(info.value)
     assert message.startswith(f"writing the cache entry {cache}/tokens-"), message
     assert message.endswith(
@@ -73,14 +74,14 @@ def test_a_full_cache_disk_is_one_line_and_leaves_no_partial_file(small_disk):  
 def test_a_damaged_cache_entry_is_rebuilt(tmp_path, damage, capsys):
     c = _config(tmp_path, tmp_path / "cache")
     # Copies: the arrays map the entry's file, which is damaged next.
-    train, held_out = (np.array(x) for x in data.load_tokens(c, ""))
+    train, held_out = (np.array(x) for x in loader.load_tokens(c, ""))
     (entry,) = _entries(tmp_path / "cache")
     path = tmp_path / "cache" / entry
     if damage == "truncated":
         os.truncate(path, path.stat().st_size // 2)
     else:
         path.write_bytes(b"not an array")
-    again, held_out_again = data.load_tokens(c, "")
+    again, held_out_again = loader.load_tokens(c, "")
     np.testing.assert_array_equal(again, train)
     np.testing.assert_array_equal(held_out_again, held_out)
     (line,) = capsys.readouterr().err.strip().splitlines()
@@ -94,13 +95,13 @@ def test_a_planted_symlink_at_the_old_temporary_name_is_not_followed(tmp_path):
     """The cache used to write `<entry>.tmp<pid>`: a symlink planted there (in a shared,
     world-writable cache) made it overwrite the file the link pointed to."""
     c = _config(tmp_path, tmp_path / "cache")
-    data.load_tokens(c, "")
+    loader.load_tokens(c, "")
     (entry,) = _entries(tmp_path / "cache")
     os.remove(tmp_path / "cache" / entry)
     victim = tmp_path / "victim"
     victim.write_text("precious\n")
     os.symlink(victim, tmp_path / "cache" / f"{entry}.tmp{os.getpid()}")
-    data.load_tokens(c, "")
+    loader.load_tokens(c, "")
     assert victim.read_text() == "precious\n"
     assert (tmp_path / "cache" / entry).is_file() and not (tmp_path / "cache" / entry).is_symlink()
 

@@ -15,7 +15,9 @@ import orbax.checkpoint as ocp
 import pytest
 from helpers import REPO, read_events, run_of, run_train, subprocess_env, tiny_args, tiny_config
 
-from seqpipe import checkpoint, optim, sharding, train
+from seqpipe.parallel import sharding
+from seqpipe.train import checkpoint, optim, trainer
+from seqpipe.train import step as step_lib
 
 # Step 3 is bad once; 6, 7, 8 are three in a row.
 NAN = {"train.steps": "10", "train.inject_nan_at": "(3, 6, 7, 8)", "train.max_bad_steps": "3"}
@@ -31,7 +33,7 @@ def _applied_lrs(config, steps, bad) -> list[float]:
 def _restore_step(workdir, config, step):
     """The train state of checkpoint `step`, on the 8 x 1 mesh."""
     tx = optim.make_optimizer(config.train)
-    target = train.abstract_state(run_of(config), sharding.make_mesh(8, 1), tx)
+    target = step_lib.abstract_state(run_of(config), sharding.make_mesh(8, 1), tx)
     manager = checkpoint.make_manager(workdir, config)
     try:
         args = ocp.args.Composite(state=ocp.args.StandardRestore(target))
@@ -52,7 +54,7 @@ def test_nan_steps_are_skipped_counted_and_stop_the_run(tmp_path):
     every = tiny_config(**NAN, **{"train.stop_at": "4", "checkpoint.every": "1"})
     every.unlock()
     every.checkpoint.keep = 0
-    records = train.run(every, str(tmp_path / "every"))
+    records = trainer.run(every, str(tmp_path / "every"))
     by_step = {r["step"]: r for r in records}
     assert np.isnan(by_step[3]["loss"]) and np.isnan(by_step[3]["grad_norm"])
     assert [(r["bad_steps"], r["bad_steps_in_row"]) for r in records] == [
@@ -107,7 +109,7 @@ def test_sigkill_during_a_checkpoint_save_resumes_from_the_previous_one(tmp_path
     temporary directory is there), restarts from the previous complete step and ends with
     the losses of a run never interrupted, bit for bit."""
     overrides = {"train.steps": "12", "checkpoint.every": "1"}
-    straight = train.run(tiny_config(**overrides), str(tmp_path / "straight"))
+    straight = trainer.run(tiny_config(**overrides), str(tmp_path / "straight"))
     workdir = tmp_path / "killed"
     ckpt = checkpoint.directory(workdir)
     cmd = [sys.executable, "train.py", "--workdir", str(workdir)] + tiny_args(**overrides)
@@ -174,7 +176,7 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint(small_disk, leave
     workdir = small_disk / "w"
     overrides = {"train.steps": "8", "checkpoint.every": "4", "train.log_every": "4"}
     config = tiny_config(**overrides)
-    train.run(tiny_config(**overrides, **{"train.stop_at": "4"}), str(workdir))
+    trainer.run(tiny_config(**overrides, **{"train.stop_at": "4"}), str(workdir))
     before = _restore_step(workdir, config, 4)
     _fill(small_disk, leave)
     proc = run_train(workdir, **overrides)
@@ -210,7 +212,7 @@ def test_metrics_write_failure_stops_cleanly_and_resumes(tmp_path):
     exit 1, the checkpoint as it was; with the file back, the run resumes from it."""
     workdir = tmp_path / "w"
     overrides = {"train.steps": "4", "train.log_every": "1", "checkpoint.every": "2"}
-    train.run(tiny_config(**overrides, **{"train.stop_at": "2"}), str(workdir))
+    trainer.run(tiny_config(**overrides, **{"train.stop_at": "2"}), str(workdir))
     (workdir / "metrics.jsonl").unlink()
     (workdir / "metrics.jsonl").symlink_to("/dev/full")
     proc = run_train(workdir, **overrides)
@@ -223,5 +225,5 @@ def test_metrics_write_failure_stops_cleanly_and_resumes(tmp_path):
     )
     assert checkpoint.complete_steps(ckpt) == [2]
     (workdir / "metrics.jsonl").unlink()
-    resumed = train.run(tiny_config(**overrides), str(workdir))
+    resumed = trainer.run(tiny_config(**overrides), str(workdir))
     assert [r["step"] for r in resumed] == [3, 4]

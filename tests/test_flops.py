@@ -3,9 +3,12 @@
 import numpy as np
 import pytest
 
-from seqpipe import blockwise, gpu_attention, model, partition, pipeline, splash
-from seqpipe import config as config_lib
-from seqpipe.model import GPTConfig
+from seqpipe.kernels import blockwise, pallas_gpu, splash
+from seqpipe.models import model
+from seqpipe.models.model import GPTConfig
+from seqpipe.pipeline import executor
+from seqpipe.run import config as config_lib
+from seqpipe.schedule import partition
 from seqpipe.tools import flops
 
 # Full rematerialisation runs every layer's forward twice: executed / analytic a little
@@ -68,7 +71,7 @@ def _spec(
     )
     c.train.update(seq_len=seq, global_batch_size=microbatches)
     config_lib.validate(c)
-    return pipeline.make_spec(c)
+    return executor.make_spec(c)
 
 
 def test_unit_counts_cover_every_unit_once():
@@ -222,7 +225,7 @@ def test_splash_flops_count_the_blocks_its_mask_keeps():
 
 @pytest.mark.parametrize("q_len, prefix_len", [(7, 0), (9, 13), (12, 12), (1, 5)])
 def test_pallas_gpu_flops_count_the_blocks_it_visits(q_len, prefix_len):
-    """gpu_attention.executed_flops against the (query block, key block) pairs where some
+    """pallas_gpu.executed_flops against the (query block, key block) pairs where some
     row, padding included (the kernel computes it), sees some key: every prefix block,
     own blocks up to the diagonal."""
     bq, bk = 4, 2
@@ -231,8 +234,8 @@ def test_pallas_gpu_flops_count_the_blocks_it_visits(q_len, prefix_len):
     seen = np.nonzero(cols[None, :] <= rows[:, None])
     own = len({(r // bq, c // bk) for r, c in zip(*seen, strict=True)})
     pairs = own + q_blocks * -(-prefix_len // bk)
-    blocks = gpu_attention.Blocks(forward=(bq, bk))
-    assert gpu_attention.executed_flops(q_len, prefix_len, 6, blocks) == 4 * pairs * bq * bk * 6
+    blocks = pallas_gpu.Blocks(forward=(bq, bk))
+    assert pallas_gpu.executed_flops(q_len, prefix_len, 6, blocks) == 4 * pairs * bq * bk * 6
 
 
 # Forward attention FLOPs each implementation runs, against the analytic count (every
@@ -259,7 +262,7 @@ def test_attention_flops_of_each_implementation(case):
     lengths = partition.segment_lengths(seq, segments, part, **partition.model_dims(GPT_1B))
     analytic = flops.analytic_forward(GPT_1B, lengths, rows=1)["attention"] / GPT_1B.num_layers
     got = []
-    for count in (blockwise.executed_flops, splash.executed_flops, gpu_attention.executed_flops):
+    for count in (blockwise.executed_flops, splash.executed_flops, pallas_gpu.executed_flops):
         offsets = np.cumsum((0,) + tuple(lengths[:-1]))
         got.append(
             sum(count(s, int(o), GPT_1B.d_model) for s, o in zip(lengths, offsets, strict=True))

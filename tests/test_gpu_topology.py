@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from seqpipe import gpu_topology, topology
+from seqpipe.targets import gpu_topology, topology
 from seqpipe.tools import step_cost
 
 REPO = Path(__file__).resolve().parent.parent

@@ -17,7 +17,9 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from seqpipe import hf, hf_config, model
+from seqpipe.hf import config as hf_config
+from seqpipe.hf import weights
+from seqpipe.models import model
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 MODELS = ("llama_gqa_llama3", "llama_tied_mha", "qwen2_bias", "mistral_gqa")
@@ -38,7 +40,7 @@ def logit_error(cfg, params, name: str) -> float:
 
 @pytest.mark.parametrize("name", MODELS)
 def test_logits_and_loss_equal_transformers(name):
-    cfg, params = hf.load(FIXTURES / name)
+    cfg, params = weights.load(FIXTURES / name)
     tokens, _, expected_loss = oracle(name)
     error = logit_error(cfg, params, name)
     loss = float(model.loss(params, tokens, cfg))
@@ -62,7 +64,7 @@ def test_packed_logits_equal_transformers(name, segments):
     against transformers with a block-diagonal 4D float mask and positions restarted per
     document: seqpipe's document mask and RoPE at the rows' positions, whole or by
     segments against their prefix."""
-    cfg, params = hf.load(FIXTURES / name)
+    cfg, params = weights.load(FIXTURES / name)
     o = packed_oracle(name)
     packed = dict(document_ids=o["documents"], positions=o["positions"])
     logits = model.forward(params, o["tokens"], cfg, segments, **packed)
@@ -112,7 +114,7 @@ CORRUPTIONS = {
 @pytest.mark.parametrize("corruption", CORRUPTIONS)
 def test_a_broken_conversion_fails_the_check(corruption):
     name, corrupt = CORRUPTIONS[corruption]
-    cfg, params = corrupt(*hf.load(FIXTURES / name))
+    cfg, params = corrupt(*weights.load(FIXTURES / name))
     error = logit_error(cfg, params, name)
     print(f"{corruption}: max |logit - transformers| {error:.2f}")
     assert error > 100 * LOGIT_ATOL
@@ -138,8 +140,8 @@ def tensors(directory: Path) -> dict:
     ],
 )
 def test_save_gives_back_every_tensor_bit_for_bit(tmp_path, name, dtype, save_dtype):
-    cfg, params = hf.load(FIXTURES / name, dtype)
-    hf.save(tmp_path, cfg, params, save_dtype)
+    cfg, params = weights.load(FIXTURES / name, dtype)
+    weights.save(tmp_path, cfg, params, save_dtype)
     original, saved = tensors(FIXTURES / name), tensors(tmp_path)
     assert sorted(saved) == sorted(original)
     for key, (kind, shape, data) in original.items():
@@ -151,10 +153,10 @@ def test_save_gives_back_every_tensor_bit_for_bit(tmp_path, name, dtype, save_dt
 
 
 def test_shards_above_the_limit_with_an_index(tmp_path, monkeypatch):
-    cfg, params = hf.load(FIXTURES / "llama_gqa_llama3")
-    monkeypatch.setattr(hf, "SHARD_BYTES", 30_000)
-    hf.save(tmp_path, cfg, params)
-    index = json.loads((tmp_path / hf.INDEX).read_text())
+    cfg, params = weights.load(FIXTURES / "llama_gqa_llama3")
+    monkeypatch.setattr(weights, "SHARD_BYTES", 30_000)
+    weights.save(tmp_path, cfg, params)
+    index = json.loads((tmp_path / weights.INDEX).read_text())
     files = sorted(p.name for p in tmp_path.glob("*.safetensors"))
     assert len(files) > 2 and sorted(set(index["weight_map"].values())) == files
     assert index["metadata"]["total_size"] == sum(
@@ -162,7 +164,7 @@ def test_shards_above_the_limit_with_an_index(tmp_path, monkeypatch):
     )
     for p in tmp_path.glob("*.safetensors"):
         assert p.stat().st_size < 30_000 + 10_000  # one tensor may go over; none here
-    _, again = hf.load(tmp_path)
+    _, again = weights.load(tmp_path)
     jax.tree.map(np.testing.assert_array_equal, again, params)
 
 
@@ -254,7 +256,7 @@ def bad_copy(tmp_path, case: str) -> Path:
 @pytest.mark.parametrize("case", BAD)
 def test_bad_input_is_one_line(tmp_path, case):
     with pytest.raises(hf_config.HFError) as e:
-        hf.load(bad_copy(tmp_path, case))
+        weights.load(bad_copy(tmp_path, case))
     assert BAD[case][1] in str(e.value)
     assert "\n" not in str(e.value)
 
@@ -300,8 +302,8 @@ def test_live_transformers_loads_an_export(tmp_path, name, rope_keys):
     transformers = pytest.importorskip("transformers")
     import torch
 
-    cfg, params = hf.load(FIXTURES / name)
-    hf.save(tmp_path, cfg, params)
+    cfg, params = weights.load(FIXTURES / name)
+    weights.save(tmp_path, cfg, params)
     if rope_keys == "older only":
         _edit_file = json.loads((tmp_path / "config.json").read_text())
         _edit_file.pop("rope_parameters")
@@ -347,7 +349,7 @@ def test_live_rope_scalings_equal_transformers(tmp_path, rope):
     made.save_pretrained(tmp_path)
     tokens = script.tokens(config.vocab_size)
     logits, loss = script.oracle(made, tokens)
-    cfg, params = hf.load(tmp_path)
+    cfg, params = weights.load(tmp_path)
     assert cfg.rope_scaling.type == rope
     tokens = tokens.astype(np.int32)
     error = float(np.max(np.abs(np.asarray(model.forward(params, tokens, cfg)) - logits)))

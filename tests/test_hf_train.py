@@ -11,10 +11,14 @@ import pytest
 from helpers import run_of, run_python
 from safetensors import safe_open
 
-from seqpipe import config as config_lib
-from seqpipe import hf, hf_config, layout, model, optim, sharding, train
+from seqpipe.hf import config as hf_config
+from seqpipe.hf import weights
+from seqpipe.models import model
+from seqpipe.parallel import layout, sharding
+from seqpipe.run import config as config_lib
 from seqpipe.schedule import SCHEDULES
 from seqpipe.tools import verify
+from seqpipe.train import optim, step
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures" / "hf"
@@ -82,11 +86,11 @@ def test_initial_state_is_the_checkpoint_on_every_layout(name):
     config = config_lib.load(SPEC, {k: str(v) for k, v in LAYOUTS[name].items()})
     mesh = sharding.mesh_of(config)
     tx = optim.make_optimizer(config.train)
-    state = train.init_state(run_of(config), mesh, tx)
-    expected = hf.load(GQA)[1]
+    state = step.init_state(run_of(config), mesh, tx)
+    expected = weights.load(GQA)[1]
     params = layout.to_canonical(state["params"], layout.of_config(config))
     jax.tree.map(np.testing.assert_array_equal, params, expected)
-    abstract = train.abstract_state(run_of(config), mesh, tx)
+    abstract = step.abstract_state(run_of(config), mesh, tx)
     same = jax.tree.map(
         lambda x, s: x.sharding.is_equivalent_to(s.sharding, x.ndim), state, abstract
     )
@@ -152,8 +156,8 @@ def test_train_export_and_resume(tmp_path):
         assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
         assert message in refused.stderr
     assert not (tmp_path / "o").exists()
-    cfg, params = hf.load(out)
-    _, original = hf.load(GQA)
+    cfg, params = weights.load(out)
+    _, original = weights.load(GQA)
     moved = jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))), params, original)
     assert all(d > 0 for d in jax.tree.leaves(moved))  # two steps changed every tensor
     config = json.loads((out / "config.json").read_text())
@@ -234,7 +238,7 @@ def test_export_writes_what_transformers_loads(tmp_path):
     assert run(["--config", SPEC, "--workdir", str(work), *run_args(tmp_path)]).returncode == 0
     exported = run(["export", "--workdir", str(work), "--out", str(out)], "seqpipe.hf")
     assert exported.returncode == 0, exported.stderr
-    cfg, params = hf.load(out)
+    cfg, params = weights.load(out)
     tokens = np.random.default_rng(1).integers(0, 96, (2, 48))
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -309,7 +313,7 @@ def test_continued_pretraining_end_to_end(tmp_path):
     exported = run(["export", "--workdir", str(work), "--out", str(out)], "seqpipe.hf")
     assert exported.returncode == 0, exported.stderr
     print(exported.stdout)
-    cfg, params = hf.load(out)
+    cfg, params = weights.load(out)
     assert cfg.rope_scaling.factor == 16.0
     tokens = np.random.default_rng(2).integers(0, 96, (2, 256))
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
@@ -326,17 +330,17 @@ def test_each_device_block_is_read_alone(monkeypatch):
     a layer's heads, MLP columns or vocabulary split in two, never a whole tensor that
     the mesh splits."""
     reads = []
-    real = hf.read_block
+    real = weights.read_block
 
     def recording(t, tensor_slice, shape, index):
         block = real(t, tensor_slice, shape, index)
         reads.append((t.name.split(".")[-2], block.size, int(np.prod(shape))))
         return block
 
-    monkeypatch.setattr(hf, "read_block", recording)
+    monkeypatch.setattr(weights, "read_block", recording)
     overrides = pipelined("seq1f1b", 2, **{"mesh.tensor": 2})
     config = config_lib.load(SPEC, {k: str(v) for k, v in overrides.items()})
-    train.init_state(run_of(config), sharding.mesh_of(config), optim.make_optimizer(config.train))
+    step.init_state(run_of(config), sharding.mesh_of(config), optim.make_optimizer(config.train))
     split = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     split |= {"embed_tokens", "lm_head"}
     sizes = {}

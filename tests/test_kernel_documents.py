@@ -18,14 +18,15 @@ from helpers import run_python
 from test_gpu_topology import REPO, needs_plugin
 from test_topology import needs_libtpu
 
-from seqpipe import compat, gpu_attention, kv_cache, splash
+from seqpipe.kernels import kv_cache, pallas_gpu, splash
+from seqpipe.targets import compat
 
 # Both kernels in interpret mode, float32, against the reference: measured within 4.7e-7
 # (pallas_gpu) and 6.0e-7 (splash) of it, relative to 1 + |reference|.
 KERNEL_TOL = 1e-6
 NAMES = ("out", "dq", "dk_prefix", "dv_prefix", "dk_own", "dv_own")
 PADDING = 2**30  # the model's id for padding: one last document that sees only itself
-TINY_TILES = gpu_attention.Blocks(forward=(4, 2), dkv=(4, 2), dq=(2, 4))
+TINY_TILES = pallas_gpu.Blocks(forward=(4, 2), dkv=(4, 2), dq=(2, 4))
 
 
 def packed(*rows) -> np.ndarray:
@@ -96,7 +97,7 @@ def check_segments(fn, lengths, rows=ROWS, tol=KERNEL_TOL, first=0, **shape):
 
 def test_the_reference_is_causal_attention_when_every_row_is_one_document():
     """The oracle's mask with one document per row is the plain causal mask."""
-    from seqpipe.attention import segment_attention
+    from seqpipe.kernels.attention import segment_attention
 
     rows = packed((12,), (12,))
     q, k, v, _ = sequence(rows)
@@ -107,9 +108,7 @@ def test_the_reference_is_causal_attention_when_every_row_is_one_document():
     )
 
 
-pallas_gpu = functools.partial(
-    gpu_attention.pallas_gpu_attention, blocks=TINY_TILES, interpret=True
-)
+pallas_gpu = functools.partial(pallas_gpu.pallas_gpu_attention, blocks=TINY_TILES, interpret=True)
 
 
 def in_cache(kp, vp):
@@ -123,9 +122,9 @@ def in_cache(kp, vp):
 
 
 def cached_pallas_gpu(q, kp, vp, ks, vs, documents):
-    """`gpu_attention.cached_attention` reading the prefix from a cache; kp, vp are the
+    """`pallas_gpu.cached_attention` reading the prefix from a cache; kp, vp are the
     sinks, so their cotangents are the prefix's."""
-    fn = gpu_attention.cached_attention
+    fn = pallas_gpu.cached_attention
     return fn(q, in_cache(kp, vp), kp, vp, ks, vs, kp.shape[1], TINY_TILES, True, documents)
 
 
@@ -147,7 +146,7 @@ def test_pallas_gpu_with_default_tiles_and_documents():
     """Default tiles fitted to the segment (32 queries, 64 keys: a 40-key prefix and a
     20-query segment), documents of 7 crossing every boundary, one padded row."""
     rows = packed((7,) * 8 + (4,), (30, 23, -7))
-    fn = functools.partial(gpu_attention.pallas_gpu_attention, interpret=True)
+    fn = functools.partial(pallas_gpu.pallas_gpu_attention, interpret=True)
     check_segments(fn, (40, 20), rows=rows, first=1, h=2, e=16)
 
 
@@ -206,13 +205,13 @@ def test_document_bounds_are_runs_of_equal_ids():
     """Each query row's document start (an absolute key) and each key's document end (a
     query row): the rows that see key j are [j - P, ends[j])."""
     ids = jnp.asarray(packed((3, 1, 4, 1, 3), (2, 6, -4)))
-    starts, ends = gpu_attention.document_bounds((ids[:, 5:], ids), 5, 7)
+    starts, ends = pallas_gpu.document_bounds((ids[:, 5:], ids), 5, 7)
     np.testing.assert_array_equal(starts, [[4, 4, 4, 8, 9, 9, 9], [2, 2, 2, 8, 8, 8, 8]])
     np.testing.assert_array_equal(
         ends, [[0, 0, 0, 0, 3, 3, 3, 3, 4, 7, 7, 7], [0, 0, 3, 3, 3, 3, 3, 3, 7, 7, 7, 7]]
     )
     with pytest.raises(ValueError, match=r"expected \(2, 7\) and \(2, 12\): the prefix, then"):
-        gpu_attention.document_bounds((ids[:, 5:], ids[:, 5:]), 5, 7)
+        pallas_gpu.document_bounds((ids[:, 5:], ids[:, 5:]), 5, 7)
 
 
 splash_kernel = functools.partial(splash.splash_attention, interpret=True)
@@ -245,7 +244,7 @@ def test_pallas_gpu_with_documents_lowers_to_verified_triton_modules(monkeypatch
     q_ids, kv_ids = (jax.ShapeDtypeStruct((2, n), jnp.int32) for n in (100, 400))
 
     def arrays(q, kp, vp, ks, vs, g, q_ids, kv_ids):
-        fn = functools.partial(gpu_attention.pallas_gpu_attention, documents=(q_ids, kv_ids))
+        fn = functools.partial(pallas_gpu.pallas_gpu_attention, documents=(q_ids, kv_ids))
         out, vjp = jax.vjp(fn, q, kp, vp, ks, vs)
         return (out, *vjp(g))
 
@@ -257,7 +256,7 @@ def test_pallas_gpu_with_documents_lowers_to_verified_triton_modules(monkeypatch
         sink = jnp.zeros((2, 350, 2, 128), jnp.bfloat16)
 
         def fn(q, sk, sv, ks, vs):
-            call = gpu_attention.cached_attention
+            call = pallas_gpu.cached_attention
             return call(q, cache, sk, sv, ks, vs, 300, documents=(q_ids, kv_ids))
 
         out, vjp = jax.vjp(fn, q, sink, sink, ks, vs)
@@ -290,13 +289,13 @@ else:
     topology.prepare_env(system)
     devices = topology.devices(system)
 import jax, jax.numpy as jnp
-from seqpipe import gpu_attention, splash
+from seqpipe import pallas_gpu, splash
 on = jax.sharding.SingleDeviceSharding(devices[0])
 def shape(dims, dtype=jnp.bfloat16):
     return jax.ShapeDtypeStruct(dims, dtype, sharding=on)
 q, kv, prefix = shape((2, 1024, 8, 128)), shape((2, 1024, 2, 128)), shape((2, 3072, 2, 128))
 ids = shape((2, 1024), jnp.int32), shape((2, 4096), jnp.int32)
-kernel = gpu_attention.pallas_gpu_attention if target == "h100" else splash.splash_attention
+kernel = pallas_gpu.pallas_gpu_attention if target == "h100" else splash.splash_attention
 def out_and_grads(q, kp, vp, ks, vs, g, q_ids, kv_ids):
     out, vjp = jax.vjp(functools.partial(kernel, documents=(q_ids, kv_ids)), q, kp, vp, ks, vs)
     return (out, *vjp(g))
@@ -359,10 +358,10 @@ def test_pallas_gpu_flops_with_documents_count_the_blocks_it_visits(q_len, prefi
     computes, see from the last real row's start up to their diagonal. The skipped pairs
     are those wholly before a block's first document start."""
     bq, bk = 4, 2
-    blocks = gpu_attention.Blocks(forward=(bq, bk))
+    blocks = pallas_gpu.Blocks(forward=(bq, bk))
     rng = np.random.default_rng(q_len + prefix_len)
     ids = np.sort(rng.integers(0, 5, prefix_len + q_len)).astype(np.int32)
-    starts, _ = gpu_attention.document_bounds(
+    starts, _ = pallas_gpu.document_bounds(
         (jnp.asarray(ids[None, prefix_len:]), jnp.asarray(ids[None])), prefix_len, q_len
     )
     starts = np.asarray(starts[0])
@@ -372,9 +371,9 @@ def test_pallas_gpu_flops_with_documents_count_the_blocks_it_visits(q_len, prefi
         for key in range(lo, min(prefix_len + row, prefix_len + q_len - 1) + 1):
             own = key >= prefix_len
             pairs.add((row // bq, own, (key - prefix_len if own else key) // bk))
-    got = gpu_attention.executed_flops(q_len, prefix_len, 6, blocks, starts=starts)
+    got = pallas_gpu.executed_flops(q_len, prefix_len, 6, blocks, starts=starts)
     assert got == 4 * len(pairs) * bq * bk * 6
-    assert got <= gpu_attention.executed_flops(q_len, prefix_len, 6, blocks)
+    assert got <= pallas_gpu.executed_flops(q_len, prefix_len, 6, blocks)
 
 
 def _script(name: str):

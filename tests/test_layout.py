@@ -6,8 +6,11 @@ import numpy as np
 from helpers import run_of
 from test_pipeline import make_config
 
-from seqpipe import config as config_lib
-from seqpipe import hlo, layout, optim, sharding, train
+from seqpipe.parallel import layout, sharding
+from seqpipe.run import config as config_lib
+from seqpipe.targets import hlo
+from seqpipe.train import optim
+from seqpipe.train import step as step_lib
 
 
 def test_stage_order_puts_each_stages_chunks_in_its_block():
@@ -51,14 +54,14 @@ def _step_collectives(config) -> tuple[dict, dict]:
     """Collectives of the compiled train step: inside the tick loop, and outside it."""
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.stage)
     tx = optim.make_optimizer(config.train)
-    state = train.abstract_state(run_of(config), mesh, tx)
+    state = step_lib.abstract_state(run_of(config), mesh, tx)
     batch = jax.ShapeDtypeStruct(
         (config.train.global_batch_size, config.train.seq_len + 1),
         np.int32,
         sharding=sharding.batch_sharding(mesh),
     )
-    step = train.make_train_step(
-        train.make_grad_fn(run_of(config), mesh),
+    step = step_lib.make_train_step(
+        step_lib.make_grad_fn(run_of(config), mesh),
         tx,
         optim.lr_schedule(config.train),
         mesh,

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from helpers import run_python
 
-from seqpipe import carry, pipeline, units
-from seqpipe import config as config_lib
+from seqpipe.pipeline import carry, executor, units
+from seqpipe.run import config as config_lib
 from seqpipe.tools import memory
 
 TINY = dict(vocab_size=61, num_layers=2, d_model=16, num_heads=2, d_ff=24)
@@ -49,7 +49,7 @@ def nbytes(aval) -> int:
 def test_analytic_carry_is_the_executors_carry(schedule, segments, virtual):
     """Every byte of the scan carry in the step's jaxpr is accounted for, buffer by buffer."""
     config = tiny_config(schedule, segments, virtual=virtual)
-    spec = pipeline.make_spec(config)
+    spec = executor.make_spec(config)
     prog, rows, cfg = spec.program, 2, spec.cfg
     got = carry.breakdown(spec, rows)
     avals = memory.carry_avals(config)
@@ -80,7 +80,7 @@ def test_analytic_carry_with_residual_stashes(schedule, segments, virtual):
     """remat=none: the carry holds, per segment, its slots of that unit's residuals."""
     config = tiny_config(schedule, segments, virtual=virtual)
     config.pipeline.remat = "none"
-    spec = pipeline.make_spec(config)
+    spec = executor.make_spec(config)
     got = carry.breakdown(spec, 2)
     avals = memory.carry_avals(config)
     assert sum(nbytes(a) for a in avals) == got["carry"]
@@ -105,7 +105,7 @@ def test_head_keeps_only_its_dy_in_last_chunk_slots(schedule, segments, virtual)
     chunk's units in flight, not for every unit of every stage."""
     config = tiny_config(schedule, segments, virtual=virtual)
     config.pipeline.remat = "none"
-    spec = pipeline.make_spec(config)
+    spec = executor.make_spec(config)
     cfg, prog = spec.cfg, spec.program
     buffers = carry.of_spec(spec, 2)
     for stash in buffers.saved:
@@ -149,14 +149,14 @@ def test_residual_unit_working_set_is_smaller_than_recomputing():
     for remat in ("full", "none"):
         config = tiny_config("seq1f1b", 2, seq_len=64)
         config.pipeline.remat = remat
-        spec[remat] = pipeline.make_spec(config)
+        spec[remat] = executor.make_spec(config)
     assert memory.unit_temp_bytes(spec["none"], 2, 1) < memory.unit_temp_bytes(spec["full"], 2, 1)
 
 
 def test_seq1f1b_holds_less_stash_than_1f1b_and_needs_less_kv_than_it_holds():
     for depth in ("full", "minimal"):
-        one = carry.breakdown(pipeline.make_spec(tiny_config("1f1b", 1, depth)), 2)
-        seq = carry.breakdown(pipeline.make_spec(tiny_config("seq1f1b", 4, depth)), 2)
+        one = carry.breakdown(executor.make_spec(tiny_config("1f1b", 1, depth)), 2)
+        seq = carry.breakdown(executor.make_spec(tiny_config("seq1f1b", 4, depth)), 2)
         assert seq["stash"] < one["stash"]
         # No segment attends to the last segment's K/V: 1F1B needs no cache at all.
         # No segment attends to the last segment's K/V: 1F1B caches none, and Seq1F1B
@@ -178,8 +178,8 @@ def test_xla_temp_covers_the_carry_and_grows_with_the_stash():
 
 def test_unit_working_set_shrinks_with_segments():
     """The backward of one segment recomputes a K-times shorter query block."""
-    spec1 = pipeline.make_spec(tiny_config("1f1b", 1, seq_len=64))
-    spec4 = pipeline.make_spec(tiny_config("seq1f1b", 4, seq_len=64))
+    spec1 = executor.make_spec(tiny_config("1f1b", 1, seq_len=64))
+    spec4 = executor.make_spec(tiny_config("seq1f1b", 4, seq_len=64))
     assert memory.unit_temp_bytes(spec4, 2, 3) < memory.unit_temp_bytes(spec1, 2, 0)
 
 
@@ -239,7 +239,7 @@ def test_equal_residuals_share_one_stash(attention, partition, shared):
     c = tiny_config(segments=4)
     c.model.attention = attention
     c.pipeline.update(remat="none", partition=partition)
-    spec = pipeline.make_spec(c)
+    spec = executor.make_spec(c)
     strategy = units.strategy(spec)
     assert strategy.shared is shared
     saved = carry.of_spec(spec, 2).saved

@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from seqpipe import model
-from seqpipe.attention import segment_attention
-from seqpipe.model import GPTConfig
+from seqpipe.kernels.attention import segment_attention
+from seqpipe.models import model
+from seqpipe.models.model import GPTConfig
 from seqpipe.tools.verify import GRAD_RTOL, max_relative_error
 
 CFG = GPTConfig(vocab_size=97, num_layers=3, d_model=32, num_heads=4, d_ff=48)
@@ -218,7 +218,7 @@ def test_rms_norm_backward_is_autodiffs():
     [("llama3_2_1b", 1.235814400), ("llama3_1_8b", 8.030261248), ("qwen2_5_7b", 7.615616512)],
 )
 def test_public_model_configs_have_their_parameter_counts(name, billions):
-    from seqpipe import config as config_lib
+    from seqpipe.run import config as config_lib
 
     cfg = GPTConfig.from_config(config_lib.load(name).model)
     shapes = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))

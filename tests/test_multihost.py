@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from helpers import PIPELINED, REPO, subprocess_env, tiny_args, tiny_config
 
-from seqpipe import checkpoint, train
+from seqpipe.train import checkpoint, trainer
 
 STEPS = 4
 
@@ -74,7 +74,8 @@ def test_two_processes_match_one(tmp_path, data_size, stages, tensor):
     assert "loss" in done[0].stdout and "loss" not in done[1].stdout
     # The same run in this process, on its 8 devices.
     single = {
-        r["step"]: r["loss"] for r in train.run(tiny_config(**overrides), str(tmp_path / "single"))
+        r["step"]: r["loss"]
+        for r in trainer.run(tiny_config(**overrides), str(tmp_path / "single"))
     }
     multi_losses = _losses(multi)
     assert sorted(multi_losses) == sorted(single) == list(range(1, STEPS + 1))
@@ -272,7 +273,7 @@ def test_a_lost_peer_ends_the_survivor_within_a_minute_in_one_line(tmp_path, los
     waited 60-87 s in a collective and ended in a traceback and SIGABRT; the survivor of a
     lost process 0 aborted with 38 lines of C++ fatal logs. Now each ends within a minute
     (`peers.HEARTBEAT_S`), its last line names the lost process and the newest intact
-    checkpoint (`seqpipe.runtime_log`), the C++ logs are in its log file, and the
+    checkpoint (`seqpipe.host.runtime_log`), the C++ logs are in its log file, and the
     checkpoint is whole."""
     workdir = tmp_path / "w"
     overrides = {**ONE_BY_EIGHT, "train.steps": "100000", "checkpoint.every": "2"}

@@ -1,10 +1,10 @@
-"""Packing's invariants (`seqpipe.packing`), on streams of random document lengths."""
+"""Packing's invariants (`seqpipe.data.packing`), on streams of random document lengths."""
 
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from seqpipe import packing
+from seqpipe.data import packing
 
 # Document lengths: one-token documents, documents longer than a row, a stream of one.
 LENGTHS = st.lists(st.integers(1, 40), min_size=1, max_size=30)

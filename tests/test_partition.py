@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from seqpipe import partition
-from seqpipe.partition import PartitionError, segment_flops, segment_lengths
+from seqpipe.schedule import partition
+from seqpipe.schedule.partition import PartitionError, segment_flops, segment_lengths
 
 LLAMA_7B = dict(d_model=4096, num_heads=32, d_ff=11008, vocab_size=32000)
 SMALL = dict(d_model=64, num_heads=4, d_ff=256, vocab_size=512)

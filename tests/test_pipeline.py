@@ -15,22 +15,14 @@ import numpy as np
 import pytest
 from pairwise import all_pairs, full_product
 
-from seqpipe import (
-    carry,
-    hlo,
-    kv_cache,
-    layout,
-    model,
-    pipeline,
-    reference,
-    remat,
-    remat_strategies,
-    sharding,
-    units,
-)
-from seqpipe import config as config_lib
 from seqpipe import schedule as schedule_lib
-from seqpipe import spec as spec_lib
+from seqpipe.kernels import kv_cache
+from seqpipe.models import model, reference
+from seqpipe.parallel import layout, sharding
+from seqpipe.pipeline import carry, executor, remat, remat_strategies, units
+from seqpipe.pipeline import spec as spec_lib
+from seqpipe.run import config as config_lib
+from seqpipe.targets import hlo
 from seqpipe.tools import step_cost
 from seqpipe.tools.verify import (
     GRAD_RTOL,
@@ -122,7 +114,7 @@ def make_config(schedule, mesh, segments, part, relation, virtual, attention="au
 
 def check_against_reference(case, config=None, loss_rtol=LOSS_RTOL, grad_rtol=GRAD_RTOL):
     config = config or make_config(*case)
-    spec = pipeline.make_spec(config)
+    spec = executor.make_spec(config)
     mesh = sharding.mesh_of(config)
     params = model.init_params(spec.cfg, jax.random.key(0))
     if spec.cfg.qkv_bias:  # the Llama variant; GPT's cases keep the init they were measured on
@@ -221,7 +213,7 @@ def test_uneven_layer_split_matches_reference(case):
     config.model.num_layers = layers
     config.pipeline.update(layers_per_stage=split, remat=policy)
     config_lib.validate(config)
-    spec = pipeline.make_spec(config)
+    spec = executor.make_spec(config)
     assert spec.uneven and sum(spec.layers_per_chunk) == layers
     check_against_reference(base, config)
 
@@ -266,7 +258,7 @@ def test_bfloat16_residual_stash_is_stored_as_words_and_matches_reference():
     config = make_config(*case)
     config.model.dtype = "bfloat16"
     config.pipeline.remat = "none"
-    spec = pipeline.make_spec(config)
+    spec = executor.make_spec(config)
     stored = [b.dtype for group in carry.of_spec(spec, 2).saved for b in group]
     kept = [a.dtype for a in units.SegmentUnit(spec, 0).saved_avals(2)]
     assert jnp.bfloat16 in kept and jnp.bfloat16 not in stored and np.uint16 in stored
@@ -296,11 +288,11 @@ def test_every_remat_policy_matches_reference(remat, case):
     config.model.num_layers *= 2
     config.pipeline.remat = remat
     check_against_reference(case, config)
-    spec = pipeline.make_spec(config)
+    spec = executor.make_spec(config)
     mesh = sharding.make_mesh(*case[1])
     params = jax.eval_shape(lambda: model.init_params(spec.cfg, jax.random.key(0)))
     tokens = jax.ShapeDtypeStruct((config.train.global_batch_size, SEQ_LEN + 1), np.int32)
-    jaxpr = jax.make_jaxpr(lambda p, t: pipeline.loss_and_grads(p, t, spec, mesh))(params, tokens)
+    jaxpr = jax.make_jaxpr(lambda p, t: executor.loss_and_grads(p, t, spec, mesh))(params, tokens)
     # The policy is really applied: layers checkpointed exactly where a policy asks.
     assert ("remat" in str(jaxpr)) == (remat in ("full_layer", "layer", "dots"))
 
@@ -323,7 +315,7 @@ def test_each_policy_runs_by_the_strategy_its_row_names():
         assert named.keeps_residuals == policy.keeps_residuals, name
         config = make_config("seq1f1b", (1, 2), 2, "uniform", "equal", 1)
         config.pipeline.remat = name
-        spec = pipeline.make_spec(config)
+        spec = executor.make_spec(config)
         assert type(units.strategy(spec)) is named
         assert type(units.SegmentUnit(spec, 1).strategy) is named
     with pytest.raises(ValueError, match="no remat strategy 'Nothing'"):
@@ -334,7 +326,7 @@ def test_broken_kv_gradient_is_caught():
     """The oracle can fail: dropping the K/V prefix cotangents must break the gradients."""
     case = ("seq1f1b", (1, 2), 3, "uniform", "equal", 1)
     config = make_config(*case)
-    spec = pipeline.make_spec(config)
+    spec = executor.make_spec(config)
     mesh = sharding.make_mesh(1, 2)
     params = model.init_params(spec.cfg, jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (4, SEQ_LEN + 1), 0, spec.cfg.vocab_size)
@@ -356,7 +348,7 @@ def test_broken_kv_gradient_is_caught():
 
 def test_step_hlo_has_transfers_in_loop_and_no_data_all_reduce():
     config = make_config("seq1f1b", (2, 4), 4, "uniform", "more", 1)
-    spec = pipeline.make_spec(config)
+    spec = executor.make_spec(config)
     mesh = sharding.make_mesh(2, 4)
     params = jax.eval_shape(lambda: model.init_params(spec.cfg, jax.random.key(0)))
     tokens = jax.ShapeDtypeStruct(
@@ -365,7 +357,7 @@ def test_step_hlo_has_transfers_in_loop_and_no_data_all_reduce():
         sharding=sharding.batch_sharding(mesh),
     )
     text = (
-        jax.jit(lambda p, t: pipeline.loss_and_grads(p, t, spec, mesh))
+        jax.jit(lambda p, t: executor.loss_and_grads(p, t, spec, mesh))
         .lower(params, tokens)
         .compile()
         .as_text()
@@ -396,7 +388,7 @@ def test_pipelined_eval_matches_the_model(case):
     segments: its loss equals the un-pipelined model's, and the compiled program moves
     activations between stages instead of gathering the layer stack onto every device."""
     config = make_config(*case)
-    spec = spec_lib.forward_only(pipeline.make_spec(config))
+    spec = spec_lib.forward_only(executor.make_spec(config))
     mesh = sharding.make_mesh(*case[1])
     params = model.init_params(spec.cfg, jax.random.key(0))
     tokens = jax.random.randint(
@@ -405,7 +397,7 @@ def test_pipelined_eval_matches_the_model(case):
     want = float(jax.jit(model.loss, static_argnums=2)(params, tokens, spec.cfg))
     tokens = jax.device_put(tokens, sharding.batch_sharding(mesh))
     params = layout.to_stage_order(params, spec.placement)  # as the state holds them
-    step = jax.jit(lambda p, t: pipeline.eval_loss(p, t, spec, mesh))
+    step = jax.jit(lambda p, t: executor.eval_loss(p, t, spec, mesh))
     np.testing.assert_allclose(float(step(params, tokens)), want, rtol=LOSS_RTOL)
     collectives = hlo.count_collectives(step.lower(params, tokens).compile().as_text())
     assert collectives["all-gather"] == collectives["all-to-all"] == 0
@@ -436,7 +428,7 @@ def test_the_executors_residual_layout_is_checked_against_the_probe():
     probabilities differ in shape; `blockwise` keeps nothing prefix-shaped)."""
     config = make_config("seq1f1b", (1, 2), 2, "uniform", "equal", 1, "xla")
     config.pipeline.remat = "none"
-    spec = pipeline.make_spec(config)
+    spec = executor.make_spec(config)
     first, second = (units.SegmentUnit(spec, k) for k in (0, 1))
     kept = _take(first.layer_layout(2), first)  # a second trace of segment 0's layer
     stored = first.layer_layout(2).stored
@@ -454,11 +446,11 @@ def test_residuals_are_written_and_read_a_layer_at_a_time(remat):
     config = make_config("seq1f1b", (1, 2), 3, "uniform", "more", 1)
     config.model.num_layers = 4  # two layers a chunk
     config.pipeline.remat = remat
-    spec = pipeline.make_spec(config)
+    spec = executor.make_spec(config)
     mesh = sharding.mesh_of(config)
     params = jax.eval_shape(lambda: model.init_params(spec.cfg, jax.random.key(0)))
     tokens = jax.ShapeDtypeStruct((config.train.global_batch_size, SEQ_LEN + 1), np.int32)
-    step = jax.jit(lambda p, t: pipeline.loss_and_grads(p, t, spec, mesh))
+    step = jax.jit(lambda p, t: executor.loss_and_grads(p, t, spec, mesh))
     module = step_cost.Module(step.lower(params, tokens).compile().as_text())
     rows = config.train.global_batch_size // config.pipeline.microbatches
     stash = {tuple(b.shape) for group in carry.of_spec(spec, rows).saved for b in group}
@@ -518,11 +510,11 @@ def test_weights_are_cast_once_a_step_where_the_policy_says_so(policy):
     config = make_config("seq1f1b", (1, 2), 2, "uniform", "equal", 1)
     config.model.dtype = "bfloat16"
     config.pipeline.remat = policy
-    spec = pipeline.make_spec(config)
+    spec = executor.make_spec(config)
     mesh = sharding.make_mesh(1, 2)
     params = jax.eval_shape(lambda: model.init_params(spec.cfg, jax.random.key(0)))
     tokens = jax.ShapeDtypeStruct((config.train.global_batch_size, SEQ_LEN + 1), np.int32)
-    jaxpr = jax.make_jaxpr(lambda p, t: pipeline.loss_and_grads(p, t, spec, mesh))(params, tokens)
+    jaxpr = jax.make_jaxpr(lambda p, t: executor.loss_and_grads(p, t, spec, mesh))(params, tokens)
     (body,) = [e.params["jaxpr"] for e in jaxpr.eqns if e.primitive.name == "shard_map"]
     casts = [
         e
@@ -543,7 +535,7 @@ def test_splash_pipeline_keeping_residuals_matches_reference(monkeypatch):
     stash: the carry had fewer buffers than the forward kept, and the backward's read of
     the stash failed (`zip() argument 2 is longer than argument 1`, llama3_1_8b on v5p-64:
     4x2x4 interleaved_1f1b M=4 V=4 remat=dots). Loss and gradients against the reference."""
-    from seqpipe import splash
+    from seqpipe.kernels import splash
 
     monkeypatch.setattr(
         splash, "splash_attention", functools.partial(splash.splash_attention, interpret=True)

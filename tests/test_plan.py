@@ -8,10 +8,10 @@ import jax
 import pytest
 from helpers import run_python
 
-from seqpipe import config as config_lib
-from seqpipe import train
 from seqpipe.plan import bounds, plan, rank, render, search, space, timing
 from seqpipe.plan.space import Candidate, Problem
+from seqpipe.run import config as config_lib
+from seqpipe.train import aot
 
 GPT_1B_ON_8 = Problem(
     num_layers=24, num_heads=16, num_kv_heads=16, devices=8, seq_len=8192, global_batch=32
@@ -128,13 +128,13 @@ def test_memory_estimate_is_never_more_pessimistic_than_pruning_trusts():
     its estimate exceeds the budget, so no compiled peak may fall below LOW times its
     estimate. Here on CPU, across schedules, remat policies and meshes; on the targets,
     scripts/plan_memory_agreement.py (docs/planner.md)."""
-    from seqpipe import gpu_topology
+    from seqpipe.targets import gpu_topology
 
     rates = timing.rates_for(gpu_topology.parse("h200-8"))
     for row in _tiny_rows(TINY, rates):
         c = row["candidate"]
         devices = jax.devices()[: c.data * c.stage * c.tensor]
-        report = train.compile_config(row["config"], devices, with_evaluation=False)
+        report = aot.compile_config(row["config"], devices, with_evaluation=False)
         ratio = report["peak_memory_per_device_bytes"] / row["memory_per_device_bytes"]
         assert ratio >= bounds.LOW, (row["label"], ratio)
 
@@ -142,8 +142,8 @@ def test_memory_estimate_is_never_more_pessimistic_than_pruning_trusts():
 def _heavy_and_lean():
     """Two tiny seq1f1b candidates on 4 CPU devices, `remat=none` and `full`, each compiled
     (once, by the `compile_step` returned), and a budget between their compiled peaks."""
-    from seqpipe import gpu_topology
     from seqpipe.plan import confirm
+    from seqpipe.targets import gpu_topology
 
     rates = timing.rates_for(gpu_topology.parse("h200-8"))
     heavy, lean = _tiny_rows(
@@ -157,7 +157,7 @@ def _heavy_and_lean():
 
     def compile_step(config, devices, with_evaluation):  # each config compiled once
         if id(config) not in peaks:
-            peaks[id(config)] = train.compile_config(config, devices, with_evaluation)
+            peaks[id(config)] = aot.compile_config(config, devices, with_evaluation)
         return peaks[id(config)]
 
     big = confirm.confirm(heavy, devices, 2**40, compile_step)["memory_per_device_bytes"]
@@ -191,7 +191,7 @@ def test_a_compile_over_its_estimate_steers_the_next_tries_to_leaner_candidates(
 
 
 def test_json_last_line_holds_the_winner_and_the_others():
-    from seqpipe import gpu_topology
+    from seqpipe.targets import gpu_topology
 
     rows = _tiny_rows(TINY[:3], timing.rates_for(gpu_topology.parse("h200-8")))
     best, others = rows[0] | {"memory_source": "compiled", "fits": True}, rows[1:]
@@ -257,7 +257,7 @@ def test_the_planner_end_to_end_on_a_small_slice():
 
 def test_the_lower_bound_is_below_every_estimate():
     """Pruning by the bound drops only candidates the time model would rank lower."""
-    from seqpipe import gpu_topology
+    from seqpipe.targets import gpu_topology
 
     base, rates = config_lib.load("tiny", {}), timing.rates_for(gpu_topology.parse("h200-8"))
     cands = space.candidates(Problem(4, 4, 4, 8, 512, 16))
@@ -268,7 +268,6 @@ def test_the_lower_bound_is_below_every_estimate():
 
 
 def test_a_candidate_the_compiler_refuses_is_a_reason_not_a_crash():
-    from seqpipe import train
     from seqpipe.plan import confirm
 
     row = {
@@ -279,7 +278,7 @@ def test_a_candidate_the_compiler_refuses_is_a_reason_not_a_crash():
         "verdict": "fits",
         "step_s": 1.0,
     }
-    out = confirm.confirm(row, jax.devices()[:1], 2**30, train.compile_config)
+    out = confirm.confirm(row, jax.devices()[:1], 2**30, aot.compile_config)
     assert out["fits"] is False and rank.reason(out, None, 2**30).startswith(
         "does not compile for the target: "
     )
@@ -310,7 +309,7 @@ def test_mfu_at_a_tpus_peak_stays_below_one_where_attention_dominates():
     """The time model prices splash's causal half of the scores; MFU counted the full
     L x L score matrix (PaLM's), so the 8B at 65536 on a v5p-64 read 131%. Counted as
     the kernel computes it, MFU at the chip's peak is a ceiling below 100%."""
-    from seqpipe import topology
+    from seqpipe.targets import topology
 
     base = config_lib.load("tiny", {})
     rates = timing.rates_for(topology.parse("v5p-8"))
@@ -328,7 +327,7 @@ def test_dots_keeps_no_attention_scores_and_the_residual_fit_is_exact(attention)
     model's fit in the segment and K/V length predicts a third trace to the byte."""
     import dataclasses
 
-    from seqpipe.model import GPTConfig
+    from seqpipe.models.model import GPTConfig
     from seqpipe.plan import memory
 
     tiny = config_lib.load("tiny", {})
@@ -346,7 +345,7 @@ def test_dots_keeps_a_fused_kernels_output_and_log_sum_exp_for_its_backward():
     so the backward does not run its forward again; `xla` attention keeps neither."""
     import dataclasses
 
-    from seqpipe.model import GPTConfig
+    from seqpipe.models.model import GPTConfig
     from seqpipe.plan import memory
 
     cfg = GPTConfig.from_config(config_lib.load("tiny", {}).model)
@@ -391,7 +390,7 @@ def test_the_models_residual_carry_is_the_executors(schedule, tensor):
     `dots` was estimated at 168 GiB with every residual split, compiled at 242."""
     import dataclasses
 
-    from seqpipe import carry
+    from seqpipe.pipeline import carry
     from seqpipe.plan import memory
 
     base = config_lib.load("tiny", {"model.attention": "blockwise"})
@@ -407,15 +406,15 @@ def test_a_step_the_tpu_compiler_refuses_is_over_by_its_need():
     """libtpu raises on a step over HBM; the planner reads the need from the refusal (a
     lower bound on the peak), so the row does not fit by that much and the steering
     learns from it (3 minutes: tiny at 65536 tokens, `xla` attention, on a v5p-8)."""
-    from seqpipe import topology
     from seqpipe.plan import confirm
+    from seqpipe.targets import topology
 
     target = topology.parse("v5p-8")
     target.prepare_env()
     base = config_lib.load("tiny", {"model.attention": "xla"})
     c = Candidate(1, 2, 1, "1f1b", 8, 1, 1, "full", "none")
     row = search.evaluate(base, c, 65536, 8, timing.rates_for(target), target.budget(), True)
-    out = confirm.confirm(row, target.devices(), target.budget(), train.compile_config)
+    out = confirm.confirm(row, target.devices(), target.budget(), aot.compile_config)
     assert out["over_hbm"] and out["fits"] is False
     assert out["memory_per_device_bytes"] > target.budget()
     assert rank.reason(out, None, target.budget()).startswith(

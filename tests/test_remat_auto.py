@@ -4,8 +4,11 @@ import jax
 import pytest
 from helpers import PIPELINED, tiny_config
 
-from seqpipe import config as config_lib
-from seqpipe import gpu_topology, remat_auto, spec, train
+from seqpipe.pipeline import spec
+from seqpipe.run import config as config_lib
+from seqpipe.run import remat_auto
+from seqpipe.targets import gpu_topology
+from seqpipe.train import aot, trainer
 
 GiB = 2**30
 
@@ -57,13 +60,13 @@ def test_compile_only_fits_a_budget_with_the_compiler_s_own_figures():
     config = tiny_config(**PIPELINED)
     peaks = {}
     for policy in ("none", "dots", "layer"):
-        result = train.compile_only(train.resolve(remat_auto.with_policy(config, policy)))
+        result = aot.compile_only(aot.resolve(remat_auto.with_policy(config, policy)))
         peaks[policy] = result["peak_memory_per_device_bytes"]
     assert peaks["layer"] < peaks["none"]  # else the budget below could not split them
     fits = "dots" if peaks["dots"] < peaks["none"] else "layer"
     budget = int((peaks[fits] + peaks["none"]) / 2 / remat_auto.HEADROOM)
     auto = tiny_config(**PIPELINED, **{"pipeline.remat": "auto"})
-    result = train.compile_only(train.resolve(auto, budget=budget))
+    result = aot.compile_only(aot.resolve(auto, budget=budget))
     assert result["remat"] == fits
     assert result["remat_auto"]["policy"] == fits and result["remat_auto"]["budget"] == budget
     assert result["remat_auto"]["peaks"]["none"] == peaks["none"]
@@ -73,7 +76,7 @@ def test_compile_only_fits_a_budget_with_the_compiler_s_own_figures():
 
 def test_a_run_with_auto_on_the_cpu_trains_with_the_default_and_says_so(tmp_path, capsys):
     config = tiny_config(**{"train.steps": "2", "pipeline.remat": "auto"})
-    records = train.run(config, str(tmp_path))
+    records = trainer.run(config, str(tmp_path))
     assert [r["step"] for r in records] == [1, 2]
     out = capsys.readouterr().out
     assert "pipeline.remat: auto -> full (no device memory to fit: the default)" in out
@@ -96,7 +99,7 @@ def test_a_tool_given_auto_refuses_it_in_one_line(capsys):
 
 
 def test_auto_tries_every_policy_from_least_recompute_to_most():
-    from seqpipe import remat
+    from seqpipe.pipeline import remat
 
     assert sorted(remat_auto.ORDER) == sorted(remat.POLICIES)
     passes = [remat.POLICIES[p].matmul_passes for p in remat_auto.ORDER]

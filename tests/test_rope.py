@@ -1,4 +1,4 @@
-"""Rope scaling's inverse frequencies (`seqpipe.rope`) against values worked out by hand
+"""Rope scaling's inverse frequencies (`seqpipe.kernels.rope`) against values worked out by hand
 from transformers' formulas (`modeling_rope_utils`), and the Llama-family keys' checks."""
 
 import math
@@ -7,9 +7,9 @@ import re
 import numpy as np
 import pytest
 
-from seqpipe import config as config_lib
-from seqpipe import rope
-from seqpipe.rope import RopeScaling
+from seqpipe.kernels import rope
+from seqpipe.kernels.rope import RopeScaling
+from seqpipe.run import config as config_lib
 
 # head_dim 8, base 10000: the default frequencies are 10000^(-i/4) = 1, 0.1, 0.01, 0.001.
 PLAIN = [1.0, 0.1, 0.01, 0.001]
@@ -101,7 +101,7 @@ def test_rope_scaling_section_checked_in_one_line():
 def test_a_file_with_an_unknown_rope_scaling_key_is_refused(tmp_path):
     path = tmp_path / "typo.py"
     path.write_text(
-        "from seqpipe.config import base_config\n"
+        "from seqpipe.run.config import base_config\n"
         "def get_config():\n"
         "    c = base_config()\n"
         "    c.model.rope_scaling.update(type='linear', factr=2.0)\n"

@@ -7,8 +7,10 @@ import jax.numpy as jnp
 import pytest
 from helpers import PIPELINED, tiny_config
 
-from seqpipe import attention, remat, run_config
-from seqpipe import config as config_lib
+from seqpipe.kernels import attention
+from seqpipe.pipeline import remat
+from seqpipe.run import config as config_lib
+from seqpipe.run import run_config
 
 
 def test_auto_and_the_open_axis_are_resolved_for_the_devices_and_said_in_one_line():

@@ -13,9 +13,13 @@ import orbax.checkpoint as ocp
 import pytest
 from helpers import REPO, read_events, run_of, run_train, subprocess_env, tiny_args, tiny_config
 
-from seqpipe import checkpoint, data, logs, metrics, optim, sharding, train
-from seqpipe import config as config_lib
-from seqpipe.config import ConfigError
+from seqpipe.data import loader
+from seqpipe.host import logs
+from seqpipe.parallel import sharding
+from seqpipe.run import config as config_lib
+from seqpipe.run.config import ConfigError
+from seqpipe.train import checkpoint, evaluation, metrics, optim, trainer
+from seqpipe.train import step as step_lib
 
 
 def test_the_eta_leaves_the_first_step_out(monkeypatch):
@@ -36,8 +40,8 @@ def test_the_trainer_restarts_the_eta_clock_after_each_runs_first_step(tmp_path,
     monkeypatch.setattr(metrics, "_isatty", lambda: True)
     monkeypatch.setattr(metrics.Progress, "restart", lambda self, step: restarts.append(step))
     workdir = str(tmp_path / "w")
-    train.run(tiny_config(**{"train.stop_at": "2", "checkpoint.every": "2"}), workdir)
-    train.run(tiny_config(**{"train.stop_at": "4"}), workdir)
+    trainer.run(tiny_config(**{"train.stop_at": "2", "checkpoint.every": "2"}), workdir)
+    trainer.run(tiny_config(**{"train.stop_at": "4"}), workdir)
     assert restarts == [1, 3]
 
 
@@ -54,8 +58,8 @@ def test_tensorboard_is_on_disk_within_seconds_and_nothing_to_do_opens_none(tmp_
     log.close()
     workdir = tmp_path / "w"
     one = tiny_config(**{"train.stop_at": "1"})
-    train.run(one, str(workdir))
-    assert train.run(one, str(workdir)) == []  # nothing to do
+    trainer.run(one, str(workdir))
+    assert trainer.run(one, str(workdir)) == []  # nothing to do
     assert len(list(workdir.glob("events.out.tfevents.*"))) == 1
 
 
@@ -64,14 +68,14 @@ def test_resuming_on_other_data_is_refused_unless_allowed(tmp_path, capsys):
     the same data moved elsewhere is not; data.allow_source_change=True goes on from the
     weights and reads the new data from its start."""
     workdir = str(tmp_path / "w")
-    train.run(tiny_config(**{"train.stop_at": "1"}), workdir)
+    trainer.run(tiny_config(**{"train.stop_at": "1"}), workdir)
     (tmp_path / "a.txt").write_text("some text of my own\n" * 200)
     (tmp_path / "b.txt").write_text("other text, other windows\n" * 200)
     text = {"data.source": "text", "train.stop_at": "2"}
     a, b = ({**text, "data.path": str(tmp_path / n)} for n in ("a.txt", "b.txt"))
     with pytest.raises(ConfigError, match="trained on data.source=stdlib, not data.source=text"):
-        train.run(tiny_config(**a), workdir)
-    train.run(tiny_config(**a, **{"data.allow_source_change": "True"}), workdir)
+        trainer.run(tiny_config(**a), workdir)
+    trainer.run(tiny_config(**a, **{"data.allow_source_change": "True"}), workdir)
     err = capsys.readouterr().err
     assert err == (
         f"note: the checkpoint at {checkpoint.directory(workdir)}/1 was trained on "
@@ -80,8 +84,8 @@ def test_resuming_on_other_data_is_refused_unless_allowed(tmp_path, capsys):
     ), err
     # Step 2 read the first batch of a.txt: the saved position is one batch into it.
     config = tiny_config(**a)
-    tokens, _, _ = data.read_corpus(config)
-    fresh = data.train_iterator(config, tokens, slice(0, config.train.global_batch_size))
+    tokens, _, _ = loader.read_corpus(config)
+    fresh = loader.train_iterator(config, tokens, slice(0, config.train.global_batch_size))
     next(fresh)
     manager = checkpoint.make_manager(workdir, config)
     try:
@@ -91,10 +95,10 @@ def test_resuming_on_other_data_is_refused_unless_allowed(tmp_path, capsys):
     assert saved == fresh.get_state()
     # b.txt under the same source: other data, refused; a.txt moved: the same data.
     with pytest.raises(ConfigError, match=r"trained on other data \(\d+ tokens, digest "):
-        train.run(tiny_config(**{**b, "train.stop_at": "3"}), workdir)
+        trainer.run(tiny_config(**{**b, "train.stop_at": "3"}), workdir)
     (tmp_path / "a.txt").rename(tmp_path / "moved.txt")
     moved = {**a, "data.path": str(tmp_path / "moved.txt"), "train.stop_at": "3"}
-    assert [r["step"] for r in train.run(tiny_config(**moved), workdir)] == [3]
+    assert [r["step"] for r in trainer.run(tiny_config(**moved), workdir)] == [3]
     assert "note:" not in capsys.readouterr().err
 
 
@@ -279,11 +283,11 @@ def test_an_evaluation_of_a_hundred_batches_finishes(tmp_path, layout):
     config = tiny_config(**overrides)
     config = config_lib.resolve(config, 8)
     mesh = sharding.mesh_of(config)
-    _, held_out, _ = data.read_corpus(config)
-    batches = data.eval_batches(config, held_out, 100, slice(None))
+    _, held_out, _ = loader.read_corpus(config)
+    batches = loader.eval_batches(config, held_out, 100, slice(None))
     state = _restore_params(tmp_path, config, mesh)
-    eval_fn = train.make_eval_fn(run_of(config), mesh)
-    losses = [float(eval_fn(state, data.to_global(b["tokens"], mesh, 8))) for b in batches]
+    eval_fn = evaluation.make_eval_fn(run_of(config), mesh)
+    losses = [float(eval_fn(state, loader.to_global(b["tokens"], mesh, 8))) for b in batches]
     assert last["eval_loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-5)
 
 
@@ -292,7 +296,7 @@ def _restore_params(workdir, config, mesh):
     manager = checkpoint.make_manager(workdir, config)
     try:
         step, state, _ = checkpoint.restore_latest(
-            manager, train.abstract_state(run_of(config), mesh, tx), config
+            manager, step_lib.abstract_state(run_of(config), mesh, tx), config
         )
     finally:
         manager.close()

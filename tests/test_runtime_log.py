@@ -1,4 +1,4 @@
-"""The watcher of a multi-process run's C++ output (`seqpipe.runtime_log`), as a process:
+"""The watcher of a multi-process run's C++ output (`seqpipe.host.runtime_log`), as a process:
 what reaches the log file and the one line it writes when the runtime aborts. The real
 abort, a killed peer, is `test_multihost.py`'s slow lost-peer test."""
 
@@ -25,7 +25,7 @@ def _watch(tmp_path, stdin: bytes, workdir_exists: bool = True):
     log = workdir / "train.1.log"
     args = [str(workdir), str(log), str(workdir / "checkpoints"), "1", "2"]
     proc = subprocess.run(
-        [sys.executable, "-m", "seqpipe.runtime_log", *args],
+        [sys.executable, "-m", "seqpipe.host.runtime_log", *args],
         cwd=REPO,
         input=stdin,
         capture_output=True,

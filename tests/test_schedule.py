@@ -12,9 +12,19 @@ from helpers import run_python
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from seqpipe import partition
 from seqpipe import schedule as sc
-from seqpipe.schedule import B, F, Schedule, ScheduleError, Unit, W, cell_unit, make_cell, render
+from seqpipe.schedule import (
+    B,
+    F,
+    Schedule,
+    ScheduleError,
+    Unit,
+    W,
+    cell_unit,
+    make_cell,
+    partition,
+    render,
+)
 
 # SEQPIPE_EXAMPLES=500 for a thorough sweep; the default keeps the file under ~20 s.
 PROPS = settings(
@@ -495,7 +505,7 @@ def test_registry():
     assert all(g.granularity in ("microbatch", "segment") for g in sc.GENERATORS.values())
     with pytest.raises(ScheduleError, match="unknown schedule"):
         sc.generator("zero_bubble")
-    from seqpipe import config
+    from seqpipe.run import config
 
     assert config.SCHEDULES == ("none", *sc.SCHEDULES)
 

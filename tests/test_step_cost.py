@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 from test_pipeline import SEQ_LEN, make_config
 
-from seqpipe import model, pipeline, reference, sharding
+from seqpipe.models import model, reference
+from seqpipe.parallel import sharding
+from seqpipe.pipeline import executor
 from seqpipe.tools import step_cost
 
 BATCH, LAYERS = 8, 2
@@ -21,14 +23,14 @@ def compiled_text(schedule: str, segments: int, microbatches: int) -> tuple[str,
     config.pipeline.update(microbatches=microbatches, remat="none")
     config.model.num_layers = LAYERS
     config.train.global_batch_size = BATCH
-    spec = pipeline.make_spec(config)
+    spec = executor.make_spec(config)
     mesh = sharding.make_mesh(1, 1)
     params = jax.eval_shape(lambda: model.init_params(spec.cfg, jax.random.key(0)))
     tokens = jax.ShapeDtypeStruct((BATCH, SEQ_LEN + 1), np.int32)
     if schedule == "none":
         fn = lambda p, t: reference.loss_and_grads(p, t, spec.cfg)  # noqa: E731
     else:
-        fn = lambda p, t: pipeline.loss_and_grads(p, t, spec, mesh)  # noqa: E731
+        fn = lambda p, t: executor.loss_and_grads(p, t, spec, mesh)  # noqa: E731
     return jax.jit(fn).lower(params, tokens).compile().as_text(), spec.cfg
 
 

@@ -1,4 +1,4 @@
-"""Tensor parallelism inside the pipeline (`mesh.tensor`, `seqpipe.tensor`): every schedule
+"""Tensor parallelism inside the pipeline (`mesh.tensor`, `seqpipe.parallel.tensor`): every schedule
 against the un-pipelined reference on meshes with tensor in {2, 4}; the compiled step's
 collectives (over `tensor` inside the units, none over `data` in the tick loop); configs
 that cannot split refused in one line; a run resumed across (data, stage, tensor) meshes.
@@ -16,9 +16,14 @@ from helpers import PIPELINED, run_of, run_python, subprocess_env, tiny_args, ti
 from pairwise import all_pairs, full_product
 from test_pipeline import MODELS, SEQ_LEN, check_against_reference, make_config, microbatch_count
 
-from seqpipe import config as config_lib
-from seqpipe import hlo, model, optim, pipeline, sharding, tensor, train
 from seqpipe import schedule as schedule_lib
+from seqpipe.models import model
+from seqpipe.parallel import sharding, tensor
+from seqpipe.pipeline import executor
+from seqpipe.run import config as config_lib
+from seqpipe.targets import hlo
+from seqpipe.train import aot, optim, trainer
+from seqpipe.train import step as step_lib
 
 SCHEDULES = schedule_lib.SCHEDULES
 # (data, stage, tensor)
@@ -91,7 +96,7 @@ def test_a_broken_sequence_split_is_caught():
 
 
 def _compiled_text(config) -> str:
-    spec = pipeline.make_spec(config)
+    spec = executor.make_spec(config)
     mesh = sharding.mesh_of(config)
     params = jax.eval_shape(lambda: model.init_params(spec.cfg, jax.random.key(0)))
     tokens = jax.ShapeDtypeStruct(
@@ -99,7 +104,7 @@ def _compiled_text(config) -> str:
         np.int32,
         sharding=sharding.batch_sharding(mesh),
     )
-    step = jax.jit(lambda p, t: pipeline.loss_and_grads(p, t, spec, mesh))
+    step = jax.jit(lambda p, t: executor.loss_and_grads(p, t, spec, mesh))
     return step.lower(params, tokens).compile().as_text()
 
 
@@ -189,11 +194,11 @@ def test_a_run_resumes_across_tensor_meshes(tmp_path):
     def config(mesh, stop):
         return tiny_config(**{**split, **meshes[mesh], "train.stop_at": str(stop)})
 
-    straight = train.run(config("2x2x2", 3), str(tmp_path / "a"))
+    straight = trainer.run(config("2x2x2", 3), str(tmp_path / "a"))
     run = str(tmp_path / "b")
-    resumed = train.run(config("2x2x2", 1), run)
-    resumed += train.run(config("1x4x2", 2), run)
-    resumed += train.run(config("1x2x4", 3), run)
+    resumed = trainer.run(config("2x2x2", 1), run)
+    resumed += trainer.run(config("1x4x2", 2), run)
+    resumed += trainer.run(config("1x2x4", 3), run)
     assert [r["step"] for r in resumed] == [1, 2, 3]
     np.testing.assert_allclose(
         [r["loss"] for r in resumed], [r["loss"] for r in straight], rtol=1e-5
@@ -225,8 +230,8 @@ def test_the_sharded_optimizer_halves_moments_on_two_replicas_with_tensor_split(
         c = tensor_config("seq1f1b", (2, 2, 2), 2, "full")
         c.train.shard_optimizer = mode
         mesh = sharding.mesh_of(c)
-        state = train.abstract_state(run_of(c), mesh, optim.make_optimizer(c.train))
-        sizes[mode] = {k: train._bytes_per_device(v) for k, v in state.items()}
+        state = step_lib.abstract_state(run_of(c), mesh, optim.make_optimizer(c.train))
+        sizes[mode] = {k: aot._bytes_per_device(v) for k, v in state.items()}
         moments = [
             x.sharding.spec
             for path, x in jax.tree_util.tree_leaves_with_path(state["opt_state"])
@@ -243,12 +248,12 @@ def test_the_sharded_optimizer_halves_moments_on_two_replicas_with_tensor_split(
 def test_each_tensor_device_carries_its_share_of_the_buffers():
     """Messages, stashed inputs and head cotangents hold 1/t of a segment's positions, the
     K/V buffers 1/t of the heads (from the spec alone, outside the step)."""
-    from seqpipe import carry
+    from seqpipe.pipeline import carry
 
     sizes = {}
     for t in (1, 2, 4):
         c = tensor_config("seq1f1b", (1, 2, t), 4, "full")
-        sizes[t] = carry.of_spec(pipeline.make_spec(c), 2).nbytes()
+        sizes[t] = carry.of_spec(executor.make_spec(c), 2).nbytes()
     for t in (2, 4):
         for field in ("recv_fwd", "recv_bwd", "saved", "head_dy", "kv_k", "dkv_v"):
             assert sizes[t][field] * t == sizes[1][field], field

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from seqpipe import hlo, topology
+from seqpipe.targets import hlo, topology
 
 REPO = Path(__file__).resolve().parent.parent
 

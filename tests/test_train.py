@@ -23,12 +23,12 @@ from helpers import (
     tiny_config,
 )
 
-from seqpipe import checkpoint, metrics, train
+from seqpipe.train import checkpoint, metrics, trainer
 
 
 def test_metrics_jsonl_tensorboard_and_eval(tmp_path):
     config = tiny_config(**{"train.steps": "6", "train.eval_every": "3", "train.log_every": "2"})
-    records = train.run(config, str(tmp_path))
+    records = trainer.run(config, str(tmp_path))
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert lines == records
     # Logged on the first step (with its compile time), every 2 steps, and on the eval
@@ -53,7 +53,7 @@ def test_metrics_jsonl_tensorboard_and_eval(tmp_path):
 
 def test_pipelined_metrics_report_the_bubble(tmp_path):
     config = tiny_config(**{**PIPELINED, "train.steps": "3", "train.eval_every": "2"})
-    records = train.run(config, str(tmp_path))
+    records = trainer.run(config, str(tmp_path))
     assert [r["step"] for r in records] == [1, 2, 3]
     assert records[0]["first_step_s"] > 0 and "tokens_per_s" not in records[0]
     assert {r["step"] for r in records if "eval_loss" in r} == {2, 3}
@@ -180,7 +180,7 @@ def test_compile_only_prints_memory_and_flops(tmp_path):
     )
     assert result["peak_memory_per_device_bytes"] == max(mem["total"], evaluation["total"])
     config = tiny_config()
-    from seqpipe import model
+    from seqpipe.models import model
 
     cfg = model.GPTConfig.from_config(config.model)
     assert result["flops_per_step"] == model.flops_per_token(cfg, 16) * 8 * 16

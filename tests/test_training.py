@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from seqpipe import config as config_lib
-from seqpipe import train
+from seqpipe.run import config as config_lib
+from seqpipe.train import trainer
 
 
 def small_config(**pipeline):
@@ -29,7 +29,7 @@ def small_config(**pipeline):
 
 
 def losses(config, workdir) -> np.ndarray:
-    return np.array([r["loss"] for r in train.run(config, str(workdir))])
+    return np.array([r["loss"] for r in trainer.run(config, str(workdir))])
 
 
 @pytest.fixture(scope="module")

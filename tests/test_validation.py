@@ -7,9 +7,12 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from seqpipe import config as config_lib
-from seqpipe import model, pipeline, reference, run_config, sharding
 from seqpipe import schedule as schedule_lib
+from seqpipe.models import model, reference
+from seqpipe.parallel import sharding
+from seqpipe.pipeline import executor
+from seqpipe.run import config as config_lib
+from seqpipe.run import run_config
 
 KEYS_MENTIONED = ("model.", "mesh.", "pipeline.", "train.", "data.")
 
@@ -97,7 +100,7 @@ def check(c, run: bool) -> None:
         step = jax.jit(lambda p, t: reference.loss_and_grads(p, t, cfg))
     else:
         spec = resolved.spec
-        step = jax.jit(lambda p, t: pipeline.loss_and_grads(p, t, spec, mesh))
+        step = jax.jit(lambda p, t: executor.loss_and_grads(p, t, spec, mesh))
     lowered = step.lower(params, tokens)
     if run:
         real = model.init_params(cfg, jax.random.key(0))

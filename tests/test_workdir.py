@@ -10,14 +10,15 @@ import sys
 from helpers import REPO, run_of, run_train, tiny_config
 from hostile import SHORT, one_line_error, read_only_later, snapshot
 
-from seqpipe import checkpoint, train
+from seqpipe.train import checkpoint
+from seqpipe.train import trainer as trainer_lib
 
 
 def test_a_second_run_on_a_workdir_in_use_is_refused_and_a_killed_owner_blocks_nothing(
     tmp_path,
 ):
     workdir = tmp_path / "w"
-    trainer = train.Trainer(run_of(tiny_config(**SHORT)), str(workdir))  # holds the workdir
+    trainer = trainer_lib.Trainer(run_of(tiny_config(**SHORT)), str(workdir))  # holds the workdir
     try:
         before = snapshot(workdir)
         line = one_line_error(run_train(workdir, **SHORT))
@@ -72,7 +73,7 @@ def test_a_read_only_workdir_is_refused_also_to_resume(tmp_path):
     root = tmp_path / "ro"
     with read_only_later(root) as make_read_only:
         workdir = root / "w"
-        train.run(tiny_config(**SHORT), str(workdir))
+        trainer_lib.run(tiny_config(**SHORT), str(workdir))
         make_read_only()
         before = snapshot(root)
         line = one_line_error(run_train(workdir, **{**SHORT, "train.stop_at": "3"}))
@@ -95,7 +96,7 @@ def test_every_atomic_write_keeps_a_special_target_and_writes_it_in_place(tmp_pa
     import stat
     import threading
 
-    from seqpipe import files
+    from seqpipe.host import files
 
     regular = tmp_path / "regular"
     regular.write_bytes(b"old")

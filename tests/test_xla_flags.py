@@ -1,6 +1,6 @@
 """The XLA flags set on GPUs: only there, never over the user's own."""
 
-from seqpipe import xla_flags
+from seqpipe.targets import xla_flags
 
 LHS = "--xla_gpu_enable_latency_hiding_scheduler"
 

@@ -9,9 +9,12 @@ from helpers import run_of
 from jax.sharding import PartitionSpec as P
 from test_pipeline import make_config
 
-from seqpipe import config as config_lib
-from seqpipe import hlo, optim, sharding, train
-from seqpipe.sharding import DATA, STAGE
+from seqpipe.parallel import sharding
+from seqpipe.parallel.sharding import DATA, STAGE
+from seqpipe.run import config as config_lib
+from seqpipe.targets import hlo
+from seqpipe.train import optim
+from seqpipe.train import step as step_lib
 
 LAYERS, EMBED = (jax.tree_util.DictKey("layers"),), (jax.tree_util.DictKey("embed"),)
 
@@ -58,10 +61,12 @@ def _train(config, batches, state):
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.stage)
     tx = optim.make_optimizer(config.train)
     on = config_lib.shards_optimizer(config)
-    step = train.make_train_step(
-        train.make_grad_fn(run_of(config), mesh), tx, optim.lr_schedule(config.train), mesh, on
+    step = step_lib.make_train_step(
+        step_lib.make_grad_fn(run_of(config), mesh), tx, optim.lr_schedule(config.train), mesh, on
     )
-    shardings = jax.tree.map(lambda x: x.sharding, train.abstract_state(run_of(config), mesh, tx))
+    shardings = jax.tree.map(
+        lambda x: x.sharding, step_lib.abstract_state(run_of(config), mesh, tx)
+    )
     state = jax.device_put(state, shardings)
     batches = [jax.device_put(b, sharding.batch_sharding(mesh)) for b in batches]
     compiled = step.lower(state, batches[0]).compile()
@@ -96,7 +101,7 @@ def test_sharded_steps_equal_replicated_ones(data, stage):
         for i in range(4)
     ]
     mesh = sharding.make_mesh(data, stage)
-    state = train.init_state(run_of(off), mesh, optim.make_optimizer(off.train))
+    state = step_lib.init_state(run_of(off), mesh, optim.make_optimizer(off.train))
     state = jax.tree.map(np.asarray, state)  # the same start for both, on the host
     losses_off, state_off, (loop_off, outside_off) = _train(off, batches, state)
     losses_on, state_on, (loop_on, outside_on) = _train(on, batches, state)

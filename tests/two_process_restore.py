@@ -8,8 +8,11 @@ import sys
 
 import jax
 
-from seqpipe import checkpoint, optim, run_config, sharding, train
-from seqpipe import config as config_lib
+from seqpipe.parallel import sharding
+from seqpipe.run import config as config_lib
+from seqpipe.run import run_config
+from seqpipe.train import checkpoint, optim
+from seqpipe.train import step as step_lib
 
 
 def main(workdir: str, port: str, process_id: int) -> None:
@@ -29,7 +32,7 @@ def main(workdir: str, port: str, process_id: int) -> None:
     checkpoint._read_step = read_on_this_host
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.stage)
     run = run_config.resolve(config, jax.devices())
-    abstract = train.abstract_state(run, mesh, optim.make_optimizer(config.train))
+    abstract = step_lib.abstract_state(run, mesh, optim.make_optimizer(config.train))
     manager = checkpoint.make_manager(workdir, config)
     step, _, _ = checkpoint.restore_latest(manager, abstract, config)
     manager.close()

@@ -17,9 +17,12 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
-from seqpipe import checkpoint_dir, cli, hf, model
-from seqpipe.hf_config import HFError
-from seqpipe.model import GPTConfig
+from seqpipe.hf import weights
+from seqpipe.hf.config import HFError
+from seqpipe.host import checkpoint_dir
+from seqpipe.models import model
+from seqpipe.models.model import GPTConfig
+from seqpipe.run import cli
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -84,11 +87,11 @@ def export(workdir: str, step: int | None, out: str, dtype: str | None) -> Path:
     tokenizer = Path(workdir) / "tokenizer.json"
 
     def fill(scratch: Path) -> None:
-        hf.save(scratch, cfg, params, dtype, context=seq_len)
+        weights.save(scratch, cfg, params, dtype, context=seq_len)
         if tokenizer.is_file():
             shutil.copyfile(tokenizer, scratch / "tokenizer.json")
 
-    hf.write_new(out, fill)
+    weights.write_new(out, fill)
     return step_dir
 
 

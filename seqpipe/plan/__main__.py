@@ -10,9 +10,10 @@ import argparse
 import sys
 import time
 
-from seqpipe import cli, topology
-from seqpipe import config as config_lib
-from seqpipe.metrics import Progress
+from seqpipe.run import cli
+from seqpipe.run import config as config_lib
+from seqpipe.targets import topology
+from seqpipe.train.metrics import Progress
 
 GiB = 2**30
 
@@ -82,10 +83,10 @@ def main(argv: list[str]) -> int:
         cli.fail("--seq-len and --global-batch must be at least 1")
     # Here: jax loads with the planner and the trainer, after `_target` set the slice's
     # environment.
-    from seqpipe import train
     from seqpipe.plan import plan
+    from seqpipe.train import aot
 
-    return plan.run(args, config, overrides, target, seq_len, batch, Bar, train.compile_config)
+    return plan.run(args, config, overrides, target, seq_len, batch, Bar, aot.compile_config)
 
 
 if __name__ == "__main__":

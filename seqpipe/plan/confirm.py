@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from seqpipe import topology
 from seqpipe.plan import rank
+from seqpipe.targets import topology
 
 
 def confirm(row: dict, devices, budget: int, compile_step) -> dict:

@@ -25,9 +25,12 @@ import math
 import jax
 import numpy as np
 
-from seqpipe import carry, model, schedule, sharding, units
-from seqpipe import remat as remat_lib
-from seqpipe.spec import PipelineSpec
+from seqpipe import schedule
+from seqpipe.models import model
+from seqpipe.parallel import sharding
+from seqpipe.pipeline import carry, units
+from seqpipe.pipeline import remat as remat_lib
+from seqpipe.pipeline.spec import PipelineSpec
 
 
 def _leaf_bytes(path, x, data: int, tensor: int, moments: bool) -> int:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import sys
 
-from seqpipe import cli, errors
+from seqpipe import errors
 from seqpipe.plan import bounds, confirm, rank, render, search, space, timing
 from seqpipe.plan.space import Candidate
+from seqpipe.run import cli
 
 GiB = 2**30
 LIMIT = 3000  # candidates estimated at most, in the bound's order (the rest: unexplored)

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 
-from seqpipe import config as config_lib
-from seqpipe import layout, partition, schedule, spec
-from seqpipe.model import GPTConfig
+from seqpipe import schedule
+from seqpipe.models.model import GPTConfig
+from seqpipe.parallel import layout
+from seqpipe.pipeline import spec
+from seqpipe.pipeline.spec import PipelineSpec
 from seqpipe.plan import bounds, memory, timing
 from seqpipe.plan.space import Candidate
-from seqpipe.spec import PipelineSpec
+from seqpipe.run import config as config_lib
+from seqpipe.schedule import partition
 
 
 def config_of(base, c: Candidate, seq_len: int, global_batch: int, validate: bool = True):
@@ -130,7 +133,7 @@ def _mesh_of(base, c: Candidate, seq_len: int, global_batch: int) -> tuple:
         layers = tuple(layout.of_config(config).layers_per_chunk)
         shard = config_lib.shards_optimizer(config)
         state = memory.state_bytes(cfg, max(layers) * c.virtual, c.data, shard)
-        multiple = config_lib.segment_multiple(config)
+        multiple = partition.segment_multiple(config)
         _SHAPES[key] = (base, (cfg, layers, shard, state, multiple))
     return _SHAPES[key][1]
 

@@ -10,7 +10,7 @@ import dataclasses
 import itertools
 import math
 
-from seqpipe import remat
+from seqpipe.pipeline import remat
 
 SEGMENTS = (2, 4, 8, 16, 32)  # Seq1F1B's segment counts tried (K = 1 is the 1F1B family)
 VIRTUAL = (2, 4)  # chunks per stage for the interleaved schedules

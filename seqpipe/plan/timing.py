@@ -25,9 +25,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from seqpipe import gpu_topology, model, partition, schedule
-from seqpipe.metrics import peak_flops
+from seqpipe import schedule
+from seqpipe.models import model
+from seqpipe.schedule import partition
+from seqpipe.targets import gpu_topology
 from seqpipe.tools import step_cost
+from seqpipe.train.metrics import peak_flops
 
 # Bytes a unit (forward and backward) moves per parameter of its layers, split 2:5.
 WEIGHT_BYTES = {"F": 24.0, "B": 60.0}

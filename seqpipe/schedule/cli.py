@@ -8,8 +8,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from seqpipe import partition
-from seqpipe.files import atomic_write
+from seqpipe.host.files import atomic_write
+from seqpipe.schedule import partition
 from seqpipe.schedule.render import to_json, to_png, to_text, zero_bubble_table
 from seqpipe.schedule.statistics import stats
 from seqpipe.schedule.tables import DEPTHS, SCHEDULES, ScheduleError, build

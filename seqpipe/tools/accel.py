@@ -9,7 +9,7 @@ For the config and its overrides, on a one-device mesh: the un-pipelined referen
 micro-batches, or `--microbatches`); `NAME@POLICY` runs a variant with
 `pipeline.remat=POLICY` (the default list adds the policies that recompute less and still
 fit an H200, from `--compile_only --topology h200`).
-Each is the jitted step `seqpipe.train.make_train_step` builds (optimizer included), on
+Each is the jitted step `seqpipe.train.step.make_train_step` builds (optimizer included), on
 random tokens. Per variant: compile time, step time, tokens/s, MFU, XLA's memory and the
 device's peak, and a profile summary: one step traced with `jax.profiler`, the trace's
 events matched to the compiled HLO's instructions and grouped (`GROUPS`) by what the
@@ -34,11 +34,13 @@ import time
 
 import numpy as np
 
-from seqpipe import cli, remat, xla_flags
-from seqpipe import config as config_lib
-from seqpipe.metrics import device_memory_peak, peak_flops
+from seqpipe.pipeline import remat
+from seqpipe.run import cli
+from seqpipe.run import config as config_lib
+from seqpipe.targets import xla_flags
 from seqpipe.tools import predict, step_cost
 from seqpipe.tools.tick_model import PREDICT_STAGES, QUICK_MODEL
+from seqpipe.train.metrics import device_memory_peak, peak_flops
 
 DEFAULT_CONFIG = "gpt_1b"
 # name: (schedule, segments)
@@ -92,7 +94,7 @@ XENT_FUNCTIONS = {
 }
 CONTAINERS = {"while", "conditional", "call", "async-start", "async-done"}
 # seqpipe's attention implementations (a kernel's frames may stop short of attention.py).
-ATTENTION_FILES = {"attention.py", "blockwise.py", "gpu_attention.py", "splash.py"}
+ATTENTION_FILES = {"attention.py", "blockwise.py", "pallas_gpu.py", "splash.py"}
 
 
 def unknown_variant(name: str) -> str | None:
@@ -221,9 +223,9 @@ def _by_source(stack: list[tuple[str, str]]) -> str | None:
             if _base(function) in XENT_FUNCTIONS:
                 return "cross-entropy"
             return "layer loop" if _base(function) == "layers" else None
-        if "optax" in path or name in ("optim.py", "train.py"):
+        if "optax" in path or name in ("optim.py", "step.py"):
             return "optimizer"
-        if name in ("pipeline.py", "carry.py"):
+        if name in ("executor.py", "carry.py"):
             return "pipeline buffers / grad accumulation"
     return None
 
@@ -321,21 +323,21 @@ def measure(
     """One variant's compile time, step time, throughput, MFU, memory and profile."""
     import jax  # after main() sets the XLA flags
 
-    from seqpipe import (  # jax: after main() sets the XLA flags
-        model,
-        optim,
-        run_config,
-        sharding,
-        train,
-    )
+    from seqpipe.models import model
+    from seqpipe.parallel import sharding
+    from seqpipe.run import run_config
+    from seqpipe.train import optim
+    from seqpipe.train import step as step_lib
 
     c = variant_config(config, name, microbatches)
     t = c.train
     run = run_config.resolve(c, jax.devices()[:1])  # `auto` as the platform's own
     mesh = sharding.make_mesh(1, 1, jax.devices()[:1])
     tx = optim.make_optimizer(t)
-    state = train.init_state(run, mesh, tx)
-    step = train.make_train_step(train.make_grad_fn(run, mesh), tx, optim.lr_schedule(t), mesh)
+    state = step_lib.init_state(run, mesh, tx)
+    step = step_lib.make_train_step(
+        step_lib.make_grad_fn(run, mesh), tx, optim.lr_schedule(t), mesh
+    )
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, c.model.vocab_size, (t.global_batch_size, t.seq_len + 1), np.int32)
     tokens = jax.device_put(tokens, sharding.batch_sharding(mesh))
@@ -403,8 +405,9 @@ def run(
     cuts the run."""
     import jax  # after main() sets the XLA flags
 
-    from seqpipe import model, spec  # jax: after main() sets the XLA flags
-    from seqpipe.model import GPTConfig  # jax: after main() sets the XLA flags
+    from seqpipe.models import model
+    from seqpipe.models.model import GPTConfig  # jax: after main() sets the XLA flags
+    from seqpipe.pipeline import spec  # jax: after main() sets the XLA flags
 
     dev = jax.devices()[0]
     cfg = GPTConfig.from_config(config.model)

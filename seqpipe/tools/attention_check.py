@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from seqpipe import attention, gpu_attention, kv_cache
+from seqpipe.kernels import attention, kv_cache, pallas_gpu
 
 NAMES = ("out", "dq", "dk_prefix", "dv_prefix", "dk_own", "dv_own")
 BOUND = 2e-2
@@ -46,15 +46,15 @@ EXACT = (2, 1000, 700, 4, WIDTH)  # batch, prefix, queries, heads, width: off ev
 # The tilings `--sweep` tries, the default first. Shared memory bounds them: a 128 x 128
 # forward tile at E = 128 holds Q, K and V tiles of 32 KiB each per pipeline stage.
 SWEEP = (
-    gpu_attention.Blocks(),
-    gpu_attention.Blocks(forward=(128, 128)),
-    gpu_attention.Blocks(forward=(64, 64)),
-    gpu_attention.Blocks(num_stages=3),
-    gpu_attention.Blocks(forward=(128, 128), num_stages=3),
-    gpu_attention.Blocks(dkv=(128, 64), dq=(128, 64)),
-    gpu_attention.Blocks(dkv=(64, 128), dq=(128, 64)),
-    gpu_attention.Blocks(dkv=(128, 128), dq=(128, 128)),
-    gpu_attention.Blocks(num_warps=4),
+    pallas_gpu.Blocks(),
+    pallas_gpu.Blocks(forward=(128, 128)),
+    pallas_gpu.Blocks(forward=(64, 64)),
+    pallas_gpu.Blocks(num_stages=3),
+    pallas_gpu.Blocks(forward=(128, 128), num_stages=3),
+    pallas_gpu.Blocks(dkv=(128, 64), dq=(128, 64)),
+    pallas_gpu.Blocks(dkv=(64, 128), dq=(128, 64)),
+    pallas_gpu.Blocks(dkv=(128, 128), dq=(128, 128)),
+    pallas_gpu.Blocks(num_warps=4),
 )
 
 
@@ -82,9 +82,9 @@ def _out_and_grads(name):
     return _with_grads(functools.partial(attention.attend, name))
 
 
-def _tiled(blocks: gpu_attention.Blocks, interpret: bool):
+def _tiled(blocks: pallas_gpu.Blocks, interpret: bool):
     """`_out_and_grads` of pallas_gpu with these tiles."""
-    kernel = gpu_attention.pallas_gpu_attention
+    kernel = pallas_gpu.pallas_gpu_attention
     return _with_grads(functools.partial(kernel, blocks=blocks, interpret=interpret))
 
 

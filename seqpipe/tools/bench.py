@@ -27,7 +27,10 @@ import time
 
 import numpy as np
 
-from seqpipe import cli, files, remat, schedule
+from seqpipe import schedule
+from seqpipe.host import files
+from seqpipe.pipeline import remat
+from seqpipe.run import cli
 from seqpipe.tools.tick_model import (
     PREDICT_MICROBATCHES,
     PREDICT_STAGES,
@@ -108,8 +111,8 @@ def run_one(config, step, params, tokens, timer, repeats: int, count_flops: bool
     `step` from `compile_step`."""
     import jax  # after main() sets the XLA flags
 
-    from seqpipe import carry as carry_lib  # jax: after main() sets the XLA flags
-    from seqpipe import layout  # jax: after main() sets the XLA flags
+    from seqpipe.parallel import layout  # jax: after main() sets the XLA flags
+    from seqpipe.pipeline import carry as carry_lib  # jax: after main() sets the XLA flags
     from seqpipe.tools import flops  # jax: after main() sets the XLA flags
 
     spec, compiled, p_abs, t_abs = step["spec"], step["compiled"], step["params"], step["tokens"]
@@ -163,7 +166,7 @@ def reference_seconds(cfg, params, tokens, checkpoint: str | None, repeats: int)
     checkpointed with `checkpoint` (a `model.CHECKPOINT_POLICIES` key) or not at all."""
     import jax  # after main() sets the XLA flags
 
-    from seqpipe import reference  # jax: after main() sets the XLA flags
+    from seqpipe.models import reference  # jax: after main() sets the XLA flags
 
     dev = jax.devices()[0]
     p, t = jax.device_put(params, dev), jax.device_put(tokens, dev)
@@ -174,7 +177,7 @@ def reference_seconds(cfg, params, tokens, checkpoint: str | None, repeats: int)
 def policy_rows(config, runs, rows_per_mb: int) -> list[dict]:
     """Every `pipeline.remat` policy for each of `runs`: XLA temp per device, what the
     carry keeps between a forward and its backward, and executed / analytic FLOPs."""
-    from seqpipe import carry as carry_lib  # jax: after main() sets the XLA flags
+    from seqpipe.pipeline import carry as carry_lib  # jax: after main() sets the XLA flags
     from seqpipe.tools import flops  # jax: after main() sets the XLA flags
 
     out = []
@@ -228,7 +231,7 @@ def prediction_specs(config, stages, variants) -> list[dict]:
     """1F1B and Seq1F1B ((K, partition) in `variants`) tables, and their zero-bubble forms
     (zb_h1, seq_zb_h1), for each S in `stages`, M = 8, at both depths; nothing is
     compiled for them (they are predicted only)."""
-    from seqpipe import pipeline  # jax: after main() sets the XLA flags
+    from seqpipe.pipeline import executor  # jax: after main() sets the XLA flags
 
     out = []
     for S in stages:
@@ -245,7 +248,7 @@ def prediction_specs(config, stages, variants) -> list[dict]:
                     c.pipeline.inflight = depth
                 out.append(
                     {
-                        "spec": pipeline.make_spec(c),
+                        "spec": executor.make_spec(c),
                         "depth": depth,
                         "label": label(name, k, part, 1),
                     }
@@ -267,7 +270,7 @@ def split_rows(config, rows_per_mb: int, repeats: int, log=print) -> list[dict]:
     micro-batch (its units timed alone), predicted and measured step time, XLA temp."""
     import jax  # after main() sets the XLA flags
 
-    from seqpipe import model  # jax: after main() sets the XLA flags
+    from seqpipe.models import model  # jax: after main() sets the XLA flags
     from seqpipe.tools import flops  # jax: after main() sets the XLA flags
 
     timer = UnitTimer(rows_per_mb, repeats=5)
@@ -498,10 +501,11 @@ def bench(config, runs, repeats: int, log=print, quick: bool = False, save=None)
     save = save or (lambda result: None)
     import jax  # after main() sets the XLA flags
 
-    from seqpipe import model, pipeline  # jax: after main() sets the XLA flags
+    from seqpipe.models import model
+    from seqpipe.pipeline import executor  # jax: after main() sets the XLA flags
     from seqpipe.tools import flops  # jax: after main() sets the XLA flags
 
-    cfg = pipeline.make_spec(config).cfg
+    cfg = executor.make_spec(config).cfg
     params = model.init_params(cfg, jax.random.key(0))
     batch, seq = config.train.global_batch_size, config.train.seq_len
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, seq + 1), np.int32)
@@ -557,7 +561,7 @@ def bench(config, runs, repeats: int, log=print, quick: bool = False, save=None)
     result["policies"] = policy_rows(config, policy_runs, rows_per_mb)
     log(f"# remat policies compiled for {len(policy_runs)} schedules")
     save(result)
-    spec = pipeline.make_spec(variant(config, *runs[-1]))
+    spec = executor.make_spec(variant(config, *runs[-1]))
     result["flop_breakdown"] = {
         "schedule": label(*runs[-1]),
         "fractions_of_analytic": flops.breakdown(spec, rows_per_mb, config.mesh.data),

@@ -39,8 +39,11 @@ import math
 import jax
 import jax.extend
 
-from seqpipe import attention, model, schedule, units
-from seqpipe.model import GPTConfig
+from seqpipe import schedule
+from seqpipe.kernels import attention
+from seqpipe.models import model
+from seqpipe.models.model import GPTConfig
+from seqpipe.pipeline import units
 
 # --------------------------------------------------------------------------- analytic
 

@@ -4,7 +4,7 @@
         [--schedules 1f1b,seq1f1b:2,seq1f1b:4,seq1f1b:8] [--depths full,minimal]
         [--json FILE] [--no-unit]
 
-`step_memory(config)` compiles `pipeline.loss_and_grads` for the configured mesh from
+`step_memory(config)` compiles `executor.loss_and_grads` for the configured mesh from
 abstract shapes (nothing is allocated) and returns XLA's `memory_analysis()` (temporary,
 argument, output, alias and generated-code bytes; per device, since the SPMD module is
 the per-device program) next to an analytic breakdown of the scan carry computed from the
@@ -39,15 +39,17 @@ import sys
 
 import numpy as np
 
-from seqpipe import cli, hlo, schedule
-from seqpipe import config as config_lib
+from seqpipe import schedule
+from seqpipe.run import cli
+from seqpipe.run import config as config_lib
+from seqpipe.targets import hlo
 
 DEFAULT_SCHEDULES = "1f1b,seq1f1b:2,seq1f1b:4,seq1f1b:8"
 
 
 def residual_bytes(spec, rows: int) -> int:
     """Bytes of the per-segment residual stashes (remat other than `full`; else 0)."""
-    from seqpipe import carry as carry_lib  # jax: after main() sets the XLA flags
+    from seqpipe.pipeline import carry as carry_lib  # jax: after main() sets the XLA flags
 
     return carry_lib.breakdown(spec, rows)["res"]
 
@@ -56,7 +58,7 @@ def _param_counts(cfg) -> tuple[int, int]:
     """(shared, layer) parameter counts, from abstract shapes."""
     import jax  # after main() sets the XLA flags
 
-    from seqpipe import model  # jax: after main() sets the XLA flags
+    from seqpipe.models import model  # jax: after main() sets the XLA flags
 
     shapes = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
     layers = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes["layers"]))
@@ -72,9 +74,14 @@ def abstract_step(config):
     from jax.sharding import NamedSharding  # after main() sets the XLA flags
     from jax.sharding import PartitionSpec as P  # after main() sets the XLA flags
 
-    from seqpipe import layout, model, pipeline, sharding  # jax: after main() sets the XLA flags
+    from seqpipe.models import model
+    from seqpipe.parallel import (
+        layout,
+        sharding,  # jax: after main() sets the XLA flags
+    )
+    from seqpipe.pipeline import executor
 
-    spec = pipeline.make_spec(config)
+    spec = executor.make_spec(config)
     mesh = sharding.mesh_of(config)
     shapes = jax.eval_shape(
         lambda: layout.to_stage_order(
@@ -92,7 +99,7 @@ def abstract_step(config):
         np.int32,
         sharding=sharding.batch_sharding(mesh),
     )
-    step = jax.jit(lambda p, t: pipeline.loss_and_grads(p, t, spec, mesh))
+    step = jax.jit(lambda p, t: executor.loss_and_grads(p, t, spec, mesh))
     return spec, step, params, tokens
 
 
@@ -107,7 +114,7 @@ def carry_avals(config) -> list:
     outermost `scan` (breadth first), whose carry is the executor's state."""
     import jax  # after main() sets the XLA flags
 
-    from seqpipe import compat  # jax: after main() sets the XLA flags
+    from seqpipe.targets import compat  # jax: after main() sets the XLA flags
 
     _, step, params, tokens = abstract_step(config)
     todo = [jax.make_jaxpr(step)(params, tokens).jaxpr]
@@ -149,7 +156,7 @@ def unit_temp_bytes(spec, rows: int, seg: int) -> int:
     import jax  # after main() sets the XLA flags
     import jax.numpy as jnp  # after main() sets the XLA flags
 
-    from seqpipe import units  # jax: after main() sets the XLA flags
+    from seqpipe.pipeline import units  # jax: after main() sets the XLA flags
 
     unit = units.SegmentUnit(spec, seg)
     chunk, shared, x_in, prefix, _, tok, _ = unit.avals(rows)
@@ -180,7 +187,7 @@ def step_memory(config, unit: bool = True) -> dict:
     (`unit_temp_bytes`), and `excess = temp - carry - unit`, what XLA holds beyond both
     (copies of carry buffers, overlapping lifetimes).
     """
-    from seqpipe import carry as carry_lib  # jax: after main() sets the XLA flags
+    from seqpipe.pipeline import carry as carry_lib  # jax: after main() sets the XLA flags
 
     spec, compiled = compile_step(config)
     rows = config.train.global_batch_size // (config.mesh.data * config.pipeline.microbatches)

@@ -25,8 +25,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from seqpipe import blockwise, document_mask, pipeline
-from seqpipe import config as config_lib
+from seqpipe.kernels import blockwise
+from seqpipe.models import document_mask
+from seqpipe.pipeline import executor
+from seqpipe.run import config as config_lib
 
 
 def _segments(lengths):
@@ -108,7 +110,7 @@ def main(argv=None) -> int:
         print(f"error: --document={args.document} must be in [1, train.seq_len]", file=sys.stderr)
         return 2
 
-    spec = pipeline.make_spec(config)
+    spec = executor.make_spec(config)
     cfg = spec.cfg
     width, t = cfg.num_heads * cfg.head_dim, config.train
     flops = step_flops(spec.lengths, width, cfg.num_layers, t.global_batch_size, args.document)

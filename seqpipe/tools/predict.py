@@ -11,7 +11,7 @@ layers' one-layer units (`flops.chunk_terms`). The units' costs are
 - timed on the device JAX sees (each compiled and run alone, `tick_model.UnitTimer`);
   `python -m seqpipe.bench --accelerator` runs this after its variants;
 - or, with `--topology h200`, estimated for an H200 from this machine: each unit
-  compiled for it (`seqpipe.gpu_topology`) and costed by `step_cost`'s roofline fitted to
+  compiled for it (`seqpipe.targets.gpu_topology`) and costed by `step_cost`'s roofline fitted to
   the H200's measured steps. A Pallas kernel's own time is invisible to that estimate,
   so it stands for `blockwise` attention (`auto` on GPUs), not `pallas_gpu`.
 
@@ -26,10 +26,12 @@ import os
 import sys
 import time
 
-from seqpipe import cli, gpu_topology, remat, xla_flags
 from seqpipe.errors import TopologyError
-from seqpipe.metrics import peak_flops
+from seqpipe.pipeline import remat
+from seqpipe.run import cli
+from seqpipe.targets import gpu_topology, xla_flags
 from seqpipe.tools import step_cost, tick_model
+from seqpipe.train.metrics import peak_flops
 
 DEFAULT = "seq1f1b:4@none"  # `none`: what fits gpt_1b on 4 or 8 H200s with least recompute
 SEGMENTS = (1, 2, 4, 8)
@@ -91,8 +93,9 @@ def predict(config, name: str, device=None, log=print) -> dict:
     (a compile-only H200) estimated for it."""
     import jax  # after main() sets the XLA flags
 
-    from seqpipe import model, pipeline  # jax: after main() sets the XLA flags
-    from seqpipe.model import GPTConfig  # jax: after main() sets the XLA flags
+    from seqpipe.models import model
+    from seqpipe.models.model import GPTConfig  # jax: after main() sets the XLA flags
+    from seqpipe.pipeline import executor  # jax: after main() sets the XLA flags
     from seqpipe.tools import flops  # jax: after main() sets the XLA flags
 
     segments, policy = parse(name)
@@ -104,7 +107,7 @@ def predict(config, name: str, device=None, log=print) -> dict:
     t, stages = c.train, stages_for(c.model.num_layers)
     specs = [
         {
-            "spec": pipeline.make_spec(tick_model.variant(c, sched, k, "uniform", 1, stage=S)),
+            "spec": executor.make_spec(tick_model.variant(c, sched, k, "uniform", 1, stage=S)),
             "depth": c.pipeline.inflight,
             "label": tick_model.label(sched, k, "uniform", 1),
         }

@@ -38,7 +38,7 @@ import math
 import re
 import sys
 
-from seqpipe import hlo
+from seqpipe.targets import hlo
 
 FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all"}
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4}

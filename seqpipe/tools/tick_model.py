@@ -14,8 +14,8 @@ import time
 
 import numpy as np
 
-from seqpipe import config as config_lib
 from seqpipe import schedule
+from seqpipe.run import config as config_lib
 
 # A tiny model, for the quick runs of this benchmark and of `tools.accel`.
 QUICK_MODEL = (

@@ -12,7 +12,12 @@ import sys
 import jax
 import numpy as np
 
-from seqpipe import cli, data, hf, layout, model, pipeline, reference, run_config, sharding
+from seqpipe.data import loader
+from seqpipe.hf import weights
+from seqpipe.models import model, reference
+from seqpipe.parallel import layout, sharding
+from seqpipe.pipeline import executor
+from seqpipe.run import cli, run_config
 
 # Relative to each gradient leaf's largest magnitude; float32 summation-order noise is
 # about 1e-6 here, whatever the schedule.
@@ -35,9 +40,9 @@ def max_relative_error(actual, expected) -> tuple[str, float]:
 
 
 def canonical_loss_and_grads(params, tokens_BxL1, spec, mesh):
-    """`pipeline.loss_and_grads` on and for canonical layers, as the reference has them."""
+    """`executor.loss_and_grads` on and for canonical layers, as the reference has them."""
     placement = spec.placement
-    loss, grads = pipeline.loss_and_grads(
+    loss, grads = executor.loss_and_grads(
         layout.to_stage_order(params, placement), tokens_BxL1, spec, mesh
     )
     return loss, layout.to_canonical(grads, placement)
@@ -46,11 +51,11 @@ def canonical_loss_and_grads(params, tokens_BxL1, spec, mesh):
 def compare(run, tokens_BxL1, mesh) -> dict:
     """Loss and gradient differences between a run's pipeline (a `run_config.RunConfig`)
     and the reference, both in float32, on a batch of tokens [B, L+1] or of packed rows
-    (a dict: `seqpipe.packing`)."""
+    (a dict: `seqpipe.data.packing`)."""
     cfg = dataclasses.replace(run.spec.cfg, dtype="float32", param_dtype="float32")
     spec = dataclasses.replace(run.spec, cfg=cfg)
     if run.train.init_from:  # a HF checkpoint's weights (`seqpipe.hf`), in float32
-        params = hf.load(run.train.init_from.removeprefix("hf:"))[1]
+        params = weights.load(run.train.init_from.removeprefix("hf:"))[1]
     else:
         params = model.init_params(spec.cfg, jax.random.key(run.train.seed))
     ref_loss, ref_grads = jax.jit(reference.loss_and_grads, static_argnums=2)(
@@ -81,11 +86,13 @@ def main(argv: list[str]) -> int:
         return 2
     mesh = sharding.mesh_of(config)
     # A check writes nothing: no workdir, only the token cache. The stream keeps its
-    # documents, which packed rows (data.packing) are made of.
-    train_stream, _, _ = cli.run_or_exit(lambda: data.read_corpus(config))
-    rows = cli.run_or_exit(lambda: data.local_rows(config, mesh))
-    batch = data.global_batch(
-        next(data.train_iterator(config, train_stream, rows)), mesh, config.train.global_batch_size
+    # documents, which packed rows (loader.packing) are made of.
+    train_stream, _, _ = cli.run_or_exit(lambda: loader.read_corpus(config))
+    rows = cli.run_or_exit(lambda: loader.local_rows(config, mesh))
+    batch = loader.global_batch(
+        next(loader.train_iterator(config, train_stream, rows)),
+        mesh,
+        config.train.global_batch_size,
     )
     run = cli.run_or_exit(lambda: run_config.resolve(config, list(mesh.devices.flat)))
     r = cli.run_or_exit(lambda: compare(run, batch, mesh))

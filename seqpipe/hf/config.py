@@ -1,0 +1,263 @@
+"""A HuggingFace `config.json` as seqpipe's `model.` keys and back, for the Llama family.
+
+No jax here: `seqpipe.run.config` reads `--config hf:DIR` and checks `train.init_from` with it
+before any device work. The weights are `seqpipe.hf`'s.
+
+Rope settings are read from transformers 5's `rope_parameters` or 4.x's `rope_theta` and
+`rope_scaling`, and written in both forms: transformers 4.x reads only the older keys and,
+without them, silently falls back to theta 10000 without scaling.
+"""
+
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+
+PREFIX = "hf:"
+# architecture: (model_type, whether Q, K and V carry biases)
+ARCHITECTURES = {
+    "LlamaForCausalLM": ("llama", False),
+    "MistralForCausalLM": ("mistral", False),
+    "Qwen2ForCausalLM": ("qwen2", True),
+}
+SUPPORTED = tuple(ARCHITECTURES)
+ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3", "yarn": "yarn"}
+# The rope_scaling fields each type reads (seqpipe.kernels.rope.RopeScaling's names, as HF's).
+ROPE_FIELDS = {
+    "none": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow"),
+}
+ROPE_DEFAULTS = {
+    "factor": 1.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+}
+
+
+class HFError(ValueError):
+    """A HuggingFace directory seqpipe cannot use; the message is one line saying why."""
+
+
+def directory(spec: str) -> Path:
+    """The directory of `hf:DIR` (or of a bare DIR)."""
+    return Path(spec[len(PREFIX) :] if spec.startswith(PREFIX) else spec)
+
+
+def read(spec: str) -> dict:
+    """DIR/config.json as a dict; HFError if it is missing or not JSON."""
+    path = directory(spec) / "config.json"
+    if not path.is_file():
+        raise HFError(
+            f"{path.parent} has no config.json: not a HuggingFace model directory "
+            "(save_pretrained writes config.json and model.safetensors)"
+        )
+    try:
+        hf = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise HFError(f"{path} is not readable JSON: {e}") from None
+    if not isinstance(hf, dict):
+        raise HFError(f"{path} is not a JSON object")
+    return hf
+
+
+def architecture(hf: Mapping, where: str) -> str:
+    names = hf.get("architectures") or []
+    name = names[0] if len(names) == 1 else None
+    if name not in ARCHITECTURES:
+        shown = ", ".join(map(str, names)) if names else "none"
+        raise HFError(
+            f"{where}: architecture {shown} is not supported; seqpipe reads {', '.join(SUPPORTED)}"
+        )
+    return name
+
+
+def _need(hf: Mapping, key: str, where: str):
+    if key not in hf or hf[key] is None:
+        raise HFError(f"{where} has no {key}")
+    return hf[key]
+
+
+def _refuse(hf: Mapping, where: str, arch: str) -> None:
+    """The settings of these architectures that seqpipe's model does not run."""
+    unsupported = {
+        "hidden_act": lambda v: v != "silu",
+        "attention_bias": lambda v: bool(v) and not ARCHITECTURES[arch][1],  # o_proj too
+        "mlp_bias": bool,
+        "use_sliding_window": bool,
+        "sliding_window": lambda v: v is not None and arch == "MistralForCausalLM",
+    }
+    for key, bad in unsupported.items():
+        if key in hf and bad(hf[key]):
+            raise HFError(f"{where}: {key}={hf[key]!r} is not supported by seqpipe's model")
+    heads, width = hf["num_attention_heads"], hf["hidden_size"]
+    head_dim = hf.get("head_dim") or width // heads
+    if head_dim * heads != width:
+        raise HFError(
+            f"{where}: head_dim={head_dim} with {heads} heads is not hidden_size={width}; "
+            "seqpipe's heads are hidden_size / num_attention_heads wide"
+        )
+
+
+def rope(hf: Mapping, where: str) -> tuple[float, dict]:
+    """(theta, the rope_scaling section) from either generation's keys."""
+    params = hf.get("rope_parameters") or {}
+    legacy = hf.get("rope_scaling") or {}
+    source = params if params.get("rope_type") else legacy
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    kind = source.get("rope_type") or source.get("type") or "default"
+    if kind not in ROPE_TYPES:
+        raise HFError(
+            f"{where}: rope type {kind!r} is not supported; seqpipe runs {', '.join(ROPE_TYPES)}"
+        )
+    scaling = {"type": ROPE_TYPES[kind], **ROPE_DEFAULTS}
+    for field in ROPE_FIELDS[scaling["type"]]:
+        value = source.get(field)
+        if value is None and field == "original_max_position_embeddings":
+            value = hf.get("max_position_embeddings")
+        if value is not None:
+            scaling[field] = type(ROPE_DEFAULTS[field])(value)
+    if kind == "yarn":
+        extra = {k: source.get(k) for k in ("attention_factor", "mscale", "mscale_all_dim")}
+        extra = {k: v for k, v in extra.items() if v is not None}
+        if extra or source.get("truncate", True) is not True:
+            raise HFError(f"{where}: yarn with {extra or 'truncate=false'} is not supported")
+    if float(source.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise HFError(f"{where}: partial_rotary_factor is not supported")
+    return float(theta), scaling
+
+
+def model_keys(hf: Mapping, where: str = "config.json") -> dict:
+    """seqpipe's `model.` keys from a HF config (HFError for what seqpipe cannot run)."""
+    arch = architecture(hf, where)
+    for key in ("vocab_size", "num_hidden_layers", "hidden_size", "num_attention_heads"):
+        _need(hf, key, where)
+    _need(hf, "intermediate_size", where)
+    _refuse(hf, where, arch)
+    theta, scaling = rope(hf, where)
+    heads = hf["num_attention_heads"]
+    return {
+        "vocab_size": int(hf["vocab_size"]),
+        "num_layers": int(hf["num_hidden_layers"]),
+        "d_model": int(hf["hidden_size"]),
+        "num_heads": int(heads),
+        "num_kv_heads": int(hf.get("num_key_value_heads") or heads),
+        "d_ff": int(hf["intermediate_size"]),
+        "mlp": "swiglu",
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+        "qkv_bias": ARCHITECTURES[arch][1],
+        "rope_base": theta,
+        "rope_scaling": scaling,
+    }
+
+
+def _effective(key: str, value, keys: Mapping):
+    """A key's value as the model reads it: num_kv_heads 0 is num_heads; rope_scaling
+    only the fields its type reads."""
+    if key == "num_kv_heads":
+        return value or keys["num_heads"]
+    if key == "rope_scaling":
+        s = dict(value)
+        return (s.get("type", "none"), *(s.get(f) for f in ROPE_FIELDS[s.get("type", "none")]))
+    if isinstance(value, float):
+        return float(f"{value:.9g}")  # 1e-5 written as 1e-05, or a float32 round trip
+    return value
+
+
+# What a run may set otherwise than the checkpoint: a context extension's rope.
+EXTENSIBLE = ("rope_base", "rope_scaling")
+
+
+def mismatch(model: Mapping, spec: str) -> str | None:
+    """None if the config's `model.` keys are those of `spec`'s config.json (the rope's
+    aside, `EXTENSIBLE`), else one line naming the first key that differs and both values."""
+    path = directory(spec) / "config.json"
+    theirs = model_keys(read(spec), str(path))
+    for key, value in theirs.items():
+        if key in EXTENSIBLE:
+            continue
+        ours = model.get(key)
+        if ours is None:
+            return f"model.{key} is not a key of this seqpipe, and {path} needs {value!r}"
+        if key == "rope_scaling":
+            ours = dict(ours)
+        if _effective(key, ours, model) != _effective(key, value, theirs):
+            return (
+                f"model.{key}={ours!r} but {path} has {value!r}; its weights need "
+                f"model.{key}={value!r}"
+            )
+    return None
+
+
+def _rope_keys(model: Mapping) -> dict:
+    """{key: value} of the rope settings the model reads, rope_scaling's by field."""
+    scaling = dict(model["rope_scaling"])
+    kind = scaling.get("type", "none")
+    keys = {"rope_base": float(model["rope_base"]), "rope_scaling.type": kind}
+    keys.update({f"rope_scaling.{f}": scaling.get(f, ROPE_DEFAULTS[f]) for f in ROPE_FIELDS[kind]})
+    return keys
+
+
+def rope_change(model: Mapping, spec: str) -> str | None:
+    """A line saying how the config's rope differs from `spec`'s (a context extension:
+    continued pretraining at a longer context), or None."""
+    before, after = _rope_keys(model_keys(read(spec))), _rope_keys(model)
+    changed = [
+        f"model.{k} {before.get(k, '-')} -> {v}" for k, v in after.items() if before.get(k) != v
+    ]
+    return f"{', '.join(changed)} (the checkpoint's rope extended)" if changed else None
+
+
+def hf_config(model: Mapping, dtype: str, base: Mapping | None = None, context: int = 0) -> dict:
+    """A config.json for seqpipe's `model.` keys, its tensors in `dtype`: Qwen 2 where Q, K
+    and V carry biases, else Llama (or `base`'s architecture, whose other keys it keeps).
+    max_position_embeddings: at least `context` (the longest sequence trained on)."""
+    arch = "Qwen2ForCausalLM" if model["qkv_bias"] else "LlamaForCausalLM"
+    if base and base.get("architectures") and ARCHITECTURES.get(base["architectures"][0]):
+        if ARCHITECTURES[base["architectures"][0]][1] == model["qkv_bias"]:
+            arch = base["architectures"][0]
+    scaling = dict(model["rope_scaling"])
+    kind = scaling.get("type", "none")
+    fields = {f: scaling.get(f, ROPE_DEFAULTS[f]) for f in ROPE_FIELDS[kind]}
+    hf_kind = {v: k for k, v in ROPE_TYPES.items()}[kind]
+    out = {k: v for k, v in (base or {}).items() if k not in ("rope_scaling", "rope_parameters")}
+    out.update(
+        architectures=[arch],
+        model_type=ARCHITECTURES[arch][0],
+        vocab_size=model["vocab_size"],
+        num_hidden_layers=model["num_layers"],
+        hidden_size=model["d_model"],
+        num_attention_heads=model["num_heads"],
+        num_key_value_heads=model["num_kv_heads"] or model["num_heads"],
+        head_dim=model["d_model"] // model["num_heads"],
+        intermediate_size=model["d_ff"],
+        hidden_act="silu",
+        rms_norm_eps=model["norm_eps"],
+        tie_word_embeddings=model["tie_embeddings"],
+        rope_theta=model["rope_base"],
+        # transformers 4.x reads these two; 5 reads rope_parameters
+        rope_scaling=None if kind == "none" else {"rope_type": hf_kind, "type": hf_kind, **fields},
+        rope_parameters={"rope_theta": model["rope_base"], "rope_type": hf_kind, **fields},
+        dtype=dtype,
+        torch_dtype=dtype,
+    )
+    out["max_position_embeddings"] = max(
+        out.get("max_position_embeddings") or _max_positions(scaling), context
+    )
+    if arch == "LlamaForCausalLM":
+        out.update(attention_bias=False, mlp_bias=False)
+    if arch == "Qwen2ForCausalLM":
+        out.update(use_sliding_window=False)
+    return out
+
+
+def _max_positions(scaling: Mapping) -> int:
+    """A context to declare when nothing else says: the scaled one, or 8192."""
+    if scaling.get("type", "none") in ("llama3", "yarn"):
+        return int(math.ceil(scaling["original_max_position_embeddings"] * scaling["factor"]))
+    return 8192

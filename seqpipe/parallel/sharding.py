@@ -1,0 +1,147 @@
+"""Mesh axes and shardings, declared in one place."""
+
+from collections.abc import Sequence
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from seqpipe.parallel import tensor as tensor_lib
+
+DATA = "data"
+STAGE = "stage"
+TENSOR = tensor_lib.AXIS
+AXES = (DATA, STAGE, TENSOR)
+
+
+def make_mesh(
+    data: int, stage: int, devices: Sequence[jax.Device] | None = None, tensor: int = 1
+) -> Mesh:
+    """A (data, stage, tensor) mesh over the first data * stage * tensor of `devices`
+    (default: this process's backend; for a TPU slice without one,
+    `seqpipe.targets.topology.devices`). `tensor` varies fastest: a tensor-parallel group is
+    adjacent devices (one host, one NVLink domain), where its per-layer collectives are
+    cheapest; pipeline stages and data replicas may span hosts.
+
+    Auto axes: outside shard_map XLA propagates shardings (the reference model needs
+    no annotations); inside it, the pipeline is explicit anyway.
+    """
+    devices = list(jax.devices() if devices is None else devices)[: data * stage * tensor]
+    auto = (jax.sharding.AxisType.Auto,) * 3
+    try:
+        return jax.make_mesh((data, stage, tensor), AXES, axis_types=auto, devices=devices)
+    except NotImplementedError:
+        # A TPU torus whose axes do not factor into these sizes (tensor 8 on 4x4x4):
+        # split a physical axis rather than refuse.
+        from jax.experimental import mesh_utils
+
+        grid = mesh_utils.create_device_mesh(
+            (data, stage, tensor), devices, allow_split_physical_axes=True
+        )
+        return Mesh(grid, AXES, axis_types=auto)
+
+
+def mesh_of(config, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """The mesh a (resolved) config names."""
+    m = config.mesh
+    return make_mesh(m.data, m.stage, devices, m.get("tensor", 1))
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Batches split over data replicas, whole on every stage."""
+    return NamedSharding(mesh, P(DATA))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def in_layers(path) -> bool:
+    """Whether a pytree path lies under a "layers" key: the stacked, stage-split weights
+    (and the optimizer moments that mirror them)."""
+    return any(getattr(k, "key", None) == "layers" for k in path)
+
+
+def in_optimizer(path) -> bool:
+    """Whether a train-state path lies under its "opt_state" key."""
+    return bool(path) and getattr(path[0], "key", None) == "opt_state"
+
+
+def tensor_split_dim(path, shape: Sequence[int], tensor: int = 1) -> int | None:
+    """The dimension of a parameter-shaped leaf (of the whole parameter's `shape`) that
+    `tensor` splits (`seqpipe.parallel.tensor.param_dim`, found by the leaf's name), or None: norm gains,
+    scalars, and K/V projections with fewer heads than `tensor` (held whole)."""
+    keys = [getattr(k, "key", None) for k in path]
+    name = keys[-1] if keys and isinstance(keys[-1], str) else None
+    dim = tensor_lib.DIMS.get(name) if name else None
+    if dim is None or dim >= len(shape):
+        return None
+    return tensor_lib.param_dim(name, shape, tensor)
+
+
+def data_split_dim(path, shape: Sequence[int], data: int, tensor: int = 1) -> int | None:
+    """The dimension of a parameter-shaped leaf (a gradient, an Adam moment) that the
+    sharded optimizer splits over `data`: the largest one `data` divides (the first of
+    equals), never a layer leaf's layer axis, which `stage` splits, nor with `tensor` > 1
+    the dimension `tensor` splits. None (the leaf stays whole on every replica) with one
+    replica, for scalars (optax's counts) and for a leaf no dimension of which `data`
+    divides (say a norm gain of 50 on 4 replicas)."""
+    if data == 1:
+        return None
+    first = 1 if in_layers(path) else 0
+    taken = tensor_split_dim(path, shape, tensor) if tensor > 1 else None
+    dims = [d for d in range(first, len(shape)) if shape[d] % data == 0 and d != taken]
+    return max(dims, key=lambda d: shape[d], default=None)
+
+
+def leaf_spec(path, shape: Sequence[int], data: int = 1, tensor: int = 1) -> P:
+    """A parameter-shaped leaf's spec: layers split over `stage` by blocks of layers, with
+    `tensor` > 1 the heads, MLP columns or vocabulary over `tensor` (`tensor_split_dim`),
+    and with `data` > 1 the dimension `data_split_dim` picks over `data` as well."""
+    parts = [STAGE if in_layers(path) else None] + [None] * (len(shape) - 1)
+    tdim = tensor_split_dim(path, shape, tensor) if tensor > 1 else None
+    if tdim is not None:
+        parts[tdim] = TENSOR
+    dim = data_split_dim(path, shape, data, tensor)
+    if dim is not None:
+        parts[dim] = DATA
+    while parts and parts[-1] is None:  # P(STAGE), not P(STAGE, None, ...)
+        parts.pop()
+    return P(*parts)
+
+
+def state_shardings(state_shapes, mesh: Mesh, shard_optimizer: bool = False):
+    """Layer weights (and their optimizer moments) split over `stage` by blocks of layers,
+    and over `tensor` as `leaf_spec` says; everything else replicated.
+
+    With `shard_optimizer` (ZeRO-1, Megatron's distributed optimizer) every optimizer leaf
+    under "opt_state" is also split over `data` (`data_split_dim`): each replica keeps
+    and updates its 1/data share of the moments; parameters stay whole on every replica."""
+    data, tensor = mesh.shape[DATA], mesh.shape[TENSOR]
+
+    def spec(path, x):
+        split = shard_optimizer and in_optimizer(path)
+        return NamedSharding(mesh, leaf_spec(path, x.shape, data if split else 1, tensor))
+
+    return jax.tree_util.tree_map_with_path(spec, state_shapes)
+
+
+def gradient_shardings(params, mesh: Mesh, shard_optimizer: bool):
+    """Where the step's gradients go: the moments' shardings (each replica reduces only
+    its share) with the sharded optimizer, else the parameters'."""
+    data = mesh.shape[DATA] if shard_optimizer else 1
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: NamedSharding(mesh, leaf_spec(path, x.shape, data, mesh.shape[TENSOR])),
+        params,
+    )
+
+
+def split_table(
+    params, data: int, tensor: int = 1
+) -> list[tuple[str, tuple[int, ...], int | None]]:
+    """(leaf, shape, dimension split over `data` or None) for every parameter: what the
+    sharded optimizer does with each (`--compile_only` prints the leaves kept whole)."""
+    return [
+        (jax.tree_util.keystr(path), tuple(x.shape), data_split_dim(path, x.shape, data, tensor))
+        for path, x in jax.tree_util.tree_leaves_with_path(params)
+    ]
