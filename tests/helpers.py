@@ -1,6 +1,6 @@
 """What many test modules share: the repository, the tiny model's overrides, the
 environment of a trainer subprocess, the one helper that runs `train.py` as a process,
-and TensorBoard event readers."""
+TensorBoard event readers, and the oracle's leaf-wise error."""
 
 import os
 import struct
@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 import jax
+import numpy as np
 
 from seqpipe.run import config as config_lib
 
@@ -140,3 +141,26 @@ def run_train(
         timeout=timeout,
         env=env,
     )
+
+
+def max_relative_error(actual, expected) -> tuple[str, float]:
+    """The worst leaf and its max |actual - expected| / max |expected| (comparisons the
+    oracle tests use; `seqpipe.verify` judges against the float32 noise instead)."""
+    worst = ("", 0.0)
+    for (path, a), e in zip(
+        jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(expected), strict=True
+    ):
+        a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
+        scale = max(float(np.max(np.abs(e))), np.finfo(np.float32).tiny)
+        err = float(np.max(np.abs(a - e))) / scale
+        if err > worst[1] or not np.isfinite(err):
+            worst = (jax.tree_util.keystr(path), err)
+    return worst
+
+
+def float64_reference(params, batch, cfg):
+    """`noise.float64_reference`, for conftest's helper process to run (it imports this
+    module; the test process's `noise.float64_reference` sends its calls here)."""
+    from seqpipe.models import noise
+
+    return noise.float64_reference(params, batch, cfg)

@@ -73,13 +73,19 @@ def test_classify_by_innermost_telling_frame():
     def ins(opcode, *stack, calls=()):
         return accel.classify({"opcode": opcode, "stack": list(stack)}, set(calls))
 
-    model, attn = ("/x/seqpipe/models/model.py", "layer"), ("/x/seqpipe/kernels/attention.py", "_probs")
+    model, attn = (
+        ("/x/seqpipe/models/model.py", "layer"),
+        ("/x/seqpipe/kernels/attention.py", "_probs"),
+    )
     xent = ("/x/seqpipe/models/model.py", "_chunk_xent")
     pipe = ("/x/seqpipe/pipeline/executor.py", "write_slot")
     assert ins("fusion", model, pipe, calls={"dot"}) == "matmuls"
     assert ins("fusion", attn, model, pipe, calls={"dot"}) == "attention"
     kernel = ("/x/seqpipe/kernels/pallas_gpu.py", "_forward")
-    assert ins("custom-call", kernel, ("/x/seqpipe/pipeline/units.py", "SegmentUnit.body")) == "attention"
+    assert (
+        ins("custom-call", kernel, ("/x/seqpipe/pipeline/units.py", "SegmentUnit.body"))
+        == "attention"
+    )
     assert ins("dot", xent, ("/x/seqpipe/pipeline/units.py", "SegmentUnit.head")) == "cross-entropy"
     assert ins("fusion", ("/site/optax/_src/transform.py", "update_fn")) == "optimizer"
     assert ins("dynamic-update-slice", pipe) == "pipeline buffers / grad accumulation"

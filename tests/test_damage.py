@@ -88,7 +88,7 @@ def test_no_restorable_checkpoint_is_one_line_and_a_cut_save_is_cleaned(trained,
 
 PENDING_READS = """
 import sys
-from seqpipe import checkpoint
+from seqpipe.train import checkpoint
 
 class Pending:
     def __await__(self):
@@ -122,7 +122,8 @@ def test_reads_a_failed_restore_leaves_pending_print_nothing(name, dropped):
 
 FAILED_TASK = """
 import asyncio, gc, sys
-from seqpipe import checkpoint, logs
+from seqpipe.host import logs
+from seqpipe.train import checkpoint
 
 capture = logs.Capture()  # as a run routes third-party logs: warnings up on the console
 checkpoint._drop_failed_reads()

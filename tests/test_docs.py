@@ -375,6 +375,50 @@ def test_the_readme_is_short():
     assert len((ROOT / "README.md").read_text()) <= 12_000
 
 
+def _demo_block(text: str) -> tuple[str, dict[int, dict[str, str]]]:
+    """The README's demo: the Python its figures were measured with ("3.13"), and the
+    printed fields of each step line it shows ({step: {"loss": "7.6468", ...}})."""
+    intro, block = text.split("It prints (", 1)[1].split("```text\n", 1)
+    python = re.search(r"Python\s+(\d+\.\d+)", intro).group(1)
+    return python, _step_fields(block.split("```", 1)[0])
+
+
+def _step_fields(output: str) -> dict[int, dict[str, str]]:
+    steps = {}
+    for line in output.splitlines():
+        if m := re.match(r"step\s+(\d+)/\d+\s+(.*)", line):
+            steps[int(m.group(1))] = dict(re.findall(r"(loss|eval_loss) (\S+)", m.group(2)))
+    return steps
+
+
+@pytest.mark.slow
+def test_the_readme_demo_shows_what_make_train_prints(tmp_path):
+    """`make train`'s command on the default install prints the README's first and last
+    losses to the digit (the corpus is the running Python's standard library, so another
+    Python gives other figures, as the README says)."""
+    python, shown = _demo_block((ROOT / "README.md").read_text())
+    here = f"{sys.version_info.major}.{sys.version_info.minor}"
+    if here != python:
+        pytest.skip(f"the README's figures are Python {python}'s; this is Python {here}")
+    proc = subprocess.run(
+        [sys.executable, "train.py", "--config", "configs/tiny.py", "--workdir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    printed = _step_fields(proc.stdout)
+    first, last = min(shown), max(shown)
+    assert (printed[first], printed[last]) == (shown[first], shown[last])
+
+
+def test_the_demo_check_reads_the_readme_block():
+    python, shown = _demo_block((ROOT / "README.md").read_text())
+    assert re.fullmatch(r"3\.\d+", python)
+    assert set(shown[1]) == {"loss"} and set(shown[max(shown)]) == {"loss", "eval_loss"}
+
+
 @pytest.mark.parametrize("page", _pages())
 def test_links_and_anchors_resolve(page):
     assert check_links(page, page.read_text()) == []

@@ -1,5 +1,5 @@
-"""Packed documents (`seqpipe.models.document_mask`): the document mask in `xla` and `blockwise`, RoPE at
-the rows' positions, the counted-target loss, and every schedule on packed rows against
+"""Packed documents (`seqpipe.models.document_mask`): the document mask in `xla` and `blockwise`,
+RoPE at the rows' positions, the counted-target loss, and every schedule on packed rows against
 the un-pipelined reference.
 
 The oracles: a dense softmax with the explicit block-diagonal causal mask written here
@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import run_of
+from helpers import max_relative_error, run_of
 from packed_rows import layouts, on_device, packed_batch
 from pairwise import all_pairs, full_product
 from test_attention import _in_cache
@@ -28,10 +28,11 @@ from seqpipe.kernels import attention, blockwise
 from seqpipe.models import document_mask, model, reference
 from seqpipe.parallel import sharding
 from seqpipe.pipeline import executor
-from seqpipe.tools.verify import GRAD_RTOL, LOSS_RTOL, canonical_loss_and_grads, max_relative_error
+from seqpipe.tools.verify import canonical_loss_and_grads
 
 NAMES = ("out", "dq", "dk_prefix", "dv_prefix", "dk_own", "dv_own")
 TOL = 1e-5
+LOSS_RTOL = GRAD_RTOL = 1e-5  # the pipeline against the float32 reference (test_pipeline's)
 
 
 # ------------------------------------------------------------------ attention
@@ -323,7 +324,8 @@ def check_packed(config, arch="gpt"):
     batch = packed_batch(config.train.global_batch_size, SEQ_LEN, spec.cfg.vocab_size)
     oracle = dataclasses.replace(spec.cfg, attention="xla")
     ref = jax.jit(reference.loss_and_grads, static_argnums=2)
-    ref_loss, ref_grads = ref(params, {k: jnp.asarray(v) for k, v in batch.items()}, oracle)
+    host = {k: jnp.asarray(v) for k, v in batch.items()}
+    ref_loss, ref_grads = ref(params, host, oracle)
     rows = on_device(batch, sharding.batch_sharding(mesh))
     step = jax.jit(lambda p, b: canonical_loss_and_grads(p, b, spec, mesh))
     loss, grads = step(params, rows)

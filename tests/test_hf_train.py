@@ -29,7 +29,7 @@ SPEC = f"hf:{GQA}"
 def corpus(tmp_path) -> Path:
     """Real text: seqpipe's own model source."""
     path = tmp_path / "corpus.txt"
-    path.write_text((REPO / "seqpipe" / "model.py").read_text())
+    path.write_text((REPO / "seqpipe" / "models" / "model.py").read_text())
     return path
 
 

@@ -108,7 +108,9 @@ def test_the_reference_is_causal_attention_when_every_row_is_one_document():
     )
 
 
-pallas_gpu = functools.partial(pallas_gpu.pallas_gpu_attention, blocks=TINY_TILES, interpret=True)
+tiny_pallas_gpu = functools.partial(
+    pallas_gpu.pallas_gpu_attention, blocks=TINY_TILES, interpret=True
+)
 
 
 def in_cache(kp, vp):
@@ -129,7 +131,7 @@ def cached_pallas_gpu(q, kp, vp, ks, vs, documents):
 
 
 def test_pallas_gpu_with_documents_matches_the_masked_reference():
-    check_segments(pallas_gpu, (5, 7))
+    check_segments(tiny_pallas_gpu, (5, 7))
 
 
 def test_pallas_gpu_reading_the_kv_cache_with_documents():
@@ -138,7 +140,7 @@ def test_pallas_gpu_reading_the_kv_cache_with_documents():
 
 @pytest.mark.parametrize("kv", [1, 2])
 def test_grouped_pallas_gpu_with_documents(kv):
-    check_segments(pallas_gpu, (5, 7), h=4, kv=kv)
+    check_segments(tiny_pallas_gpu, (5, 7), h=4, kv=kv)
     check_segments(cached_pallas_gpu, (5, 7), first=1, h=4, kv=kv)
 
 
@@ -170,7 +172,7 @@ def test_pallas_gpu_never_reads_key_blocks_before_a_segments_documents():
     own = slice(8, 16)
     clean = (q[:, own], k[:, :8], v[:, :8], k[:, own], v[:, own])
     want = out_and_grads(reference, clean, g[:, own], documents)
-    for fn in (pallas_gpu, cached_pallas_gpu):
+    for fn in (tiny_pallas_gpu, cached_pallas_gpu):
         args = (q[:, own], k_nan[:, :8], v_nan[:, :8], k[:, own], v[:, own])
         got = jax.jit(out_and_grads, static_argnums=0)(fn, args, g[:, own], documents)
         for name, x, y in zip(NAMES, got, want, strict=True):
@@ -190,7 +192,7 @@ def test_pallas_gpu_dkv_never_reads_query_blocks_of_later_documents():
     documents = (ids[:, own], ids)
     want = out_and_grads(reference, args, g[:, own], documents)
     g_nan = g[:, own].at[:, 4:].set(jnp.nan)
-    got = jax.jit(out_and_grads, static_argnums=0)(pallas_gpu, args, g_nan, documents)
+    got = jax.jit(out_and_grads, static_argnums=0)(tiny_pallas_gpu, args, g_nan, documents)
     for name, x, y in (
         ("dq", got[1][:, :4], want[1][:, :4]),
         ("dk_prefix", got[2], want[2]),
@@ -278,7 +280,7 @@ def test_pallas_gpu_with_documents_lowers_to_verified_triton_modules(monkeypatch
 # prefix and 1024 queries, the vjp (forward and backward kernels).
 COMPILE = """
 import functools, json, re, sys
-from seqpipe import gpu_topology, topology
+from seqpipe.targets import gpu_topology, topology
 target = sys.argv[1]
 if target == "h100":
     system = gpu_topology.parse("h100")
@@ -289,7 +291,7 @@ else:
     topology.prepare_env(system)
     devices = topology.devices(system)
 import jax, jax.numpy as jnp
-from seqpipe import pallas_gpu, splash
+from seqpipe.kernels import pallas_gpu, splash
 on = jax.sharding.SingleDeviceSharding(devices[0])
 def shape(dims, dtype=jnp.bfloat16):
     return jax.ShapeDtypeStruct(dims, dtype, sharding=on)
@@ -436,7 +438,7 @@ def test_pallas_gpu_with_documents_in_bfloat16():
     args = (q[:, own], k[:, :5], v[:, :5], k[:, own], v[:, own])
     documents = (ids[:, own], ids)
     run = jax.jit(out_and_grads, static_argnums=0)
-    got = run(pallas_gpu, args, g[:, own], documents)
+    got = run(tiny_pallas_gpu, args, g[:, own], documents)
     f32 = [x.astype(jnp.float32) for x in (*args, g[:, own])]
     want = out_and_grads(reference, f32[:5], f32[5], documents)
     cached = run(cached_pallas_gpu, args, g[:, own], documents)

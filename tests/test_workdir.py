@@ -35,7 +35,7 @@ def test_a_second_run_on_a_workdir_in_use_is_refused_and_a_killed_owner_blocks_n
         [
             sys.executable,
             "-c",
-            "import sys, time; from seqpipe import workdir; "
+            "import sys, time; from seqpipe.host import workdir; "
             f"lock = workdir.Lock({str(workdir)!r}); lock.record_owner(); "
             "print('held', flush=True); "
             "time.sleep(300)",

@@ -268,8 +268,9 @@ def _model_keys(cfg: GPTConfig) -> dict:
     return keys
 
 
-def _tensors(cfg: GPTConfig, params: model.Params, dtype: str):
-    """(HF name, array) of every tensor, layer by layer, in `dtype`."""
+def tensors(cfg: GPTConfig, params: model.Params, dtype: str):
+    """(HF name, array) of every tensor, layer by layer, in `dtype`: of the parameters, or
+    of anything shaped as them (their gradients)."""
     layout = _layout(dataclasses.replace(cfg, tensor=1))
     for keys, (t, _, layers) in layout.items():
         x = params
@@ -296,7 +297,7 @@ def save(
     out.mkdir(parents=True, exist_ok=True)
     config = hf_config(_model_keys(cfg), dtype, base, context)
     shards, current, size = [], {}, 0
-    for name, array in _tensors(cfg, params, dtype):
+    for name, array in tensors(cfg, params, dtype):
         if current and size + array.nbytes > SHARD_BYTES:
             shards.append(current)
             current, size = {}, 0

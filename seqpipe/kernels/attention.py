@@ -46,18 +46,24 @@ def rope(
     if positions_BxQ is not None:
         return _rope_at(x_BxQxHxE, positions_BxQ, offset + q_len, base, scaling)
     pos = np.arange(q_len, dtype=np.int64) + offset
-    cos, sin = (t[None, :, None, :] for t in rope_tables(pos, head_dim, base, scaling))
+    tables = rope_tables(pos, head_dim, base, scaling, _rotation_dtype(x_BxQxHxE.dtype))
+    cos, sin = (t[None, :, None, :] for t in tables)
     return _rotate(x_BxQxHxE, cos, sin)
 
 
+def _rotation_dtype(dtype) -> np.dtype:
+    """RoPE's angles and rotation: float32, float64 for a float64 model."""
+    return np.dtype(jnp.promote_types(dtype, jnp.float32))
+
+
 def _rotate(x, cos, sin):
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    x1, x2 = jnp.split(x.astype(_rotation_dtype(x.dtype)), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)
 
 
-def _angles_at(positions_BxQ, table_len: int, head_dim: int, base, scaling):
+def _angles_at(positions_BxQ, table_len: int, head_dim: int, base, scaling, dtype):
     """(cos, sin) [b, Q, 1, E/2] gathered at the positions from the static tables."""
-    tables = rope_tables(np.arange(table_len), head_dim, base, scaling)
+    tables = rope_tables(np.arange(table_len), head_dim, base, scaling, _rotation_dtype(dtype))
     at = jnp.clip(positions_BxQ, 0, table_len - 1)
     return tuple(jnp.asarray(t)[at][:, :, None, :] for t in tables)
 
@@ -66,7 +72,7 @@ def _angles_at(positions_BxQ, table_len: int, head_dim: int, base, scaling):
 def _rope_at(x, positions_BxQ, table_len: int, base: float, scaling: RopeScaling):
     """`rope` at run-time positions. Its backward (the rotation by minus the angles) keeps
     the positions alone, not the gathered cos and sin."""
-    cos, sin = _angles_at(positions_BxQ, table_len, x.shape[-1], base, scaling)
+    cos, sin = _angles_at(positions_BxQ, table_len, x.shape[-1], base, scaling, x.dtype)
     return _rotate(x, cos, sin)
 
 
@@ -75,7 +81,7 @@ def _rope_at_fwd(x, positions_BxQ, table_len, base, scaling):
 
 
 def _rope_at_bwd(table_len, base, scaling, positions_BxQ, d_out):
-    cos, sin = _angles_at(positions_BxQ, table_len, d_out.shape[-1], base, scaling)
+    cos, sin = _angles_at(positions_BxQ, table_len, d_out.shape[-1], base, scaling, d_out.dtype)
     return _rotate(d_out, cos, -sin), None
 
 
@@ -91,6 +97,8 @@ IMPLEMENTATIONS = ("auto", "xla", "blockwise", "splash", "pallas_gpu")
 # fit (`seqpipe.run.attention_auto`).
 AUTO = {"tpu": "splash", "gpu": "blockwise", "cuda": "blockwise", "rocm": "blockwise"}
 AUTO_DEFAULT = "blockwise"
+# The Pallas kernels and the platforms they compile for.
+KERNEL_PLATFORMS = {"splash": ("tpu",), "pallas_gpu": ("gpu", "cuda")}
 
 
 def resolve(name: str, platform: str | None = None) -> str:
@@ -127,7 +135,8 @@ def attend(
     documents: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
     """Segment attention (the contract of `segment_attention`) by implementation `name`;
-    `documents` (q ids [b, Q], kv ids [b, P + Q]; `seqpipe.models.document_mask`): the document mask."""
+    `documents` (q ids [b, Q], kv ids [b, P + Q]; `seqpipe.models.document_mask`): the document
+    mask."""
     args = (q_BxQxHxE, k_prefix_BxPxHxE, v_prefix_BxPxHxE, k_seg_BxQxHxE, v_seg_BxQxHxE)
     _check(*args[:4])
     _check_documents(documents, q_BxQxHxE.shape[1], k_prefix_BxPxHxE.shape[1])
@@ -224,10 +233,10 @@ def _probs(q, k_prefix, k_seg, documents=None):
     empty prefix needs no special case. `documents` (q ids, kv ids) also masks every key
     of another document (`document_mask.mask`); the diagonal stays unmasked.
     """
-    scale = q.shape[-1] ** -0.5
+    scale, f32 = q.shape[-1] ** -0.5, jnp.promote_types(q.dtype, jnp.float32)
 
     def scores(k):
-        s = jnp.einsum("bqhge,bkhe->bhgqk", q, k, preferred_element_type=jnp.float32)
+        s = jnp.einsum("bqhge,bkhe->bhgqk", q, k, preferred_element_type=f32)
         return s * scale
 
     q_len = q.shape[1]
@@ -298,7 +307,7 @@ def _attention_bwd(residuals, d_out):
     """The softmax backward per block: dS = P * (dP - rowsum(P * dP)) * scale; each K/V
     head's cotangent sums over the query heads of its group."""
     q, k_prefix, v_prefix, k_seg, v_seg, p_prefix, p_seg, documents = residuals
-    f32, scale = jnp.float32, q.shape[-1] ** -0.5
+    f32, scale = jnp.promote_types(q.dtype, jnp.float32), q.shape[-1] ** -0.5
     q, d_out = grouped(q, k_seg.shape[2]), grouped(d_out, k_seg.shape[2])
 
     def d_probs(v):

@@ -18,8 +18,8 @@ query heads each) and every block product runs per K/V head over its group, so K
 never repeated; dK and dV sum over the group inside the products.
 
 Packed documents (`documents`: q ids [b, Q], kv ids [b, P + Q], never decreasing along a
-row; `seqpipe.models.document_mask`): a query also sees only its own document's keys. Key blocks wholly
-before the first key any row of a query block sees (its first query's document start,
+row; `seqpipe.models.document_mask`): a query also sees only its own document's keys. Key blocks
+wholly before the first key any row of a query block sees (its first query's document start,
 the earliest of the block's rows) are not visited: the loops start past them (run-time
 bounds), forward and backward, so a segment whose queries all start new documents reads
 no prefix block at all. Within the blocks visited the ids mask the scores.

@@ -101,12 +101,13 @@ def attention_factor(scaling: RopeScaling) -> float:
 
 
 def tables(
-    positions: np.ndarray, head_dim: int, base: float, scaling: RopeScaling
+    positions: np.ndarray, head_dim: int, base: float, scaling: RopeScaling, dtype=np.float32
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(cos, sin) [len(positions), head_dim / 2] float32 at the given absolute positions."""
+    """(cos, sin) [len(positions), head_dim / 2] at the given absolute positions, computed
+    in float64 and given in `dtype` (float32; float64 for a float64 model)."""
     angle = positions.astype(np.float64)[:, None] * inverse_frequencies(head_dim, base, scaling)
     mscale = attention_factor(scaling)
     return (
-        (np.cos(angle) * mscale).astype(np.float32),
-        (np.sin(angle) * mscale).astype(np.float32),
+        (np.cos(angle) * mscale).astype(dtype),
+        (np.sin(angle) * mscale).astype(dtype),
     )

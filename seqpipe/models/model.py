@@ -172,6 +172,12 @@ def num_params(params: Params) -> int:
     return sum(x.size for x in jax.tree.leaves(params))
 
 
+def accumulation(dtype) -> jnp.dtype:
+    """The dtype norms, logits and the loss are computed in: float32 for float32 and
+    narrower models, float64 for a float64 one (`tools.verify`'s exact reference)."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float = 1e-6) -> jax.Array:
     """x / rms(x) * weight, computed in float32 (rms with `eps` added to the mean square).
@@ -182,17 +188,19 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float = 1e-6) -> jax.Array:
 
 
 def _rms_norm_fwd(x, weight, eps):
-    x32 = x.astype(jnp.float32)
+    f = accumulation(x.dtype)
+    x32 = x.astype(f)
     r = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (x32 * r * weight.astype(jnp.float32)).astype(x.dtype), (x, r, weight)
+    return (x32 * r * weight.astype(f)).astype(x.dtype), (x, r, weight)
 
 
 def _rms_norm_bwd(eps, saved, dy):
     x, r, weight = saved
-    n = x.astype(jnp.float32) * r  # the normalised x
-    dn = dy.astype(jnp.float32) * weight.astype(jnp.float32)
+    f = accumulation(x.dtype)
+    n = x.astype(f) * r  # the normalised x
+    dn = dy.astype(f) * weight.astype(f)
     dx = r * (dn - n * jnp.mean(dn * n, axis=-1, keepdims=True))
-    dw = jnp.sum(dy.astype(jnp.float32) * n, axis=tuple(range(x.ndim - 1)))
+    dw = jnp.sum(dy.astype(f) * n, axis=tuple(range(x.ndim - 1)))
     return dx.astype(x.dtype), dw.astype(weight.dtype)
 
 
@@ -490,7 +498,7 @@ def head_weight(params: Params, cfg: GPTConfig) -> jax.Array:
 def logits(params: Params, x_BxQxD: jax.Array, cfg: GPTConfig) -> jax.Array:
     h = rms_norm(x_BxQxD, params["final_norm"].astype(cfg.dtype), cfg.norm_eps)
     w = head_weight(params, cfg).astype(cfg.dtype)
-    return jnp.einsum("bqd,dv->bqv", h, w, preferred_element_type=jnp.float32)
+    return jnp.einsum("bqd,dv->bqv", h, w, preferred_element_type=accumulation(cfg.dtype))
 
 
 def token_loss_sum(logits_BxQxV: jax.Array, targets_BxQ: jax.Array) -> jax.Array:
@@ -514,7 +522,7 @@ def head_loss_sum(
     h_BxQxD = rms_norm(x_BxQxD, params["final_norm"].astype(cfg.dtype), cfg.norm_eps)
     h_BxQxD = tensor.gather(h_BxQxD, cfg.tensor)
     w_DxV = head_weight(params, cfg)
-    weights = None if counted_BxQ is None else counted_BxQ.astype(jnp.float32)
+    weights = None if counted_BxQ is None else counted_BxQ.astype(accumulation(cfg.dtype))
     args = (h_BxQxD, w_DxV, targets_BxQ, cfg.dtype, cfg.loss_chunk, cfg.tensor)
     return chunked_xent(*args) if weights is None else chunked_xent(*args, weights)
 
@@ -549,9 +557,8 @@ def _chunk_xent(h_TxD, w_DxV, targets_T, mask_T, dtype, grads: bool, t: int = 1)
     """(summed loss, and with `grads` dh [T, D] and dw [D, V] float32) of one chunk. With
     t tensor devices w and the logits are this device's V/t columns of the vocabulary,
     dh is this device's share of the gradient (`tensor.gather`'s transpose sums them)."""
-    logits_TxV = jnp.einsum(
-        "td,dv->tv", h_TxD, w_DxV.astype(dtype), preferred_element_type=jnp.float32
-    )
+    f = accumulation(dtype)
+    logits_TxV = jnp.einsum("td,dv->tv", h_TxD, w_DxV.astype(dtype), preferred_element_type=f)
     logz_T = _logsumexp(logits_TxV, t)
     columns = logits_TxV.shape[-1]
     local_T = targets_T - tensor.index(t) * columns  # the target's column here, if here
@@ -563,13 +570,13 @@ def _chunk_xent(h_TxD, w_DxV, targets_T, mask_T, dtype, grads: bool, t: int = 1)
     if not grads:
         return loss
     # d loss / d logits = softmax - one_hot(target), in the compute dtype for the matmuls.
-    onehot = jax.nn.one_hot(local_T, columns, dtype=jnp.float32)  # zeros where not here
+    onehot = jax.nn.one_hot(local_T, columns, dtype=f)  # zeros where not here
     d_TxV = jnp.exp(logits_TxV - logz_T[:, None]) - onehot
     if mask_T is not None:
         d_TxV = d_TxV * mask_T[:, None]
     d_TxV = d_TxV.astype(dtype)
-    dh = jnp.einsum("tv,dv->td", d_TxV, w_DxV.astype(dtype), preferred_element_type=jnp.float32)
-    dw = jnp.einsum("td,tv->dv", h_TxD, d_TxV, preferred_element_type=jnp.float32)
+    dh = jnp.einsum("tv,dv->td", d_TxV, w_DxV.astype(dtype), preferred_element_type=f)
+    dw = jnp.einsum("td,tv->dv", h_TxD, d_TxV, preferred_element_type=f)
     return loss, dh.astype(h_TxD.dtype), dw
 
 
@@ -588,8 +595,9 @@ def _xent_scan(h_BxQxD, w_DxV, targets_BxQ, dtype, chunk, grads: bool, t: int = 
         loss, dw = carry
         return (loss + out[0], dw + out[2]), out[1]
 
-    zero = jnp.zeros((), jnp.float32)
-    init = zero if not grads else (zero, jnp.zeros(w_DxV.shape, jnp.float32))
+    f = accumulation(dtype)
+    zero = jnp.zeros((), f)
+    init = zero if not grads else (zero, jnp.zeros(w_DxV.shape, f))
     carry, dh_CxTxD = jax.lax.scan(body, init, (h_CxTxD, targets_CxT, mask_CxT))
     return carry if not grads else (carry[0], dh_CxTxD, carry[1])
 
@@ -636,8 +644,8 @@ def hidden(
     positions: jax.Array | None = None,
 ) -> jax.Array:
     """The last layer's outputs [B, L, D]; with `segment_lengths`, segment by segment.
-    `document_ids` [B, L] (packed rows, 0 padding; `seqpipe.models.document_mask`): each token attends
-    only within its document; `positions` [B, L]: where RoPE puts each token (default: its
+    `document_ids` [B, L] (packed rows, 0 padding; `seqpipe.models.document_mask`): each token
+    attends only within its document; `positions` [B, L]: where RoPE puts each token (default: its
     index in the row)."""
     batch, seq_len = tokens_BxL.shape
     segment_lengths = segment_lengths or (seq_len,)

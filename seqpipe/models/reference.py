@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from seqpipe.kernels.attention import KERNEL_PLATFORMS
 from seqpipe.models import document_mask, model
 from seqpipe.models.model import GPTConfig, Params
 from seqpipe.parallel.sharding import DATA
@@ -58,3 +59,10 @@ def per_shard(fn, mesh: jax.sharding.Mesh):
 
     # The gradients are taken inside, per device: no implicit cast may add a psum to them.
     return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(DATA)), out_specs=P(), check_vma=False)
+
+
+def unpipelined(fn, cfg: GPTConfig, mesh: jax.sharding.Mesh):
+    """`fn(params, tokens)` of the model without a pipeline: XLA partitions it over the
+    mesh, unless its attention is a Pallas kernel, which XLA cannot partition; then each
+    data shard runs whole on its devices (`per_shard`)."""
+    return per_shard(fn, mesh) if cfg.attention in KERNEL_PLATFORMS else fn

@@ -69,8 +69,8 @@ def in_optimizer(path) -> bool:
 
 def tensor_split_dim(path, shape: Sequence[int], tensor: int = 1) -> int | None:
     """The dimension of a parameter-shaped leaf (of the whole parameter's `shape`) that
-    `tensor` splits (`seqpipe.parallel.tensor.param_dim`, found by the leaf's name), or None: norm gains,
-    scalars, and K/V projections with fewer heads than `tensor` (held whole)."""
+    `tensor` splits (`seqpipe.parallel.tensor.param_dim`, found by the leaf's name), or None: norm
+    gains, scalars, and K/V projections with fewer heads than `tensor` (held whole)."""
     keys = [getattr(k, "key", None) for k in path]
     name = keys[-1] if keys and isinstance(keys[-1], str) else None
     dim = tensor_lib.DIMS.get(name) if name else None

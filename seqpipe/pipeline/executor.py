@@ -95,8 +95,8 @@ class StageInputs:
     shared: Params  # embedding, final norm, head
     tokens_MxbxL1: jax.Array  # the replica's micro-batches, with the next-token targets
     stage: jax.Array  # this device's stage index
-    # Packed rows (`seqpipe.models.document_mask`): the micro-batches' document ids and positions, and
-    # 1 / the global batch's count of counted targets (the loss's scale); else None.
+    # Packed rows (`seqpipe.models.document_mask`): the micro-batches' document ids and positions,
+    # and 1 / the global batch's count of counted targets (the loss's scale); else None.
     documents_MxbxL1: jax.Array | None = None
     positions_MxbxL1: jax.Array | None = None
     scale: jax.Array | None = None

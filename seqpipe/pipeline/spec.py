@@ -19,7 +19,9 @@ class PipelineSpec:
     schedule: schedule.Schedule
     program: schedule.Program
     lengths: tuple[int, ...]  # segment lengths, summing to the sequence length
-    remat: str = "full"  # a key of `seqpipe.pipeline.remat.POLICIES`: what a forward keeps for its backward
+    remat: str = (
+        "full"  # a key of `seqpipe.pipeline.remat.POLICIES`: what a forward keeps for its backward
+    )
     # Layers of each global chunk (chunk c * stages + r is stage r's c-th); () = even.
     layers_per_chunk: tuple[int, ...] = ()
     # Packed rows (`seqpipe.models.document_mask`): the attention masks by the rows' document ids

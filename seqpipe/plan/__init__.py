@@ -6,5 +6,6 @@ machine before renting it (`python -m seqpipe.plan`).
 `bounds` says how far the memory estimate is trusted, `confirm` compiles the best few for
 the target (with the trainer's `compile_config`, passed in), `render` prints, `plan` runs
 the steps and `__main__` parses the command line and sets the slice's environment before
-jax loads. docs/planner.md says what each figure rests on.
+jax loads. docs/planner.md says what each figure rests on. On top of the picture, beside
+`tools`: the trainer never imports it.
 """

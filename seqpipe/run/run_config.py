@@ -18,14 +18,12 @@ from collections.abc import Callable
 
 from ml_collections import ConfigDict
 
+from seqpipe.kernels.attention import KERNEL_PLATFORMS
 from seqpipe.models.model import GPTConfig
 from seqpipe.parallel import layout
 from seqpipe.pipeline import spec as spec_lib
 from seqpipe.run import attention_auto, remat_auto
 from seqpipe.run import config as config_lib
-
-# The Pallas kernels and the platforms they compile for.
-KERNEL_PLATFORMS = {"splash": ("tpu",), "pallas_gpu": ("gpu", "cuda")}
 
 
 @dataclasses.dataclass(frozen=True)

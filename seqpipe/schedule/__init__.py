@@ -3,7 +3,9 @@
 `tables` generates and validates, `lowering` turns a table into slot indices and
 `statistics` measures it: this package's names. `render` draws a table (text, JSON, PNG)
 and `cli` is `python -m seqpipe.schedule`; both are imported by name
-(`seqpipe.schedule.render`), as nothing that runs a schedule needs them.
+(`seqpipe.schedule.render`), as nothing that runs a schedule needs them. `partition` cuts
+the work the tables order: segments along the sequence, layers across stages. Below
+`parallel` and the pipeline, above `host` only (the command writes files whole).
 
 A schedule is a static table: for every synchronous tick and every stage, a cell of at
 most one operation of each kind: F (forward), B (backward) and W (the weight-gradient

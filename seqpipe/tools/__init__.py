@@ -1,1 +1,3 @@
-"""Analysis tools: FLOPs, memory, benchmarks, the oracle check. The trainer never imports them."""
+"""Analysis tools: FLOPs, memory, benchmarks, predictions, the oracle check, the device
+plan's report. On top of the picture: they import the trainer's parts, and the trainer
+never imports them; `plan` imports `step_cost` from here."""

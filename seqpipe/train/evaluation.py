@@ -9,7 +9,6 @@ from seqpipe.models import reference
 from seqpipe.pipeline import executor
 from seqpipe.pipeline import spec as spec_lib
 from seqpipe.run.run_config import RunConfig
-from seqpipe.train.step import unpipelined
 
 
 def make_eval_fn(run: RunConfig, mesh: jax.sharding.Mesh) -> Callable:
@@ -18,7 +17,9 @@ def make_eval_fn(run: RunConfig, mesh: jax.sharding.Mesh) -> Callable:
     if not run.pipelined:
         cfg = run.model
         return jax.jit(
-            unpipelined(lambda params, batch: reference.batch_loss(params, batch, cfg), cfg, mesh)
+            reference.unpipelined(
+                lambda params, batch: reference.batch_loss(params, batch, cfg), cfg, mesh
+            )
         )
     spec = spec_lib.forward_only(run.spec)
     return jax.jit(lambda params, tokens: executor.eval_loss(params, tokens, spec, mesh))

@@ -12,18 +12,11 @@ from seqpipe.hf import weights
 from seqpipe.models import model, reference
 from seqpipe.parallel import layout, sharding
 from seqpipe.pipeline import executor, remat
-from seqpipe.run.run_config import KERNEL_PLATFORMS, RunConfig
+from seqpipe.run.run_config import RunConfig
 from seqpipe.train import checkpoint, optim
 
 State = dict[str, Any]
 GradFn = Callable[[model.Params, jax.Array], tuple[jax.Array, model.Params]]
-
-
-def unpipelined(fn, cfg: model.GPTConfig, mesh: jax.sharding.Mesh):
-    """`fn(params, tokens)` of the model without a pipeline: XLA partitions it over the
-    mesh, unless its attention is a Pallas kernel, which XLA cannot partition; then each
-    data shard runs whole on its devices (`reference.per_shard`)."""
-    return reference.per_shard(fn, mesh) if cfg.attention in KERNEL_PLATFORMS else fn
 
 
 def make_grad_fn(run: RunConfig, mesh: jax.sharding.Mesh) -> GradFn:
@@ -31,7 +24,7 @@ def make_grad_fn(run: RunConfig, mesh: jax.sharding.Mesh) -> GradFn:
     if not run.pipelined:
         cfg, checkpoint = run.model, remat.POLICIES[run.remat].reference
         grad_fn = lambda params, tokens: reference.loss_and_grads(params, tokens, cfg, checkpoint)
-        return unpipelined(grad_fn, cfg, mesh)
+        return reference.unpipelined(grad_fn, cfg, mesh)
     spec, scatter = run.spec, run.shard_optimizer
     return lambda params, tokens: executor.loss_and_grads(params, tokens, spec, mesh, scatter)
 
