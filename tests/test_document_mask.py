@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import max_relative_error, run_of
+from helpers import GRAD_RTOL, LOSS_RTOL, max_relative_error, run_of
 from packed_rows import layouts, on_device, packed_batch
 from pairwise import all_pairs, full_product
 from test_attention import _in_cache
@@ -32,7 +32,6 @@ from seqpipe.tools.verify import canonical_loss_and_grads
 
 NAMES = ("out", "dq", "dk_prefix", "dv_prefix", "dk_own", "dv_own")
 TOL = 1e-5
-LOSS_RTOL = GRAD_RTOL = 1e-5  # the pipeline against the float32 reference (test_pipeline's)
 
 
 # ------------------------------------------------------------------ attention
@@ -324,8 +323,7 @@ def check_packed(config, arch="gpt"):
     batch = packed_batch(config.train.global_batch_size, SEQ_LEN, spec.cfg.vocab_size)
     oracle = dataclasses.replace(spec.cfg, attention="xla")
     ref = jax.jit(reference.loss_and_grads, static_argnums=2)
-    host = {k: jnp.asarray(v) for k, v in batch.items()}
-    ref_loss, ref_grads = ref(params, host, oracle)
+    ref_loss, ref_grads = ref(params, {k: jnp.asarray(v) for k, v in batch.items()}, oracle)
     rows = on_device(batch, sharding.batch_sharding(mesh))
     step = jax.jit(lambda p, b: canonical_loss_and_grads(p, b, spec, mesh))
     loss, grads = step(params, rows)

@@ -7,13 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import max_relative_error
+from helpers import GRAD_RTOL, max_relative_error
 
 from seqpipe.kernels.attention import segment_attention
 from seqpipe.models import model
 from seqpipe.models.model import GPTConfig
 
-GRAD_RTOL = 1e-5  # one computation in two forms, float32: relative to each leaf's largest
 CFG = GPTConfig(vocab_size=97, num_layers=3, d_model=32, num_heads=4, d_ff=48)
 SEQ = 24
 

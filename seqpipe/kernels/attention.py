@@ -46,24 +46,26 @@ def rope(
     if positions_BxQ is not None:
         return _rope_at(x_BxQxHxE, positions_BxQ, offset + q_len, base, scaling)
     pos = np.arange(q_len, dtype=np.int64) + offset
-    tables = rope_tables(pos, head_dim, base, scaling, _rotation_dtype(x_BxQxHxE.dtype))
+    tables = rope_tables(pos, head_dim, base, scaling, accumulation(x_BxQxHxE.dtype))
     cos, sin = (t[None, :, None, :] for t in tables)
     return _rotate(x_BxQxHxE, cos, sin)
 
 
-def _rotation_dtype(dtype) -> np.dtype:
-    """RoPE's angles and rotation: float32, float64 for a float64 model."""
+def accumulation(dtype) -> np.dtype:
+    """The dtype RoPE, softmax, norms, logits and the loss are computed in: float32 for
+    float32 and narrower models, float64 for a float64 one (the exact reference
+    `seqpipe.models.noise` measures against)."""
     return np.dtype(jnp.promote_types(dtype, jnp.float32))
 
 
 def _rotate(x, cos, sin):
-    x1, x2 = jnp.split(x.astype(_rotation_dtype(x.dtype)), 2, axis=-1)
+    x1, x2 = jnp.split(x.astype(accumulation(x.dtype)), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)
 
 
 def _angles_at(positions_BxQ, table_len: int, head_dim: int, base, scaling, dtype):
     """(cos, sin) [b, Q, 1, E/2] gathered at the positions from the static tables."""
-    tables = rope_tables(np.arange(table_len), head_dim, base, scaling, _rotation_dtype(dtype))
+    tables = rope_tables(np.arange(table_len), head_dim, base, scaling, accumulation(dtype))
     at = jnp.clip(positions_BxQ, 0, table_len - 1)
     return tuple(jnp.asarray(t)[at][:, :, None, :] for t in tables)
 
@@ -233,7 +235,7 @@ def _probs(q, k_prefix, k_seg, documents=None):
     empty prefix needs no special case. `documents` (q ids, kv ids) also masks every key
     of another document (`document_mask.mask`); the diagonal stays unmasked.
     """
-    scale, f32 = q.shape[-1] ** -0.5, jnp.promote_types(q.dtype, jnp.float32)
+    scale, f32 = q.shape[-1] ** -0.5, accumulation(q.dtype)
 
     def scores(k):
         s = jnp.einsum("bqhge,bkhe->bhgqk", q, k, preferred_element_type=f32)
@@ -307,7 +309,7 @@ def _attention_bwd(residuals, d_out):
     """The softmax backward per block: dS = P * (dP - rowsum(P * dP)) * scale; each K/V
     head's cotangent sums over the query heads of its group."""
     q, k_prefix, v_prefix, k_seg, v_seg, p_prefix, p_seg, documents = residuals
-    f32, scale = jnp.promote_types(q.dtype, jnp.float32), q.shape[-1] ** -0.5
+    f32, scale = accumulation(q.dtype), q.shape[-1] ** -0.5
     q, d_out = grouped(q, k_seg.shape[2]), grouped(d_out, k_seg.shape[2])
 
     def d_probs(v):

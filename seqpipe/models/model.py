@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from seqpipe.kernels import attention_residuals
-from seqpipe.kernels.attention import attend, attend_cached, rope
+from seqpipe.kernels.attention import accumulation, attend, attend_cached, rope
 from seqpipe.kernels.rope import NO_SCALING, RopeScaling
 from seqpipe.models import document_mask
 from seqpipe.models.document_mask import Packing
@@ -170,12 +170,6 @@ def param_shapes(cfg: GPTConfig) -> Params:
 
 def num_params(params: Params) -> int:
     return sum(x.size for x in jax.tree.leaves(params))
-
-
-def accumulation(dtype) -> jnp.dtype:
-    """The dtype norms, logits and the loss are computed in: float32 for float32 and
-    narrower models, float64 for a float64 one (`tools.verify`'s exact reference)."""
-    return jnp.promote_types(dtype, jnp.float32)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
