@@ -228,6 +228,9 @@ def _plan(*args):
             ],
             "fits nowhere on v5e-4",
         ),
+        # 0 is refused with what was typed, not read as "the config's"
+        (["--config", "tiny", "--topology", "v5p-8", "--global-batch", "0"], "--global-batch 0:"),
+        (["--config", "tiny", "--topology", "v5p-8", "--seq-len", "0"], "--seq-len 0:"),
     ],
 )
 def test_bad_input_is_one_line(args, message):
@@ -235,6 +238,21 @@ def test_bad_input_is_one_line(args, message):
     assert out.returncode == 2 and out.stdout == ""
     lines = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
     assert len(lines) == 1 and message in lines[0], out.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--topology", "v9-8"],
+        ["--topology", "v5p-8", "--seq-len", "0"],
+        ["--topology", "v5p-8", "--no-such-flag"],
+    ],
+)
+def test_a_json_run_that_fails_ends_with_its_error_as_json(args):
+    out = _plan("--config", "tiny", "--json", *args)
+    error = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
+    assert out.returncode == 2 and len(error) == 1, out.stderr[-2000:]
+    assert out.stdout.splitlines() == [json.dumps({"error": error[0].removeprefix("error: ")})]
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ python -m seqpipe.plan --config CONFIG --topology SLICE [--seq-len L]
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
@@ -66,7 +67,37 @@ def _target(name: str):
 
 
 def main(argv: list[str]) -> int:
+    """Plan, or refuse in one line; with `--json` the last line on stdout is JSON either
+    way (`{"error": ...}` on failure), so a script reading it never finds nothing."""
+    try:
+        return _plan(argv)
+    except cli.Refused as e:
+        if "--json" in argv:
+            print(json.dumps({"error": e.message}), flush=True)
+        raise
+    except Exception as e:  # a bug, not bad input: its traceback follows on stderr
+        if "--json" in argv:
+            print(json.dumps({"error": f"{type(e).__name__}: {e}"}), flush=True)
+        raise
+
+
+def _sizes(args: argparse.Namespace, config) -> tuple[int, int]:
+    """--seq-len and --global-batch, the config's where left out; 0 or less is refused
+    with the value typed (0 is not "the config's")."""
+    sizes = []
+    for flag, typed, default in (
+        ("--seq-len", args.seq_len, config.train.seq_len),
+        ("--global-batch", args.global_batch, config.train.global_batch_size),
+    ):
+        if typed is not None and typed < 1:
+            cli.fail(f"{flag} {typed}: must be at least 1 (leave it out for the config's {default})")
+        sizes.append(default if typed is None else typed)
+    return sizes[0], sizes[1]
+
+
+def _plan(argv: list[str]) -> int:
     parser = cli._Parser(prog="python -m seqpipe.plan")
+    parser.usage_line = "--config CONFIG --topology SLICE [--seq-len L] [--global-batch B] [--json]"
     parser.add_argument("--config", required=True, help="config file, a name in configs/")
     _flags(parser)
     args, rest = parser.parse_known_args(argv)
@@ -76,18 +107,14 @@ def main(argv: list[str]) -> int:
     except config_lib.ConfigError as e:
         cli.fail(str(e))
     if args.top < 1 or args.compile < 1:
-        cli.fail("--top and --compile must be at least 1")
-    seq_len = args.seq_len or config.train.seq_len
-    batch = args.global_batch or config.train.global_batch_size
-    if seq_len < 1 or batch < 1:
-        cli.fail("--seq-len and --global-batch must be at least 1")
+        cli.fail(f"--top {args.top} --compile {args.compile}: each must be at least 1")
+    seq_len, batch = _sizes(args, config)
     # Here: jax loads with the planner and the trainer, after `_target` set the slice's
     # environment.
     from seqpipe.plan import plan
     from seqpipe.train import aot
 
     return plan.run(args, config, overrides, target, seq_len, batch, Bar, aot.compile_config)
-
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

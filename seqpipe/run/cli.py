@@ -22,13 +22,20 @@ from seqpipe.targets import topology
 T = TypeVar("T")
 
 
+class Refused(SystemExit):
+    """The exit of a one-line refusal, carrying its line (less `error: `) for a command
+    that also reports it elsewhere (`--json`'s last line)."""
+
+    def __init__(self, message: str, code: int = 2):
+        super().__init__(code)
+        self.message = message
+
+
 class _Parser(argparse.ArgumentParser):
+    usage_line = "--config FILE [--workdir DIR] [--config.key=value ...]"
+
     def error(self, message):  # one line and exit code 2, not a usage dump
-        self.exit(
-            2,
-            f"error: {message}; usage: {self.prog} --config FILE [--workdir DIR] "
-            "[--config.key=value ...]\n",
-        )
+        fail(f"{message}; usage: {self.prog} {self.usage_line}")
 
 
 def fake_cpu_devices(count: int) -> None:
@@ -60,7 +67,7 @@ def fail(message: str, code: int = 2, at_once: bool = False) -> None:
     so the last line is this one, and the interpreter's shutdown is skipped."""
     if not at_once:
         print(f"error: {message}", file=sys.stderr, flush=True)
-        sys.exit(code)
+        raise Refused(message, code)
     runtime_log.exit_at_once(message, code)
 
 
