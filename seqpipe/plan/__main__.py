@@ -90,7 +90,9 @@ def _sizes(args: argparse.Namespace, config) -> tuple[int, int]:
         ("--global-batch", args.global_batch, config.train.global_batch_size),
     ):
         if typed is not None and typed < 1:
-            cli.fail(f"{flag} {typed}: must be at least 1 (leave it out for the config's {default})")
+            cli.fail(
+                f"{flag} {typed}: must be at least 1 (leave it out for the config's {default})"
+            )
         sizes.append(default if typed is None else typed)
     return sizes[0], sizes[1]
 
@@ -115,6 +117,7 @@ def _plan(argv: list[str]) -> int:
     from seqpipe.train import aot
 
     return plan.run(args, config, overrides, target, seq_len, batch, Bar, aot.compile_config)
+
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
