@@ -5,7 +5,9 @@
 Writes config.json (rope settings in transformers 5's and 4.x's keys), the weights as
 safetensors (shards of at most 5 GB with their index above that) and the run's
 tokenizer.json when it has one; `transformers.AutoModelForCausalLM.from_pretrained(DIR)`
-loads it. DIR appears only once complete; bad input is one line, exit 2, nothing written.
+loads it. The checkpoint is read as resume reads it, checked against its checksums: a
+damaged newest step is skipped for the newest intact one, saying so. DIR appears only once
+complete; bad input is one line, exit 2, nothing written.
 """
 
 import argparse
@@ -15,14 +17,14 @@ import sys
 from pathlib import Path
 
 import jax
-import orbax.checkpoint as ocp
 
 from seqpipe.hf import weights
 from seqpipe.hf.config import HFError
-from seqpipe.host import checkpoint_dir
+from seqpipe.host import checkpoint_dir, directories
 from seqpipe.models import model
 from seqpipe.models.model import GPTConfig
 from seqpipe.run import cli
+from seqpipe.train import checkpoint
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -46,43 +48,57 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def pick_step(workdir: str, step: int | None) -> Path:
-    """The step directory to export; HFError naming what there is if it is not there."""
+def _steps(workdir: str, step: int | None) -> tuple[Path, list[int]]:
+    """The checkpoint directory and the steps to try, newest first (only `step` if given)."""
     directory = checkpoint_dir.directory(workdir)
-    steps = checkpoint_dir.complete_steps(directory) if directory.is_dir() else []
+    steps = checkpoint_dir.complete_steps(directory)
     if not steps:
         raise HFError(f"--workdir {workdir} holds no checkpoint ({directory} has none)")
-    chosen = max(steps) if step is None else step
-    if chosen not in steps:
-        raise HFError(f"--step {step}: {directory} holds steps {sorted(steps)}")
-    return directory / str(chosen)
+    if step is not None and step not in steps:
+        raise HFError(f"--step {step}: {directory} holds steps {steps}")
+    return directory, [step] if step is not None else steps[::-1]
 
 
-def restore_params(step_dir: Path):
-    """(model config, run meta, parameters on this process's first device) of a step."""
-    meta = ocp.JsonCheckpointHandler().restore(step_dir / "meta", args=ocp.args.JsonRestore())
+def _abstract_params(meta: dict):
+    """The shape structs of the parameters the run's meta describes, on the first device."""
     cfg = GPTConfig.from_config(meta["model"])
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     shapes = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
-    item = {"params": jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), shapes)}
-    restore_args = ocp.checkpoint_utils.construct_restore_args(
-        item, jax.tree.map(lambda _: device, item)
-    )
-    handler = ocp.PyTreeCheckpointHandler()
-    try:
-        args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
-        state = handler.restore(step_dir / "state", args=args)
-    finally:
-        handler.close()
-    return cfg, meta, state["params"]
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), shapes)
+
+
+def read_intact(workdir: str, step: int | None) -> tuple[Path, dict, model.Params]:
+    """(step directory, meta, parameters) of the newest intact checkpoint (or of `step`),
+    checked against its checksums as resume checks them. A damaged step is skipped with a
+    line that says so, or, when it was asked for by --step, refused."""
+    directory, steps = _steps(workdir, step)
+    damaged = []
+    for s in steps:
+        try:
+            meta, params = checkpoint.read_params(directory / str(s), _abstract_params)
+        except checkpoint.Damaged as e:
+            damaged.append(f"{s} ({e})")
+            continue
+        if damaged:
+            print(
+                f"warning: checkpoint step {', '.join(damaged)} in {directory} is damaged; "
+                f"exporting step {s}, the newest intact one",
+                file=sys.stderr,
+                flush=True,
+            )
+        return directory / str(s), meta, params
+    if step is not None:
+        raise HFError(
+            f"--step {damaged[0]} in {directory} is damaged; export another step "
+            f"(it holds {checkpoint_dir.complete_steps(directory)})"
+        )
+    raise HFError(f"no checkpoint in {directory} is intact: step {', '.join(damaged)}")
 
 
 def export(workdir: str, step: int | None, out: str, dtype: str | None) -> Path:
-    step_dir = pick_step(workdir, step)
-    target = Path(out)
-    if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise HFError(f"--out {target} exists and is not empty; give a new directory")
-    cfg, meta, params = restore_params(step_dir)
+    directories.check(out)  # before the checkpoint is read
+    step_dir, meta, params = read_intact(workdir, step)
+    cfg = GPTConfig.from_config(meta["model"])
     seq_len = int(meta.get("data", {}).get("seq_len", 0))
     tokenizer = Path(workdir) / "tokenizer.json"
 
@@ -91,7 +107,7 @@ def export(workdir: str, step: int | None, out: str, dtype: str | None) -> Path:
         if tokenizer.is_file():
             shutil.copyfile(tokenizer, scratch / "tokenizer.json")
 
-    weights.write_new(out, fill)
+    directories.write_new(out, fill, last="config.json")
     return step_dir
 
 
@@ -100,7 +116,7 @@ def main(argv: list[str]) -> int:
     cli.quiet_libtpu()
     try:
         step_dir = export(args.workdir, args.step, args.out, args.dtype)
-    except HFError as e:
+    except (HFError, directories.OutputError) as e:
         cli.fail(str(e))
     files = sorted(p.name for p in Path(args.out).iterdir())
     print(f"exported {step_dir} to {args.out}: {', '.join(files)}")

@@ -292,6 +292,32 @@ def restore_latest(
     return None
 
 
+def read_params(step_dir: Path, params_of: Any) -> tuple[dict, Any]:
+    """(meta, parameters) of one step, read as resume reads them: its meta parsed, the
+    parameters alone read into the shape structs (with shardings) `params_of(meta)` gives,
+    and checked against the checksums saved with them. Damaged, its message one line, if a
+    file does not read or a checksum differs (`seqpipe.hf export` then tries another)."""
+    _drop_failed_reads()
+    try:
+        meta = ocp.JsonCheckpointHandler().restore(step_dir / "meta", args=ocp.args.JsonRestore())
+        if not isinstance(meta, dict):
+            raise Damaged(f"meta holds {type(meta).__name__}, not a dict")
+        item = {"params": params_of(meta)}
+        shardings = jax.tree.map(lambda x: x.sharding, item)
+        restore_args = ocp.checkpoint_utils.construct_restore_args(item, shardings)
+        args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
+        handler = ocp.PyTreeCheckpointHandler()
+        try:
+            state = handler.restore(step_dir / "state", args=args)
+        finally:
+            handler.close()
+        _check(state, meta.get("checksums"))
+    except Exception as e:  # orbax's and tensorstore's errors, and Damaged
+        gc.collect()  # the step's pending reads, while their errors are dropped
+        raise Damaged(_reason(e)) from None
+    return meta, state["params"]
+
+
 def _drop_failed_reads() -> None:
     """A failed restore leaves orbax's other reads of that step pending; collected, each
     raises its own read error as an "Exception ignored in <coroutine>" traceback on stderr
