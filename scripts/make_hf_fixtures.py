@@ -72,6 +72,19 @@ MODELS = {
         dict(num_key_value_heads=1, sliding_window=None, rope_theta=1000000.0),
         {},
     ),
+    # Arcee with a tanh GELU: Llama with a non-gated MLP (up_proj, down_proj), the format
+    # seqpipe's GPT (model.mlp=gelu) exports as.
+    "arcee_gelu": (
+        "ArceeConfig",
+        dict(
+            num_key_value_heads=2,
+            hidden_act="gelu_pytorch_tanh",
+            rope_theta=10000.0,
+            bos_token_id=1,  # Arcee's defaults (128000, 128001) lie outside this vocabulary
+            eos_token_id=2,
+        ),
+        {},
+    ),
 }
 
 
@@ -209,13 +222,14 @@ if __name__ == "__main__":
     parser.add_argument(
         "--packed_only", action="store_true", help="(re)write only oracle_packed.npz"
     )
+    parser.add_argument("--only", choices=MODELS, help="(re)write this fixture alone")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for name in MODELS:
+    for name in [args.only] if args.only else MODELS:
         if args.packed_only:
             write_packed(build(name), out / name)
         else:
             write(name, out)
-    if not args.packed_only:
+    if not args.packed_only and not args.only:
         bf16_copy(out)

@@ -22,7 +22,7 @@ from seqpipe.hf import weights
 from seqpipe.models import model
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
-MODELS = ("llama_gqa_llama3", "llama_tied_mha", "qwen2_bias", "mistral_gqa")
+MODELS = ("llama_gqa_llama3", "llama_tied_mha", "qwen2_bias", "mistral_gqa", "arcee_gelu")
 LOGIT_ATOL = 1e-3  # max |seqpipe - transformers| over every float32 logit
 LOSS_RTOL = 1e-5
 
@@ -152,6 +152,40 @@ def test_save_gives_back_every_tensor_bit_for_bit(tmp_path, name, dtype, save_dt
     assert hf_config.model_keys(config) == before
 
 
+def test_a_gpt_model_saves_as_arcee_and_loads_back_bit_for_bit(tmp_path):
+    """seqpipe's GPT (gelu MLP, no gate) is written as transformers' Arcee with its tanh
+    GELU, the one HF architecture of that layout, and read back as the same model."""
+    from seqpipe.run import config as config_lib
+
+    cfg = model.GPTConfig.from_config(config_lib.load("tiny", {"model.attention": "xla"}).model)
+    assert cfg.mlp == "gelu"
+    params = model.init_params(cfg, jax.random.key(0))
+    weights.save(tmp_path, cfg, params)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["ArceeForCausalLM"] and config["model_type"] == "arcee"
+    assert config["hidden_act"] == "gelu_pytorch_tanh"
+    assert not any("gate_proj" in name for name in tensors(tmp_path))
+    again, loaded = weights.load(tmp_path)
+    assert again.mlp == "gelu"
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(loaded), strict=True):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    tokens = np.arange(2 * 24).reshape(2, 24) % cfg.vocab_size
+    assert np.array_equal(model.forward(params, tokens, cfg), model.forward(loaded, tokens, again))
+
+
+def test_a_model_no_hf_architecture_fits_is_refused_in_one_line(tmp_path):
+    from seqpipe.run import config as config_lib
+
+    keys = config_lib.load("tiny", {"model.qkv_bias": "true"}).model
+    cfg = model.GPTConfig.from_config(keys)
+    with pytest.raises(hf_config.HFError) as e:
+        weights.save(tmp_path, cfg, model.init_params(cfg, jax.random.key(0)))
+    assert str(e.value) == (
+        "model.mlp=gelu with model.qkv_bias=True has no HuggingFace architecture seqpipe "
+        "writes (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, ArceeForCausalLM)"
+    )
+
+
 def test_shards_above_the_limit_with_an_index(tmp_path, monkeypatch):
     cfg, params = weights.load(FIXTURES / "llama_gqa_llama3")
     monkeypatch.setattr(weights, "SHARD_BYTES", 30_000)
@@ -205,7 +239,30 @@ BAD = {
     "unsupported architecture": (
         lambda d: _edit(d, architectures=["GPT2LMHeadModel"]),
         "architecture GPT2LMHeadModel is not supported; seqpipe reads LlamaForCausalLM, "
-        "MistralForCausalLM, Qwen2ForCausalLM",
+        "MistralForCausalLM, Qwen2ForCausalLM, ArceeForCausalLM",
+    ),
+    # a Mixtral (or any other model) under a Llama name would run as a Llama
+    "model_type disagrees": (
+        lambda d: _edit(d, model_type="mixtral"),
+        "model_type 'mixtral' is not LlamaForCausalLM's ('llama')",
+    ),
+    "a number as a string": (
+        lambda d: _edit(d, hidden_size="32"),
+        "hidden_size='32' is a str, not an integer",
+    ),
+    "an activation the MLP does not run": (
+        lambda d: _edit(d, architectures=["ArceeForCausalLM"], model_type="arcee"),
+        "hidden_act='silu' is not supported by seqpipe's model; ArceeForCausalLM runs "
+        "gelu_pytorch_tanh, gelu_new",
+    ),
+    "a shard outside the directory": (
+        lambda d: _index(d, "../elsewhere.safetensors"),
+        "names a file outside",
+    ),
+    "an absolute shard path": (lambda d: _index(d, "/tmp/x.safetensors"), "names a file outside"),
+    "a NaN in a weight": (
+        lambda d: _poison(d, "model.layers.1.mlp.up_proj.weight"),
+        "tensor model.layers.1.mlp.up_proj.weight holds 1 NaN or infinite values",
     ),
     "shape disagrees with config": (
         lambda d: _edit(d, intermediate_size=64),
@@ -227,6 +284,26 @@ def _edit(directory: Path, **keys) -> None:
     config = json.loads((directory / "config.json").read_text())
     config.update(keys)
     (directory / "config.json").write_text(json.dumps(config))
+
+
+def _index(directory: Path, shard: str) -> None:
+    """The index's last tensor moved to `shard`."""
+    path = directory / weights.INDEX
+    index = json.loads(path.read_text())
+    index["weight_map"][sorted(index["weight_map"])[-1]] = shard
+    path.write_text(json.dumps(index))
+
+
+def _poison(directory: Path, name: str) -> None:
+    """One NaN in tensor `name`, rewritten in its file."""
+    from safetensors.numpy import save_file
+
+    for path in directory.glob("*.safetensors"):
+        with safe_open(str(path), framework="numpy") as f:
+            arrays = {k: f.get_tensor(k) for k in f.keys()}
+        if name in arrays:
+            arrays[name][0, 0] = np.nan
+            save_file(arrays, str(path), metadata={"format": "pt"})
 
 
 def _truncate(path: Path) -> None:

@@ -3,12 +3,13 @@ schedule on imported weights, export that transformers loads, and bad input in o
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
-from helpers import run_of, run_python
+from helpers import TINY, run_of, run_python
 from safetensors import safe_open
 
 from seqpipe.hf import config as hf_config
@@ -385,3 +386,97 @@ def test_the_shipped_configs_are_the_public_checkpoints(tmp_path, name):
     (tmp_path / "config.json").write_text(json.dumps(PUBLIC[name]))
     config = config_lib.load(name, {"train.init_from": f"hf:{tmp_path}"})
     assert hf_config.rope_change(config.model, f"hf:{tmp_path}") is None
+
+
+@pytest.fixture(scope="module")
+def gpt_run(tmp_path_factory) -> Path:
+    """A GPT run (configs/tiny's gelu MLP) of two steps, a checkpoint after each."""
+    tmp = tmp_path_factory.mktemp("gpt")
+    work = tmp / "run"
+    overrides = {**TINY, "train.steps": "2", "checkpoint.every": "1"}
+    overrides.update({"checkpoint.async_save": "false", "mesh.data": "2"})
+    result = run(["--workdir", str(work), *_tiny(overrides)])
+    assert result.returncode == 0, result.stderr
+    return work
+
+
+def _tiny(overrides: dict) -> list[str]:
+    return ["--config", "tiny", *(f"--config.{k}={v}" for k, v in overrides.items())]
+
+
+def _export(work: Path, out: Path, *more: str):
+    return run(["export", "--workdir", str(work), "--out", str(out), *more], "seqpipe.hf")
+
+
+def _damage(work: Path, step: int, how: str) -> Path:
+    """A copy of the run whose step's state files are damaged: `flip`, 8 bytes in the middle
+    of each overwritten; `truncate`, each cut to 100 bytes."""
+    copy = work.parent / f"{work.name}-{how}"
+    shutil.copytree(work, copy)
+    files = [p for p in (copy / "checkpoints" / str(step) / "state").rglob("*") if p.is_file()]
+    for path in [p for p in files if p.stat().st_size > 10_000]:
+        if how == "flip":
+            with open(path, "r+b") as f:
+                f.seek(path.stat().st_size // 2)
+                f.write(b"XXXXXXXX")
+        else:
+            os.truncate(path, 100)
+    return copy
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate"])
+def test_export_of_a_damaged_checkpoint_falls_back_to_the_newest_intact(gpt_run, tmp_path, how):
+    """Export checks what it reads as resume does: a damaged newest step is skipped for the
+    one before, saying so in one line; asked for by --step, it is refused in one line."""
+    damaged = _damage(gpt_run, 2, how)
+    out, intact = tmp_path / "out", tmp_path / "intact"
+    result = _export(damaged, out)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("warning: checkpoint step 2 (") and (
+        "is damaged; exporting step 1, the newest intact one" in result.stderr
+    )
+    assert _export(gpt_run, intact, "--step", "1").returncode == 0
+    assert (out / "model.safetensors").read_bytes() == (intact / "model.safetensors").read_bytes()
+    refused = _export(damaged, tmp_path / "o", "--step", "2")
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert refused.stderr.startswith("error: --step 2 (")
+    assert "is damaged; export another step (it holds [1, 2])" in refused.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_gpt_run_exports_as_arcee_and_loads_back(gpt_run, tmp_path):
+    """configs/tiny's GPT (gelu MLP) exports as transformers' Arcee, which seqpipe reads
+    back: a format that loads, not a Llama config without the gate it names."""
+    out = tmp_path / "out"
+    assert _export(gpt_run, out).returncode == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["ArceeForCausalLM"]
+    assert config["hidden_act"] == "gelu_pytorch_tanh"
+    cfg, _ = weights.load(out)
+    assert cfg.mlp == "gelu" and cfg.num_layers == 4
+
+
+def test_every_out_that_cannot_be_written_is_one_line(gpt_run, tmp_path):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    for out, message in [
+        (a_file / "sub", f"--out {a_file}/sub: {a_file} is a file, not a directory"),
+        (a_file / "sub" / "deeper", f"{a_file} is a file, not a directory"),
+        (a_file, f"--out {a_file} exists and is not empty"),
+    ]:
+        result = _export(gpt_run, out)
+        assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+        assert message in result.stderr
+    assert a_file.read_text() == "x"
+
+
+def test_an_export_into_an_empty_directory_keeps_it_and_gives_plain_modes(gpt_run, tmp_path):
+    out = tmp_path / "made-for-it"
+    out.mkdir(mode=0o755)
+    assert _export(gpt_run, out).returncode == 0
+    assert out.stat().st_mode & 0o777 == 0o755
+    mask = os.umask(0)
+    os.umask(mask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+    assert modes == dict.fromkeys(["config.json", "model.safetensors"], 0o666 & ~mask), modes

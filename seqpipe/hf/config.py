@@ -1,5 +1,8 @@
 """A HuggingFace `config.json` as seqpipe's `model.` keys and back, for the Llama family.
 
+seqpipe's GPT (`model.mlp=gelu`: RMSNorm, RoPE, a non-gated tanh-GELU MLP) is transformers'
+Arcee with `hidden_act: gelu_pytorch_tanh`: a Llama whose MLP is `up_proj`, `down_proj`.
+
 No jax here: `seqpipe.run.config` reads `--config hf:DIR` and checks `train.init_from` with it
 before any device work. The weights are `seqpipe.hf`'s.
 
@@ -14,13 +17,29 @@ from collections.abc import Mapping
 from pathlib import Path
 
 PREFIX = "hf:"
-# architecture: (model_type, whether Q, K and V carry biases)
+# architecture: (model_type, whether Q, K and V carry biases, model.mlp)
 ARCHITECTURES = {
-    "LlamaForCausalLM": ("llama", False),
-    "MistralForCausalLM": ("mistral", False),
-    "Qwen2ForCausalLM": ("qwen2", True),
+    "LlamaForCausalLM": ("llama", False, "swiglu"),
+    "MistralForCausalLM": ("mistral", False, "swiglu"),
+    "Qwen2ForCausalLM": ("qwen2", True, "swiglu"),
+    "ArceeForCausalLM": ("arcee", False, "gelu"),
 }
 SUPPORTED = tuple(ARCHITECTURES)
+# model.mlp: the hidden_act values that run it (the first is written), and the
+# architectures' default where config.json has none
+ACTIVATIONS = {"swiglu": ("silu",), "gelu": ("gelu_pytorch_tanh", "gelu_new")}
+DEFAULT_ACTIVATION = {"arcee": "relu2"}  # the others: silu
+# Keys read as integers and as numbers: a string ("128") is refused by its type.
+INTEGERS = (
+    "vocab_size",
+    "num_hidden_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "head_dim",
+)
+NUMBERS = ("rms_norm_eps", "rope_theta")
 ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3", "yarn": "yarn"}
 # The rope_scaling fields each type reads (seqpipe.kernels.rope.RopeScaling's names, as HF's).
 ROPE_FIELDS = {
@@ -66,6 +85,8 @@ def read(spec: str) -> dict:
 
 
 def architecture(hf: Mapping, where: str) -> str:
+    """The architecture, which model_type (where given) must agree with: a Mixtral or
+    GPT-2 config under a Llama name would otherwise run as a Llama."""
     names = hf.get("architectures") or []
     name = names[0] if len(names) == 1 else None
     if name not in ARCHITECTURES:
@@ -73,7 +94,25 @@ def architecture(hf: Mapping, where: str) -> str:
         raise HFError(
             f"{where}: architecture {shown} is not supported; seqpipe reads {', '.join(SUPPORTED)}"
         )
+    model_type = ARCHITECTURES[name][0]
+    if hf.get("model_type", model_type) != model_type:
+        raise HFError(
+            f"{where}: model_type {hf['model_type']!r} is not {name}'s ({model_type!r}); "
+            "the file describes another model: fix whichever of the two is wrong"
+        )
     return name
+
+
+def _types(hf: Mapping, where: str) -> None:
+    """Integers and numbers of their JSON type (bool is not a number here)."""
+    for keys, kind, types in (
+        (INTEGERS, "an integer", (int,)),
+        (NUMBERS, "a number", (int, float)),
+    ):
+        for key in keys:
+            value = hf.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
+                raise HFError(f"{where}: {key}={value!r} is a {type(value).__name__}, not {kind}")
 
 
 def _need(hf: Mapping, key: str, where: str):
@@ -84,8 +123,14 @@ def _need(hf: Mapping, key: str, where: str):
 
 def _refuse(hf: Mapping, where: str, arch: str) -> None:
     """The settings of these architectures that seqpipe's model does not run."""
+    mlp = ARCHITECTURES[arch][2]
+    activation = hf.get("hidden_act") or DEFAULT_ACTIVATION.get(ARCHITECTURES[arch][0], "silu")
+    if activation not in ACTIVATIONS[mlp]:
+        raise HFError(
+            f"{where}: hidden_act={activation!r} is not supported by seqpipe's model; "
+            f"{arch} runs {', '.join(ACTIVATIONS[mlp])}"
+        )
     unsupported = {
-        "hidden_act": lambda v: v != "silu",
         "attention_bias": lambda v: bool(v) and not ARCHITECTURES[arch][1],  # o_proj too
         "mlp_bias": bool,
         "use_sliding_window": bool,
@@ -137,6 +182,7 @@ def model_keys(hf: Mapping, where: str = "config.json") -> dict:
     for key in ("vocab_size", "num_hidden_layers", "hidden_size", "num_attention_heads"):
         _need(hf, key, where)
     _need(hf, "intermediate_size", where)
+    _types(hf, where)
     _refuse(hf, where, arch)
     theta, scaling = rope(hf, where)
     heads = hf["num_attention_heads"]
@@ -147,7 +193,7 @@ def model_keys(hf: Mapping, where: str = "config.json") -> dict:
         "num_heads": int(heads),
         "num_kv_heads": int(hf.get("num_key_value_heads") or heads),
         "d_ff": int(hf["intermediate_size"]),
-        "mlp": "swiglu",
+        "mlp": ARCHITECTURES[arch][2],
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
         "qkv_bias": ARCHITECTURES[arch][1],
@@ -213,13 +259,29 @@ def rope_change(model: Mapping, spec: str) -> str | None:
     return f"{', '.join(changed)} (the checkpoint's rope extended)" if changed else None
 
 
+def writes(model: Mapping) -> str:
+    """The architecture seqpipe's `model.` keys export as; HFError where none fits."""
+    fits = [
+        a
+        for a, (_, bias, mlp) in ARCHITECTURES.items()
+        if (bias, mlp) == (model["qkv_bias"], model["mlp"])
+    ]
+    if not fits:
+        raise HFError(
+            f"model.mlp={model['mlp']} with model.qkv_bias={model['qkv_bias']} has no HuggingFace "
+            f"architecture seqpipe writes ({', '.join(SUPPORTED)})"
+        )
+    return fits[0]
+
+
 def hf_config(model: Mapping, dtype: str, base: Mapping | None = None, context: int = 0) -> dict:
-    """A config.json for seqpipe's `model.` keys, its tensors in `dtype`: Qwen 2 where Q, K
-    and V carry biases, else Llama (or `base`'s architecture, whose other keys it keeps).
-    max_position_embeddings: at least `context` (the longest sequence trained on)."""
-    arch = "Qwen2ForCausalLM" if model["qkv_bias"] else "LlamaForCausalLM"
+    """A config.json for seqpipe's `model.` keys, its tensors in `dtype`: Llama, Qwen 2
+    where Q, K and V carry biases, Arcee for GPT's MLP (or `base`'s architecture, where it
+    fits, whose other keys it keeps). max_position_embeddings: at least `context` (the
+    longest sequence trained on)."""
+    arch = writes(model)
     if base and base.get("architectures") and ARCHITECTURES.get(base["architectures"][0]):
-        if ARCHITECTURES[base["architectures"][0]][1] == model["qkv_bias"]:
+        if ARCHITECTURES[base["architectures"][0]][1:] == ARCHITECTURES[arch][1:]:
             arch = base["architectures"][0]
     scaling = dict(model["rope_scaling"])
     kind = scaling.get("type", "none")
@@ -236,7 +298,7 @@ def hf_config(model: Mapping, dtype: str, base: Mapping | None = None, context: 
         num_key_value_heads=model["num_kv_heads"] or model["num_heads"],
         head_dim=model["d_model"] // model["num_heads"],
         intermediate_size=model["d_ff"],
-        hidden_act="silu",
+        hidden_act=ACTIVATIONS[model["mlp"]][0],
         rms_norm_eps=model["norm_eps"],
         tie_word_embeddings=model["tie_embeddings"],
         rope_theta=model["rope_base"],
@@ -249,7 +311,7 @@ def hf_config(model: Mapping, dtype: str, base: Mapping | None = None, context: 
     out["max_position_embeddings"] = max(
         out.get("max_position_embeddings") or _max_positions(scaling), context
     )
-    if arch == "LlamaForCausalLM":
+    if arch in ("LlamaForCausalLM", "ArceeForCausalLM"):
         out.update(attention_bias=False, mlp_bias=False)
     if arch == "Qwen2ForCausalLM":
         out.update(use_sliding_window=False)

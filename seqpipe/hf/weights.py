@@ -12,9 +12,6 @@ process reads only the slices its devices hold (`initial_params`).
 import dataclasses
 import json
 import math
-import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -105,6 +102,13 @@ def read_block(t: Tensor, tensor_slice, shape: tuple[int, ...], index: tuple) ->
     return block[tuple(cut)]
 
 
+def _outside(name: str) -> bool:
+    """Whether a shard's name leaves the model's directory (judged by the name, not by
+    links: HF's cache links each snapshot's files to blobs elsewhere)."""
+    parts = Path(name).parts
+    return Path(name).is_absolute() or ".." in parts or not parts
+
+
 class Reader:
     """The safetensors files of a HF directory, opened lazily and checked against the
     tensors `cfg` needs (names, shapes, dtypes) before anything is read."""
@@ -129,10 +133,16 @@ class Reader:
         index = self.directory / INDEX
         if index.is_file():
             try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-                return sorted(set(weight_map.values()))
+                names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+                outside = [n for n in names if _outside(n)]
             except (ValueError, KeyError, TypeError, AttributeError) as e:
                 raise HFError(f"{index} is not a safetensors index ({e})") from None
+            if outside:
+                raise HFError(
+                    f"{index} names a file outside {self.directory}: {outside[0]!r}; "
+                    "a model's shards lie in its directory"
+                )
+            return names
         if (self.directory / SINGLE).is_file():
             return [SINGLE]
         raise HFError(f"{self.directory} has neither {SINGLE} nor {INDEX}")
@@ -207,7 +217,8 @@ def _read_leaf(reader, t: Tensor, shape, dtype, index, layers_at: Callable | Non
     """seqpipe's leaf[index]; with `layers_at`, index[0] runs over `layers` positions, each
     the HF layer layers_at(position) or -1 (zeros: a pipeline stage's padding)."""
     if layers_at is None:
-        return read_block(t, reader.slices[t.name], shape, index).astype(dtype)
+        block = read_block(t, reader.slices[t.name], shape, index)
+        return _finite(block, t.name, reader).astype(dtype)
     rest = index[1:]
     rows = []
     for at in range(*index[0].indices(layers)):
@@ -216,9 +227,22 @@ def _read_leaf(reader, t: Tensor, shape, dtype, index, layers_at: Callable | Non
             sizes = [len(range(*s.indices(n))) for s, n in zip(rest, shape, strict=True)]
             rows.append(np.zeros(sizes, dtype))
         else:
-            block = read_block(t, reader.slices[t.name.format(layer)], shape, rest)
-            rows.append(block.astype(dtype))
+            name = t.name.format(layer)
+            block = read_block(t, reader.slices[name], shape, rest)
+            rows.append(_finite(block, name, reader).astype(dtype))
     return np.stack(rows)
+
+
+def _finite(block: np.ndarray, name: str, reader: Reader) -> np.ndarray:
+    """The block, or HFError naming the tensor: a NaN or inf in a weight would make every
+    training step non-finite (and be skipped), with nothing saying where it came from."""
+    if not np.isfinite(block).all():
+        bad = int(np.size(block) - np.isfinite(block).sum())
+        raise HFError(
+            f"{reader.directory}: tensor {name} holds {bad} NaN or infinite values; the "
+            "checkpoint is damaged: download it again"
+        )
+    return block
 
 
 def load(path: str, dtype: str = "float32") -> tuple[GPTConfig, model.Params]:
@@ -321,19 +345,3 @@ def _write(out: Path, shards: list[dict]) -> None:
         total += sum(a.nbytes for a in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-
-
-def write_new(path: str, fill: Callable[[Path], None]) -> None:
-    """`fill` a fresh directory that appears at `path` only once complete."""
-    target = Path(path)
-    if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise HFError(f"--out {target} exists and is not empty; give a new directory")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        fill(scratch)
-        if target.exists():
-            target.rmdir()
-        os.replace(scratch, target)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
