@@ -197,7 +197,8 @@ INVALID = {
     "tokenizer file larger than vocab_size": (
         "data.source=tokens data.path={tmp}/ids.bin data.tokenizer=bpe "
         "data.tokenizer_path={tmp}/bpe300.json model.vocab_size=290",
-        "tokenizer has 300 symbols but model.vocab_size=290",
+        "data.tokenizer_path={tmp}/bpe300.json has ids up to 299 but model.vocab_size=290; "
+        "set model.vocab_size >= 300",
     ),
     "tokenizer file missing": (
         "data.source=tokens data.path={tmp}/ids.bin data.tokenizer=bpe "

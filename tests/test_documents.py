@@ -3,7 +3,9 @@ from the standard library's text, real tokenizers, every bad input in one line."
 
 import json
 import os
+import shutil
 import sysconfig
+from pathlib import Path
 
 import ml_collections
 import numpy as np
@@ -15,6 +17,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from seqpipe.data import documents, loader
 from seqpipe.data import tokenizer as tok
 
+HF_MODEL = Path(__file__).resolve().parent / "fixtures" / "hf" / "llama_tied_mha"
 EMAIL = os.path.join(sysconfig.get_paths()["stdlib"], "email")
 # Real text: the email package's modules, one document each.
 TEXTS = [
@@ -178,6 +181,44 @@ def test_token_file_documents_end_after_each_eod_id(tmp_path):
     config.data.eod_id = 3  # an id the file never holds
     with pytest.raises(loader.DataError, match=r"holds no data.eod_id=3, so no document ends"):
         loader.read_corpus(config)
+
+
+def sparse_tokenizer(directory, top: int):
+    """A copy of a HF model directory whose tokenizer (96 entries) has its last token moved
+    to id `top`: a vocabulary with a gap, whose count fits a small model but ids do not."""
+    shutil.copytree(HF_MODEL, directory)
+    spec = json.loads((directory / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    vocab[max(vocab, key=vocab.get)] = top
+    (directory / "tokenizer.json").write_text(json.dumps(spec))
+    return directory
+
+
+@pytest.mark.parametrize("setting", ["file", "hf", "tokenizer_path"])
+def test_tokenizer_ids_past_model_vocab_are_refused_before_any_token_is_cached(tmp_path, setting):
+    """Its 96 entries fit model.vocab_size=512; its ids, up to 1322, do not (issue 47)."""
+    directory = sparse_tokenizer(tmp_path / "model", 1322)
+    file = directory / "tokenizer.json"
+    keys = {
+        "file": dict(tokenizer=str(file)),
+        "hf": dict(tokenizer=f"hf:{directory}"),
+        "tokenizer_path": dict(tokenizer="bpe", tokenizer_path=str(file)),
+    }[setting]
+    path = write_jsonl(tmp_path / "c.jsonl", [{"text": t + "}"} for t in TEXTS])
+    config = config_for(tmp_path, "jsonl", path, **keys)
+    assert Tokenizer.from_file(str(file)).get_vocab_size() == 96
+    named = "data.tokenizer_path" if setting == "tokenizer_path" else "data.tokenizer"
+    with pytest.raises(loader.DataError) as e:
+        loader.read_corpus(config)
+    assert str(e.value).startswith(f"{named}={keys.get('tokenizer_path') or keys['tokenizer']} ")
+    assert str(e.value).endswith(
+        " has ids up to 1322 but model.vocab_size=512; set model.vocab_size >= 1323, or use a "
+        "tokenizer whose ids are below 512 (the model's own)"
+    )
+    assert not (tmp_path / "cache").exists() or not os.listdir(tmp_path / "cache")
+    config.model.vocab_size = 1323  # room for every id: read, and the ids are all there
+    train, _, _ = loader.read_corpus(config)
+    assert train.tokens.max() == 1322
 
 
 # ---------------------------------------------------------------- bad input
