@@ -229,10 +229,15 @@ BAD_JSONL = {
         '{"text": "a"}\n{"body": "b"}\n',
         r"c.jsonl:2 has no 'text' field \(keys \['body'\]\)",
     ),
-    "not an object": (
+    # A line that is no object has no field for data.text_key to name (issue 47).
+    "an array": (
         '{"text": "a"}\n\n["b"]\n',
-        r"c.jsonl:3 has no 'text' field \(not an object\)",
+        r"c.jsonl:3 is not a JSON object but an array; write each document as an object with "
+        r"its text in the 'text' field, e.g. \{\"text\": \"...\"\}; fix it",
     ),
+    "a string": ('"just text"\n', r"c.jsonl:1 is not a JSON object but a string; write each"),
+    "a number": ('{"text": "a"}\n3.5\n', r"c.jsonl:2 is not a JSON object but a number; write"),
+    "null": ("null\n", r"c.jsonl:1 is not a JSON object but null; write each document"),
     "text not a string": ('{"text": 3}\n', r"c.jsonl:1 has a int in 'text', not a string"),
     "not UTF-8": (b'{"text": "\xff"}\n', r"c.jsonl:1 is not UTF-8"),
 }

@@ -10,9 +10,9 @@ Sources (`config.data.source`), each a list of documents:
   parquet  the same, of Parquet files (as HuggingFace datasets are published): one
            document per row of the `config.data.text_key` column.
 
-A JSON line that does not parse, lacks the key or holds no string is refused, naming the
-file and line; `config.data.skip_bad_lines` skips such lines instead, counted and
-reported in one line. Empty documents are left out; a corpus with none is refused.
+A JSON line that does not parse, is not an object, lacks the key or holds no string is
+refused, naming the file and line; `config.data.skip_bad_lines` skips such lines instead,
+counted and reported in one line. Empty documents are left out; a corpus with none is refused.
 """
 
 from __future__ import annotations
@@ -310,14 +310,28 @@ def _jsonl_docs(path: str, key: str, bad: BadLines) -> list[str]:
         except ValueError as e:
             bad(where, f"is not valid JSON ({getattr(e, 'msg', e)})")
             continue
-        if not isinstance(record, dict) or key not in record:
-            has = f"keys {sorted(record)[:8]}" if isinstance(record, dict) else "not an object"
+        if not isinstance(record, dict):  # data.text_key cannot help: there are no fields
+            bad(
+                where,
+                f"is not a JSON object but {_json_kind(record)}; write each document as an "
+                f'object with its text in the {key!r} field, e.g. {{{json.dumps(key)}: "..."}}',
+            )
+        elif key not in record:
+            has = f"keys {sorted(record)[:8]}"
             bad(where, f"has no {key!r} field ({has}); set data.text_key to the text's field")
         elif not isinstance(record[key], str):
             bad(where, f"has a {type(record[key]).__name__} in {key!r}, not a string")
         else:
             docs.append(record[key])
     return docs
+
+
+def _json_kind(value) -> str:
+    """What a parsed JSON value is, in JSON's words."""
+    if value is None or isinstance(value, bool):
+        return json.dumps(value)  # null, true, false
+    kinds = {str: "a string", int: "a number", float: "a number", list: "an array"}
+    return kinds[type(value)]
 
 
 def _parquet_docs(path: str, key: str, bad: BadLines) -> list[str]:
