@@ -1,6 +1,7 @@
 """Documents in (`seqpipe.data.documents`) and their tokens (`seqpipe.data`): real files written
 from the standard library's text, real tokenizers, every bad input in one line."""
 
+import gzip
 import json
 import os
 import shutil
@@ -100,6 +101,50 @@ def test_parquet_files_hold_one_document_per_row(tmp_path):
 def test_text_source_is_one_document_per_file(tmp_path):
     config = config_for(tmp_path, "text", os.path.join(EMAIL, "*.py"))
     assert read_docs(config) == [t for t in TEXTS if t]
+
+
+def test_gzip_files_read_as_the_files_they_hold(tmp_path):
+    """`.jsonl.gz`, `.json.gz` and `.txt.gz` are decompressed as they are read (issue 47:
+    a .jsonl.gz was "not UTF-8"); a directory walk keeps .jsonl.gz beside .jsonl."""
+    half = len(TEXTS) // 2
+    (tmp_path / "corpus").mkdir()
+    write_jsonl(tmp_path / "corpus" / "a.jsonl", [{"text": t} for t in TEXTS[:half]])
+    lines = "\n\n".join(json.dumps({"text": t}) for t in TEXTS[half:]) + "\n"
+    with gzip.open(tmp_path / "corpus" / "b.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.write(lines)
+    assert read_docs(config_for(tmp_path, "jsonl", tmp_path / "corpus")) == TEXTS
+    one = config_for(tmp_path, "jsonl", tmp_path / "corpus" / "b.jsonl.gz")
+    assert read_docs(one) == TEXTS[half:]
+    (tmp_path / "doc.txt.gz").write_bytes(gzip.compress(TEXTS[0].encode()))
+    config = config_for(tmp_path, "text", tmp_path / "doc.txt.gz")
+    assert read_docs(config) == TEXTS[:1]
+    train, held_out, _ = loader.read_corpus(config)  # tokens of the text, not of the gzip
+    tokens = np.concatenate([train.tokens, held_out.tokens])
+    assert bytes(tokens.astype(np.uint8)) == TEXTS[0].encode()
+
+
+def test_a_bad_line_in_a_gzip_file_or_a_damaged_gzip_is_one_line(tmp_path):
+    body = "".join(json.dumps({"text": t}) + "\n" for t in TEXTS[:3]) + '{"text": 1\n'
+    whole = gzip.compress(body.encode())
+    (tmp_path / "bad.jsonl.gz").write_bytes(whole)
+    with pytest.raises(loader.DataError, match=r"bad.jsonl.gz:4 is not valid JSON"):
+        loader.read_corpus(config_for(tmp_path, "jsonl", tmp_path / "bad.jsonl.gz"))
+    damaged = bytearray(whole)
+    damaged[40:60] = b"x" * 20
+    cases = {
+        "cut": (whole[: len(whole) // 2], "Compressed file ended before the end-of-stream"),
+        "damaged": (bytes(damaged), "Error -3 while decompressing data"),
+        "not gzip": (body.encode(), "Not a gzipped file"),
+    }
+    for name, (content, reason) in cases.items():
+        path = tmp_path / f"{name}.jsonl.gz"
+        path.write_bytes(content)
+        with pytest.raises(loader.DataError) as e:
+            loader.read_corpus(config_for(tmp_path, "jsonl", path))
+        assert str(e.value).startswith(f"{path} is not a whole gzip file ({reason}")
+        assert str(e.value).endswith("; compress it again, or leave it out of data.path")
+        assert "\n" not in str(e.value)
+    assert not (tmp_path / "cache").exists() or not os.listdir(tmp_path / "cache")
 
 
 # ---------------------------------------------------------------- tokens of documents
@@ -298,7 +343,9 @@ def test_an_empty_corpus_is_refused(tmp_path):
         read_docs(config_for(tmp_path, "jsonl", tmp_path / "e.jsonl"))
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "x.txt").write_text("text, but not JSON lines")
-    with pytest.raises(loader.DataError, match=r"matches no jsonl files \(.jsonl, .json\)"):
+    with pytest.raises(
+        loader.DataError, match=r"matches no jsonl files \(.jsonl, .json, .jsonl.gz, .json.gz\)"
+    ):
         read_docs(config_for(tmp_path, "jsonl", tmp_path / "d"))
 
 

@@ -10,20 +10,23 @@ Sources (`config.data.source`), each a list of documents:
   parquet  the same, of Parquet files (as HuggingFace datasets are published): one
            document per row of the `config.data.text_key` column.
 
-A JSON line that does not parse, is not an object, lacks the key or holds no string is
-refused, naming the file and line; `config.data.skip_bad_lines` skips such lines instead,
-counted and reported in one line. Empty documents are left out; a corpus with none is refused.
+A text or JSON lines file whose name ends in `.gz` is decompressed as it is read. A JSON
+line that does not parse, is not an object, lacks the key or holds no string is refused,
+naming the file and line; `config.data.skip_bad_lines` skips such lines instead, counted
+and reported in one line. Empty documents are left out; a corpus with none is refused.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import glob
+import gzip
 import json
 import os
 import stat
 import sys
 import sysconfig
+import zlib
 from collections.abc import Callable
 
 from seqpipe.errors import DataError
@@ -31,7 +34,8 @@ from seqpipe.errors import DataError
 # Package dirs under the stdlib that hold tests or third-party code, not library text.
 _STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 # What a directory walk keeps for each source (a glob or a named file: what it names).
-_SUFFIXES = {"jsonl": (".jsonl", ".json"), "parquet": (".parquet",)}
+# A name ending in .gz is read through gzip, whatever the source but parquet.
+_SUFFIXES = {"jsonl": (".jsonl", ".json", ".jsonl.gz", ".json.gz"), "parquet": (".parquet",)}
 SOURCES_WITH_FILES = ("text", "jsonl", "parquet")
 
 # Lines said once per process, however often the corpus is listed.
@@ -60,9 +64,15 @@ def unreadable(path: str, e: OSError) -> DataError:
 
 
 def _read_bytes(path: str, size: int = -1) -> bytes:
+    """The file's bytes (the first `size`), decompressed if its name ends in `.gz`."""
     try:
-        with open(path, "rb") as f:
+        with (gzip.open if path.endswith(".gz") else open)(path, "rb") as f:
             return f.read(size)
+    except (EOFError, zlib.error, gzip.BadGzipFile) as e:  # BadGzipFile is an OSError
+        raise DataError(
+            f"{path} is not a whole gzip file ({str(e) or type(e).__name__}); compress it "
+            "again, or leave it out of data.path"
+        ) from None
     except OSError as e:
         raise unreadable(path, e) from None
 
