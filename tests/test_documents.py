@@ -98,6 +98,28 @@ def test_parquet_files_hold_one_document_per_row(tmp_path):
     assert read_docs(config) == TEXTS[:2]
 
 
+def test_parquet_dictionary_and_view_string_columns_are_read(tmp_path):
+    """A dictionary-encoded text column (issue 47: refused as not strings), as writers
+    store repeated text, is decoded; so are large strings and string views."""
+    repeated = [TEXTS[0], TEXTS[1], TEXTS[0], None, TEXTS[2], TEXTS[1]]
+    columns = {
+        "dictionary": pa.array(repeated).dictionary_encode(),
+        "large dictionary": pa.array(repeated, pa.large_string()).dictionary_encode(),
+        "view": pa.array(repeated, pa.string_view()),
+    }
+    for name, column in columns.items():
+        path = tmp_path / f"{name}.parquet"
+        pq.write_table(pa.table({"id": range(6), "text": column}), path, use_dictionary=True)
+        if "dictionary" in name:
+            assert pa.types.is_dictionary(pq.ParquetFile(path).schema_arrow.field("text").type)
+        config = config_for(tmp_path, "parquet", path, skip_bad_lines=True)
+        assert read_docs(config) == [t for t in repeated if t is not None]
+    raw = pa.table({"text": pa.array([b"a", b"b", b"a"]).dictionary_encode()})
+    pq.write_table(raw, tmp_path / "bytes.parquet")
+    with pytest.raises(loader.DataError, match=r"column 'text' holds dictionary<values=binary"):
+        read_docs(config_for(tmp_path, "parquet", tmp_path / "bytes.parquet"))
+
+
 def test_text_source_is_one_document_per_file(tmp_path):
     config = config_for(tmp_path, "text", os.path.join(EMAIL, "*.py"))
     assert read_docs(config) == [t for t in TEXTS if t]

@@ -370,14 +370,19 @@ def _parquet_docs(path: str, key: str, bad: BadLines) -> list[str]:
 
 
 def _check_column(path: str, schema, key: str, pa) -> None:
-    """The text column is there and holds strings."""
+    """The text column is there and holds strings (plain, large, views or a dictionary of
+    them)."""
     if key not in schema.names:
         raise DataError(
             f"{path} has no column {key!r} (its columns: {schema.names[:8]}); set "
             "data.text_key to the column that holds the text"
         )
     kind = schema.field(key).type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+    # A dictionary of strings is how Parquet writers store repeated text: to_pylist
+    # decodes it.
+    values = kind.value_type if pa.types.is_dictionary(kind) else kind
+    text = (pa.types.is_string, pa.types.is_large_string, pa.types.is_string_view)
+    if not any(is_text(values) for is_text in text):
         raise DataError(
             f"{path}: column {key!r} holds {kind}, not strings; set data.text_key to the "
             "column that holds the text"
