@@ -251,6 +251,10 @@ INVALID = {
         "data.source=text data.path={tmp}/short.txt data.eod_id=3",
         "data.eod_id=3 is for data.source=tokens",
     ),
+    "text_key with a source without fields": (
+        "data.text_key=body",
+        "data.text_key='body' is for data.source=jsonl or parquet",
+    ),
     "eod_id not below vocab_size": (
         "data.source=tokens data.path={tmp}/ids.bin data.tokenizer=bpe data.eod_id=256",
         "data.eod_id=256 is not below model.vocab_size=256",
