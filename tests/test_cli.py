@@ -197,7 +197,8 @@ INVALID = {
     "tokenizer file larger than vocab_size": (
         "data.source=tokens data.path={tmp}/ids.bin data.tokenizer=bpe "
         "data.tokenizer_path={tmp}/bpe300.json model.vocab_size=290",
-        "tokenizer has 300 symbols but model.vocab_size=290",
+        "data.tokenizer_path={tmp}/bpe300.json has ids up to 299 but model.vocab_size=290; "
+        "set model.vocab_size >= 300",
     ),
     "tokenizer file missing": (
         "data.source=tokens data.path={tmp}/ids.bin data.tokenizer=bpe "
@@ -249,6 +250,10 @@ INVALID = {
     "eod_id with a text source": (
         "data.source=text data.path={tmp}/short.txt data.eod_id=3",
         "data.eod_id=3 is for data.source=tokens",
+    ),
+    "text_key with a source without fields": (
+        "data.text_key=body",
+        "data.text_key='body' is for data.source=jsonl or parquet",
     ),
     "eod_id not below vocab_size": (
         "data.source=tokens data.path={tmp}/ids.bin data.tokenizer=bpe data.eod_id=256",

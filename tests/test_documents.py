@@ -1,9 +1,12 @@
 """Documents in (`seqpipe.data.documents`) and their tokens (`seqpipe.data`): real files written
 from the standard library's text, real tokenizers, every bad input in one line."""
 
+import gzip
 import json
 import os
+import shutil
 import sysconfig
+from pathlib import Path
 
 import ml_collections
 import numpy as np
@@ -15,6 +18,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from seqpipe.data import documents, loader
 from seqpipe.data import tokenizer as tok
 
+HF_MODEL = Path(__file__).resolve().parent / "fixtures" / "hf" / "llama_tied_mha"
 EMAIL = os.path.join(sysconfig.get_paths()["stdlib"], "email")
 # Real text: the email package's modules, one document each.
 TEXTS = [
@@ -94,9 +98,75 @@ def test_parquet_files_hold_one_document_per_row(tmp_path):
     assert read_docs(config) == TEXTS[:2]
 
 
+def test_parquet_dictionary_and_view_string_columns_are_read(tmp_path):
+    """A dictionary-encoded text column (issue 47: refused as not strings), as writers
+    store repeated text, is decoded; so are large strings and string views."""
+    repeated = [TEXTS[0], TEXTS[1], TEXTS[0], None, TEXTS[2], TEXTS[1]]
+    columns = {
+        "dictionary": pa.array(repeated).dictionary_encode(),
+        "large dictionary": pa.array(repeated, pa.large_string()).dictionary_encode(),
+        "view": pa.array(repeated, pa.string_view()),
+    }
+    for name, column in columns.items():
+        path = tmp_path / f"{name}.parquet"
+        pq.write_table(pa.table({"id": range(6), "text": column}), path, use_dictionary=True)
+        if "dictionary" in name:
+            assert pa.types.is_dictionary(pq.ParquetFile(path).schema_arrow.field("text").type)
+        config = config_for(tmp_path, "parquet", path, skip_bad_lines=True)
+        assert read_docs(config) == [t for t in repeated if t is not None]
+    raw = pa.table({"text": pa.array([b"a", b"b", b"a"]).dictionary_encode()})
+    pq.write_table(raw, tmp_path / "bytes.parquet")
+    with pytest.raises(loader.DataError, match=r"column 'text' holds dictionary<values=binary"):
+        read_docs(config_for(tmp_path, "parquet", tmp_path / "bytes.parquet"))
+
+
 def test_text_source_is_one_document_per_file(tmp_path):
     config = config_for(tmp_path, "text", os.path.join(EMAIL, "*.py"))
     assert read_docs(config) == [t for t in TEXTS if t]
+
+
+def test_gzip_files_read_as_the_files_they_hold(tmp_path):
+    """`.jsonl.gz`, `.json.gz` and `.txt.gz` are decompressed as they are read (issue 47:
+    a .jsonl.gz was "not UTF-8"); a directory walk keeps .jsonl.gz beside .jsonl."""
+    half = len(TEXTS) // 2
+    (tmp_path / "corpus").mkdir()
+    write_jsonl(tmp_path / "corpus" / "a.jsonl", [{"text": t} for t in TEXTS[:half]])
+    lines = "\n\n".join(json.dumps({"text": t}) for t in TEXTS[half:]) + "\n"
+    with gzip.open(tmp_path / "corpus" / "b.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.write(lines)
+    assert read_docs(config_for(tmp_path, "jsonl", tmp_path / "corpus")) == TEXTS
+    one = config_for(tmp_path, "jsonl", tmp_path / "corpus" / "b.jsonl.gz")
+    assert read_docs(one) == TEXTS[half:]
+    (tmp_path / "doc.txt.gz").write_bytes(gzip.compress(TEXTS[0].encode()))
+    config = config_for(tmp_path, "text", tmp_path / "doc.txt.gz")
+    assert read_docs(config) == TEXTS[:1]
+    train, held_out, _ = loader.read_corpus(config)  # tokens of the text, not of the gzip
+    tokens = np.concatenate([train.tokens, held_out.tokens])
+    assert bytes(tokens.astype(np.uint8)) == TEXTS[0].encode()
+
+
+def test_a_bad_line_in_a_gzip_file_or_a_damaged_gzip_is_one_line(tmp_path):
+    body = "".join(json.dumps({"text": t}) + "\n" for t in TEXTS[:3]) + '{"text": 1\n'
+    whole = gzip.compress(body.encode())
+    (tmp_path / "bad.jsonl.gz").write_bytes(whole)
+    with pytest.raises(loader.DataError, match=r"bad.jsonl.gz:4 is not valid JSON"):
+        loader.read_corpus(config_for(tmp_path, "jsonl", tmp_path / "bad.jsonl.gz"))
+    damaged = bytearray(whole)
+    damaged[40:60] = b"x" * 20
+    cases = {
+        "cut": (whole[: len(whole) // 2], "Compressed file ended before the end-of-stream"),
+        "damaged": (bytes(damaged), "Error -3 while decompressing data"),
+        "not gzip": (body.encode(), "Not a gzipped file"),
+    }
+    for name, (content, reason) in cases.items():
+        path = tmp_path / f"{name}.jsonl.gz"
+        path.write_bytes(content)
+        with pytest.raises(loader.DataError) as e:
+            loader.read_corpus(config_for(tmp_path, "jsonl", path))
+        assert str(e.value).startswith(f"{path} is not a whole gzip file ({reason}")
+        assert str(e.value).endswith("; compress it again, or leave it out of data.path")
+        assert "\n" not in str(e.value)
+    assert not (tmp_path / "cache").exists() or not os.listdir(tmp_path / "cache")
 
 
 # ---------------------------------------------------------------- tokens of documents
@@ -180,6 +250,44 @@ def test_token_file_documents_end_after_each_eod_id(tmp_path):
         loader.read_corpus(config)
 
 
+def sparse_tokenizer(directory, top: int):
+    """A copy of a HF model directory whose tokenizer (96 entries) has its last token moved
+    to id `top`: a vocabulary with a gap, whose count fits a small model but ids do not."""
+    shutil.copytree(HF_MODEL, directory)
+    spec = json.loads((directory / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    vocab[max(vocab, key=vocab.get)] = top
+    (directory / "tokenizer.json").write_text(json.dumps(spec))
+    return directory
+
+
+@pytest.mark.parametrize("setting", ["file", "hf", "tokenizer_path"])
+def test_tokenizer_ids_past_model_vocab_are_refused_before_any_token_is_cached(tmp_path, setting):
+    """Its 96 entries fit model.vocab_size=512; its ids, up to 1322, do not (issue 47)."""
+    directory = sparse_tokenizer(tmp_path / "model", 1322)
+    file = directory / "tokenizer.json"
+    keys = {
+        "file": dict(tokenizer=str(file)),
+        "hf": dict(tokenizer=f"hf:{directory}"),
+        "tokenizer_path": dict(tokenizer="bpe", tokenizer_path=str(file)),
+    }[setting]
+    path = write_jsonl(tmp_path / "c.jsonl", [{"text": t + "}"} for t in TEXTS])
+    config = config_for(tmp_path, "jsonl", path, **keys)
+    assert Tokenizer.from_file(str(file)).get_vocab_size() == 96
+    named = "data.tokenizer_path" if setting == "tokenizer_path" else "data.tokenizer"
+    with pytest.raises(loader.DataError) as e:
+        loader.read_corpus(config)
+    assert str(e.value).startswith(f"{named}={keys.get('tokenizer_path') or keys['tokenizer']} ")
+    assert str(e.value).endswith(
+        " has ids up to 1322 but model.vocab_size=512; set model.vocab_size >= 1323, or use a "
+        "tokenizer whose ids are below 512 (the model's own)"
+    )
+    assert not (tmp_path / "cache").exists() or not os.listdir(tmp_path / "cache")
+    config.model.vocab_size = 1323  # room for every id: read, and the ids are all there
+    train, _, _ = loader.read_corpus(config)
+    assert train.tokens.max() == 1322
+
+
 # ---------------------------------------------------------------- bad input
 
 BAD_JSONL = {
@@ -188,10 +296,15 @@ BAD_JSONL = {
         '{"text": "a"}\n{"body": "b"}\n',
         r"c.jsonl:2 has no 'text' field \(keys \['body'\]\)",
     ),
-    "not an object": (
+    # A line that is no object has no field for data.text_key to name (issue 47).
+    "an array": (
         '{"text": "a"}\n\n["b"]\n',
-        r"c.jsonl:3 has no 'text' field \(not an object\)",
+        r"c.jsonl:3 is not a JSON object but an array; write each document as an object with "
+        r"its text in the 'text' field, e.g. \{\"text\": \"...\"\}; fix it",
     ),
+    "a string": ('"just text"\n', r"c.jsonl:1 is not a JSON object but a string; write each"),
+    "a number": ('{"text": "a"}\n3.5\n', r"c.jsonl:2 is not a JSON object but a number; write"),
+    "null": ("null\n", r"c.jsonl:1 is not a JSON object but null; write each document"),
     "text not a string": ('{"text": 3}\n', r"c.jsonl:1 has a int in 'text', not a string"),
     "not UTF-8": (b'{"text": "\xff"}\n', r"c.jsonl:1 is not UTF-8"),
 }
@@ -252,7 +365,9 @@ def test_an_empty_corpus_is_refused(tmp_path):
         read_docs(config_for(tmp_path, "jsonl", tmp_path / "e.jsonl"))
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "x.txt").write_text("text, but not JSON lines")
-    with pytest.raises(loader.DataError, match=r"matches no jsonl files \(.jsonl, .json\)"):
+    with pytest.raises(
+        loader.DataError, match=r"matches no jsonl files \(.jsonl, .json, .jsonl.gz, .json.gz\)"
+    ):
         read_docs(config_for(tmp_path, "jsonl", tmp_path / "d"))
 
 

@@ -203,9 +203,34 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_one_line(tmp_path):
     )
     assert result.returncode == 2
     assert result.stderr.strip() == (
-        "error: tokenizer has 200 symbols but model.vocab_size=96; set model.vocab_size >= 200"
+        f"error: data.tokenizer=hf:{target} has ids up to 199 but model.vocab_size=96; set "
+        "model.vocab_size >= 200, or use a tokenizer whose ids are below 96 (the model's own)"
     )
     assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.parametrize("where", ["in DIR", "data.tokenizer"])
+def test_tokenizer_ids_past_the_vocabulary_are_one_line_and_nothing_is_cached(tmp_path, where):
+    """A tokenizer of 96 entries whose ids run to 1322 (a vocabulary with a gap), in the
+    model's directory or named by data.tokenizer: its count fits the model's 96 rows, its
+    ids do not; refused before a token is cached (issue 47)."""
+    target = _copy(tmp_path)
+    spec = json.loads((GQA / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    vocab[max(vocab, key=vocab.get)] = 1322
+    file = target / "tokenizer.json" if where == "in DIR" else tmp_path / "T.json"
+    file.write_text(json.dumps(spec))
+    named = f"hf:{target}" if where == "in DIR" else str(file)
+    result = run(
+        ["--config", f"hf:{target}", "--workdir", str(tmp_path / "w"), *run_args(tmp_path)]
+        + ([f"--config.data.tokenizer={file}"] if where != "in DIR" else []),
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        f"error: data.tokenizer={named} has ids up to 1322 but model.vocab_size=96; set "
+        "model.vocab_size >= 1323, or use a tokenizer whose ids are below 96 (the model's own)"
+    )
+    assert not (tmp_path / "w").exists() and not (tmp_path / "cache").exists()
 
 
 def test_a_truncated_shard_stops_the_run_in_one_line(tmp_path):

@@ -242,3 +242,20 @@ def test_every_key_is_checked_for_type_and_range(key):
         message = str(info.value)
         assert message.startswith(f"{key}={value!r} "), message
         assert "\n" not in message
+
+
+@pytest.mark.parametrize("source", ["stdlib", "text", "tokens"])
+def test_a_text_key_for_a_source_without_fields_is_refused_in_one_line(source):
+    """data.text_key names a JSON field or Parquet column; elsewhere it was ignored
+    without a word (issue 47). Its default passes with every source."""
+    path = {"data.path": "corpus"}  # checked when read, not here
+    config_lib.load("tiny", {"data.source": source, **path})  # the default: accepted
+    with pytest.raises(config_lib.ConfigError) as e:
+        config_lib.load("tiny", {"data.source": source, "data.text_key": "body", **path})
+    assert str(e.value) == (
+        f"data.text_key='body' is for data.source=jsonl or parquet (the field or column that "
+        f"holds each document's text); data.source={source} has no fields: leave "
+        "data.text_key=text, or set data.source"
+    )
+    for keyed in config_lib.TEXT_KEY_SOURCES:
+        config_lib.load("tiny", {"data.source": keyed, "data.text_key": "body", **path})

@@ -10,20 +10,23 @@ Sources (`config.data.source`), each a list of documents:
   parquet  the same, of Parquet files (as HuggingFace datasets are published): one
            document per row of the `config.data.text_key` column.
 
-A JSON line that does not parse, lacks the key or holds no string is refused, naming the
-file and line; `config.data.skip_bad_lines` skips such lines instead, counted and
-reported in one line. Empty documents are left out; a corpus with none is refused.
+A text or JSON lines file whose name ends in `.gz` is decompressed as it is read. A JSON
+line that does not parse, is not an object, lacks the key or holds no string is refused,
+naming the file and line; `config.data.skip_bad_lines` skips such lines instead, counted
+and reported in one line. Empty documents are left out; a corpus with none is refused.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import glob
+import gzip
 import json
 import os
 import stat
 import sys
 import sysconfig
+import zlib
 from collections.abc import Callable
 
 from seqpipe.errors import DataError
@@ -31,7 +34,8 @@ from seqpipe.errors import DataError
 # Package dirs under the stdlib that hold tests or third-party code, not library text.
 _STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 # What a directory walk keeps for each source (a glob or a named file: what it names).
-_SUFFIXES = {"jsonl": (".jsonl", ".json"), "parquet": (".parquet",)}
+# A name ending in .gz is read through gzip, whatever the source but parquet.
+_SUFFIXES = {"jsonl": (".jsonl", ".json", ".jsonl.gz", ".json.gz"), "parquet": (".parquet",)}
 SOURCES_WITH_FILES = ("text", "jsonl", "parquet")
 
 # Lines said once per process, however often the corpus is listed.
@@ -60,9 +64,15 @@ def unreadable(path: str, e: OSError) -> DataError:
 
 
 def _read_bytes(path: str, size: int = -1) -> bytes:
+    """The file's bytes (the first `size`), decompressed if its name ends in `.gz`."""
     try:
-        with open(path, "rb") as f:
+        with (gzip.open if path.endswith(".gz") else open)(path, "rb") as f:
             return f.read(size)
+    except (EOFError, zlib.error, gzip.BadGzipFile) as e:  # BadGzipFile is an OSError
+        raise DataError(
+            f"{path} is not a whole gzip file ({str(e) or type(e).__name__}); compress it "
+            "again, or leave it out of data.path"
+        ) from None
     except OSError as e:
         raise unreadable(path, e) from None
 
@@ -310,14 +320,28 @@ def _jsonl_docs(path: str, key: str, bad: BadLines) -> list[str]:
         except ValueError as e:
             bad(where, f"is not valid JSON ({getattr(e, 'msg', e)})")
             continue
-        if not isinstance(record, dict) or key not in record:
-            has = f"keys {sorted(record)[:8]}" if isinstance(record, dict) else "not an object"
+        if not isinstance(record, dict):  # data.text_key cannot help: there are no fields
+            bad(
+                where,
+                f"is not a JSON object but {_json_kind(record)}; write each document as an "
+                f'object with its text in the {key!r} field, e.g. {{{json.dumps(key)}: "..."}}',
+            )
+        elif key not in record:
+            has = f"keys {sorted(record)[:8]}"
             bad(where, f"has no {key!r} field ({has}); set data.text_key to the text's field")
         elif not isinstance(record[key], str):
             bad(where, f"has a {type(record[key]).__name__} in {key!r}, not a string")
         else:
             docs.append(record[key])
     return docs
+
+
+def _json_kind(value) -> str:
+    """What a parsed JSON value is, in JSON's words."""
+    if value is None or isinstance(value, bool):
+        return json.dumps(value)  # null, true, false
+    kinds = {str: "a string", int: "a number", float: "a number", list: "an array"}
+    return kinds[type(value)]
 
 
 def _parquet_docs(path: str, key: str, bad: BadLines) -> list[str]:
@@ -346,14 +370,19 @@ def _parquet_docs(path: str, key: str, bad: BadLines) -> list[str]:
 
 
 def _check_column(path: str, schema, key: str, pa) -> None:
-    """The text column is there and holds strings."""
+    """The text column is there and holds strings (plain, large, views or a dictionary of
+    them)."""
     if key not in schema.names:
         raise DataError(
             f"{path} has no column {key!r} (its columns: {schema.names[:8]}); set "
             "data.text_key to the column that holds the text"
         )
     kind = schema.field(key).type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+    # A dictionary of strings is how Parquet writers store repeated text: to_pylist
+    # decodes it.
+    values = kind.value_type if pa.types.is_dictionary(kind) else kind
+    text = (pa.types.is_string, pa.types.is_large_string, pa.types.is_string_view)
+    if not any(is_text(values) for is_text in text):
         raise DataError(
             f"{path}: column {key!r} holds {kind}, not strings; set data.text_key to the "
             "column that holds the text"

@@ -143,10 +143,16 @@ def load_tokenizer(config) -> Tokenizer:
         t = _load_named(kind)
     else:
         raise DataError(f"data.tokenizer={kind!r} is unknown; use 'bpe' or 'byte'")
-    if t.vocab_size > vocab:
+    # Before any token is cached: XLA's gather of an id past the embedding is undefined.
+    if t.num_ids > vocab:
+        path = config.data.get("tokenizer_path")
+        setting = (
+            f"data.tokenizer_path={path}" if kind == "bpe" and path else f"data.tokenizer={kind}"
+        )
         raise DataError(
-            f"tokenizer has {t.vocab_size} symbols but model.vocab_size={vocab}; "
-            f"set model.vocab_size >= {t.vocab_size}"
+            f"{setting} has ids up to {t.num_ids - 1} but model.vocab_size={vocab}; set "
+            f"model.vocab_size >= {t.num_ids}, or use a tokenizer whose ids are below {vocab} "
+            "(the model's own)"
         )
     return t
 
@@ -158,19 +164,20 @@ def _load_named(kind: str) -> tok.BpeTokenizer:
     path = os.path.join(kind[3:], "tokenizer.json") if kind.startswith("hf:") else kind
     t = _bpe_file(path, f"data.tokenizer={kind}: {path}")
     if t.eot_id is None and kind.startswith("hf:"):
-        t.eot_id = _model_eos(kind[3:], t.vocab_size)
+        t.eot_id = _model_eos(kind[3:], t.num_ids)
     return t
 
 
-def _model_eos(directory: str, vocab_size: int) -> int | None:
-    """The eos_token_id of DIR/config.json (the first, if a list), or None."""
+def _model_eos(directory: str, num_ids: int) -> int | None:
+    """The eos_token_id of DIR/config.json (the first, if a list) if it is one of the
+    tokenizer's `num_ids`, else None."""
     try:
         with open(os.path.join(directory, "config.json")) as f:
             eos = json.load(f).get("eos_token_id")
     except (OSError, ValueError, AttributeError):
         return None  # train.init_from's checks say what is wrong with a config.json
     eos = eos[0] if isinstance(eos, list) and eos else eos
-    if isinstance(eos, int) and not isinstance(eos, bool) and 0 <= eos < vocab_size:
+    if isinstance(eos, int) and not isinstance(eos, bool) and 0 <= eos < num_ids:
         return eos
     return None
 
@@ -302,7 +309,7 @@ def _encode_corpus(config, t: Tokenizer) -> Stream:
 def _tokenize(docs: list[str], t: Tokenizer) -> tuple[np.ndarray, np.ndarray]:
     """(stream, each document's token count): each document encoded with the tokenizer's
     special tokens, then its end-of-document id unless it ends with it already."""
-    dtype = np.uint16 if t.vocab_size <= 2**16 else np.uint32
+    dtype = np.uint16 if t.num_ids <= 2**16 else np.uint32
     if isinstance(t, tok.ByteTokenizer):
         # Bytes are their own ids: skip the Python lists.
         encoded = [d.encode("utf-8") for d in docs]

@@ -1,9 +1,10 @@
 """Tokenizers: raw bytes (256 symbols) and a byte-level BPE trained with HF `tokenizers`.
 
 Both expose the same small surface: `encode`, `encode_batch`, `decode`, `vocab_size`,
-`eot_id` (the id appended after each document, or None; `seqpipe.data` sets a HF
-model's eos_token_id where the tokenizer has no <|endoftext|>) and `to_json` (a stable
-description, hashed to key the token cache).
+`num_ids` (one past the largest id: what the model's embedding must hold), `eot_id` (the
+id appended after each document, or None; `seqpipe.data` sets a HF model's eos_token_id
+where the tokenizer has no <|endoftext|>) and `to_json` (a stable description, hashed to
+key the token cache).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ EOT = "<|endoftext|>"
 
 class Tokenizer(Protocol):
     vocab_size: int
+    num_ids: int
     eot_id: int | None
 
     def encode(self, text: str) -> list[int]: ...
@@ -31,7 +33,7 @@ class Tokenizer(Protocol):
 class ByteTokenizer:
     """UTF-8 bytes as ids. No room for an end-of-text id: documents are just concatenated."""
 
-    vocab_size = 256
+    vocab_size = num_ids = 256
     eot_id = None
 
     def encode(self, text: str) -> list[int]:
@@ -54,6 +56,9 @@ class BpeTokenizer:
     def __init__(self, hf: HFTokenizer):
         self.hf = hf
         self.vocab_size = hf.get_vocab_size()
+        # Ids need not be dense (a vocabulary with gaps): the largest, not the count, is
+        # what must fit the model. Added tokens and the end-of-document id are among them.
+        self.num_ids = max(hf.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         self.eot_id = hf.token_to_id(EOT)
 
     def encode(self, text: str) -> list[int]:

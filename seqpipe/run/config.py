@@ -22,6 +22,7 @@ SCHEDULES = ("none", *schedule.SCHEDULES)  # "none": no pipeline (mesh.stage = 1
 PARTITIONS = ("uniform", "flops")
 DTYPES = ("float32", "bfloat16", "float16")
 SOURCES = ("stdlib", "text", "jsonl", "parquet", "tokens")
+TEXT_KEY_SOURCES = ("jsonl", "parquet")  # the sources whose documents sit in a field
 PACKINGS = ("none", "concat", "best_fit")  # seqpipe.data.packing.PACKINGS
 TOKENIZERS = ("bpe", "byte")
 HF = "hf:"  # a HuggingFace model directory (`seqpipe.hf`), as a config, weights or tokenizer
@@ -532,10 +533,19 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
 
 def _validate_documents(d: ml_collections.ConfigDict, vocab_size: int) -> None:
     """Where documents come from and end: text_key, eod_id and packing's needs."""
+    keyed = d.source in TEXT_KEY_SOURCES
     _require(
-        d.source not in ("jsonl", "parquet") or d.text_key,
+        not keyed or d.text_key,
         f"data.source={d.source} needs data.text_key, the field that holds each document's "
         "text (e.g. text)",
+    )
+    # Only a value other than the default can be told apart from one left as it is.
+    default = _data_defaults()["text_key"]
+    _require(
+        keyed or d.text_key == default,
+        f"data.text_key={d.text_key!r} is for data.source=jsonl or parquet (the field or "
+        f"column that holds each document's text); data.source={d.source} has no fields: "
+        f"leave data.text_key={default}, or set data.source",
     )
     _require(
         d.eod_id == -1 or d.source == "tokens",
