@@ -308,6 +308,10 @@ def hf_config(model: Mapping, dtype: str, base: Mapping | None = None, context: 
         dtype=dtype,
         torch_dtype=dtype,
     )
+    for key in ("bos_token_id", "eos_token_id"):
+        # Unknown unless `base` says: transformers would fill in its architecture's defaults
+        # (Arcee's 128000 and 128001), ids of some other tokenizer.
+        out.setdefault(key, None)
     out["max_position_embeddings"] = max(
         out.get("max_position_embeddings") or _max_positions(scaling), context
     )
