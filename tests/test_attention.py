@@ -405,3 +405,28 @@ def test_without_a_pipeline_each_data_shard_runs_whole_and_the_mean_is_the_batch
     np.testing.assert_allclose(shard_loss, loss, rtol=1e-6)
     for got, want in zip(jax.tree.leaves(shard_grads), jax.tree.leaves(grads), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "platform, pinned",
+    [("tpu", [True, False, False, True]), ("gpu", [True] * 4), ("cpu", [False] * 4)],
+)
+def test_the_caches_are_pinned_row_major_where_the_platform_gains(platform, pinned):
+    """GPUs pin every carried buffer, CPUs none; a TPU those whose two minor dimensions
+    fill whole tiles (16 rows of 16-bit words, 8 of 32-bit, by 128 lanes): gpt_1b's 16 K/V
+    heads of 128, not gpt_30b's 7 local heads of 96 under tensor 8 nor heads of 64."""
+    shapes = [
+        ((6, 3, 4, 1536, 16, 128), jnp.uint16),
+        ((6, 3, 4, 1536, 7, 96), jnp.uint16),
+        ((6, 3, 4, 1536, 8, 64), jnp.uint16),
+        ((4, 1536, 8, 128), jnp.float32),
+    ]
+    arrays = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
+
+    def traced(*xs):
+        with kv_cache.layouts_for(platform):
+            return kv_cache.row_major(xs)
+
+    jaxpr = jax.make_jaxpr(traced)(*arrays).jaxpr
+    constrained = {e.invars[0] for e in jaxpr.eqns if e.primitive.name == "layout_constraint"}
+    assert [v in constrained for v in jaxpr.invars] == pinned

@@ -21,14 +21,21 @@ import numpy as np
 from flax import struct
 from jax.experimental.layout import Layout, with_layout_constraint
 
-# Whether the executor's carried buffers are pinned row-major (`row_major`), by the
-# platform compiled for. Measured 2026-12-05, compile-only on 2 CPU cores:
-# - GPU: pinned, or XLA transposed the whole stash between the tick's loops and a layer
-#   scan (0.66 TB moved a step, gpt_1b seq1f1b K=4 on an H200);
-# - TPU: free, or the compiler keeps extra copies in its own tiled layouts (gpt_30b at
-#   65536 on v5p-128, seq1f1b K=4 M=16, remat none: 82.4 GiB a chip pinned, 53.8 free);
-# - CPU: its layouts are row-major anyway.
-PIN_ROW_MAJOR = {"gpu": True, "cuda": True, "rocm": True, "tpu": False, "cpu": False}
+# Which of the executor's carried buffers are pinned row-major (`row_major`), by the
+# platform compiled for: "all", "whole_tiles" or "none". Measured compile-only on 2 CPU cores:
+# - GPU, all: else XLA transposed the whole stash between the tick's loops and a layer scan
+#   (0.66 TB moved a step, gpt_1b seq1f1b K=4 on an H200; 2026-12-05).
+# - TPU, whole_tiles: the TPU tiles an array's two minor dimensions (`_whole_tiles`). A
+#   buffer whose row-major minor dimensions fill whole tiles is pinned, else each loop
+#   re-lays it and XLA copies whole K/V caches between them (gpt_1b on v5p-16, seq1f1b 8
+#   stages M=8 K=4: 9.64 GiB a chip pinned, 11.09 free). One whose minor dimensions would be
+#   padded (7 local K/V heads of 96 under tensor 8) is left to the compiler, which lays it
+#   heads-major (gpt_30b at 65536 on v5p-128, seq1f1b K=4 M=16, remat none: 82.41 GiB
+#   pinned, 53.76 left free or by this rule). 2026-12-07.
+# - CPU, none: its layouts are row-major anyway.
+PIN_ROW_MAJOR = {"gpu": "all", "cuda": "all", "rocm": "all", "tpu": "whole_tiles", "cpu": "none"}
+# A TPU tile: 8 rows of 32-bit words (16 of 16-bit, 32 of 8-bit) by 128 lanes.
+TPU_TILE_BYTES, TPU_LANES = 8 * 4, 128
 # The platform a trace is for (`layouts_for`). A trace-time setting, as XLA's layouts are,
 # rather than a flag threaded through every buffer view; unset (a unit compiled alone,
 # outside the executor), buffers are pinned.
@@ -45,9 +52,18 @@ def layouts_for(platform: str):
         _PLATFORM.reset(token)
 
 
-def pins_row_major() -> bool:
-    """Whether `row_major` pins layouts in the trace under way."""
-    return PIN_ROW_MAJOR.get(_PLATFORM.get(), True)
+def pins_row_major(x: jax.Array) -> bool:
+    """Whether `row_major` pins `x`'s layout in the trace under way."""
+    policy = PIN_ROW_MAJOR.get(_PLATFORM.get(), "all")
+    if x.ndim < 2 or policy == "none":
+        return False
+    return policy == "all" or _whole_tiles(x)
+
+
+def _whole_tiles(x: jax.Array) -> bool:
+    """Whether `x`'s two minor dimensions, row-major, fill whole TPU tiles."""
+    rows = TPU_TILE_BYTES // np.dtype(x.dtype).itemsize
+    return x.shape[-2] % rows == 0 and x.shape[-1] % TPU_LANES == 0
 
 
 def storage_dtype(dtype) -> np.dtype:
@@ -78,12 +94,8 @@ def row_major(tree):
     itself lays a buffer out as its own use prefers, and XLA transposes the whole buffer
     between loops that differ (a unit's loop and its layer scan, two units' loops). Only
     where that helps the platform compiled for (`PIN_ROW_MAJOR`)."""
-    if not pins_row_major():
-        return tree
-    return jax.tree.map(
-        lambda x: with_layout_constraint(x, Layout(tuple(range(x.ndim)))) if x.ndim > 1 else x,
-        tree,
-    )
+    row_major = lambda x: with_layout_constraint(x, Layout(tuple(range(x.ndim))))  # noqa: E731
+    return jax.tree.map(lambda x: row_major(x) if pins_row_major(x) else x, tree)
 
 
 @struct.dataclass
