@@ -84,3 +84,13 @@ def test_a_disk_that_fills_up_leaves_nothing(tmp_path, where):
         out = small / "a" / "out" if where == "new" else small
         _refused(out, f"--out {out}: no space left on device", size=1 << 20)
         assert list(small.iterdir()) == []
+
+
+def test_a_fill_that_fails_leaves_nothing_not_even_the_parents_it_made(tmp_path):
+    def fails(scratch: Path) -> None:
+        _files(scratch)
+        raise ValueError("the weights fit no format")
+
+    with pytest.raises(ValueError, match="fit no format"):
+        directories.write_new(tmp_path / "a" / "b" / "out", fails)
+    assert list(tmp_path.iterdir()) == []

@@ -89,9 +89,11 @@ def write_new(
                 os.rename(scratch, target)
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
-    except OSError as e:
+    except BaseException as e:
         for parent in reversed(made):
             shutil.rmtree(parent, ignore_errors=True)
+        if not isinstance(e, OSError):
+            raise
         reason = _REASONS.get(e.errno, e.strerror or str(e))
         raise OutputError(f"{flag} {target}: {reason}") from None
 
