@@ -46,8 +46,38 @@ def test_the_default_rows_keep_the_shapes_that_matter():
     assert all(o["pipeline.segments"] >= 4 and o["model.d_model"] >= 512 for o in over)
     schedules = {o["pipeline.schedule"] for o in over}
     assert {"seq_zb_h1", "seq1f1b_interleaved"} <= schedules
+    # K/V heads that fill whole TPU tiles (16 of 128, gpt_1b's), where the TPU's layouts
+    # decide 13% of the step (docs/performance.md, TPU layouts)
+    assert any(
+        r["target"].startswith("v5p")
+        and r["overrides"]["model.num_heads"] >= 16
+        and r["overrides"]["model.d_model"] // r["overrides"]["model.num_heads"] == 128
+        for r in rows
+    )
     paper = {(r["config"], r["target"]) for r in budgets.rows_of(DATA, "paper")}
     assert {("gpt_30b", "v5p-128"), ("gpt_1b.py", "h200")} <= paper
+
+
+def test_the_docs_quote_each_rows_peak():
+    """Each line a row names (`quoted`: the README's headline table, the docs' tables) holds
+    the row's peak, and every compile figure of the README's headline table is a row: a
+    budget rewritten with `make budgets-update` shows which lines to rewrite."""
+    wrong, quoting = [], []
+    for row in DATA["rows"]:
+        for file, fragment, decimals in row.get("quoted", []):
+            figure = f"{row['peak_bytes'] / GiB:.{decimals}f}"
+            lines = [ln for ln in (budgets.REPO / file).read_text().splitlines() if fragment in ln]
+            assert lines, f"{row['name']}: {file} has no line with {fragment!r}"
+            wrong += [
+                f"{row['name']}: {file} quotes {ln!r}, not {figure}"
+                for ln in lines
+                if figure not in ln
+            ]
+            quoting += [ln for ln in lines if file == "README.md"]
+    assert not wrong, "\n".join(wrong)
+    readme = (budgets.REPO / "README.md").read_text().splitlines()
+    unbudgeted = [ln for ln in readme if "**compile-only:**" in ln and ln not in quoting]
+    assert not unbudgeted, f"README compile figures without a budget row: {unbudgeted}"
 
 
 ROW = {"name": "r", "suite": "default", "target": "v5p-8", "config": "tiny", "overrides": {}}
