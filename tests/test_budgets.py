@@ -47,7 +47,7 @@ def test_the_default_rows_keep_the_shapes_that_matter():
     schedules = {o["pipeline.schedule"] for o in over}
     assert {"seq_zb_h1", "seq1f1b_interleaved"} <= schedules
     # K/V heads that fill whole TPU tiles (16 of 128, gpt_1b's), where the TPU's layouts
-    # decide 13% of the step (docs/performance.md, TPU layouts)
+    # decide 19% of the step (docs/performance.md, TPU layouts)
     assert any(
         r["target"].startswith("v5p")
         and r["overrides"]["model.num_heads"] >= 16
