@@ -15,6 +15,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from seqpipe.host import files
+
 _REASONS = {
     errno.EROFS: "the file system is read-only",
     errno.EACCES: "permission denied",
@@ -27,12 +29,6 @@ _REASONS = {
 
 class OutputError(ValueError):
     """The output directory cannot be written; the message is one line saying why."""
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def _exists(path: Path) -> bool:
@@ -100,7 +96,7 @@ def write_new(
 
 def _filled(scratch: Path, fill: Callable[[Path], None]) -> None:
     fill(scratch)
-    mask = _umask()
+    mask = files.umask()
     scratch.chmod(0o777 & ~mask)
     for p in scratch.iterdir():
         p.chmod((0o777 if p.is_dir() else 0o666) & ~mask)

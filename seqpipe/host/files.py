@@ -32,7 +32,8 @@ def remove_temporaries() -> None:
             pass
 
 
-def _umask() -> int:
+def umask() -> int:
+    """The process's umask (read by setting it, then put back)."""
     mask = os.umask(0)
     os.umask(mask)
     return mask
@@ -64,7 +65,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> 
     try:
         # mkstemp makes the file 0600; a cache shared between users needs what a plain
         # open() would have given.
-        os.fchmod(fd, 0o666 & ~_umask())
+        os.fchmod(fd, 0o666 & ~umask())
         with os.fdopen(fd, "wb") as f:
             write(f)
         os.replace(tmp, path)

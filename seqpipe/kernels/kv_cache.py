@@ -94,8 +94,8 @@ def row_major(tree):
     itself lays a buffer out as its own use prefers, and XLA transposes the whole buffer
     between loops that differ (a unit's loop and its layer scan, two units' loops). Only
     where that helps the platform compiled for (`PIN_ROW_MAJOR`)."""
-    row_major = lambda x: with_layout_constraint(x, Layout(tuple(range(x.ndim))))  # noqa: E731
-    return jax.tree.map(lambda x: row_major(x) if pins_row_major(x) else x, tree)
+    pin = lambda x: with_layout_constraint(x, Layout(tuple(range(x.ndim))))  # noqa: E731
+    return jax.tree.map(lambda x: pin(x) if pins_row_major(x) else x, tree)
 
 
 @struct.dataclass
