@@ -433,3 +433,15 @@ def test_live_rope_scalings_equal_transformers(tmp_path, rope):
     print(f"{rope}: max |logit - transformers| {error:.2e}")
     assert error <= LOGIT_ATOL
     assert abs(float(model.loss(params, tokens, cfg)) - loss) <= LOSS_RTOL * loss
+
+
+def test_export_flags_missing_are_one_line_with_the_usage(capsys):
+    from seqpipe.hf import __main__ as export_cli
+
+    with pytest.raises(SystemExit) as e:
+        export_cli.parse(["export", "--workdir", "W"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == (
+        "error: the following arguments are required: --out; usage: python -m seqpipe.hf "
+        "export --workdir W [--step N] [--dtype D] --out DIR\n"
+    )

@@ -29,17 +29,9 @@ from seqpipe.train import checkpoint
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        self.exit(
-            2,
-            f"error: {message}; usage: python -m seqpipe.hf export --workdir W [--step N] "
-            "[--dtype D] --out DIR\n",
-        )
-
-
 def parse(argv: list[str]) -> argparse.Namespace:
-    parser = _Parser(prog="python -m seqpipe.hf")
+    parser = cli._Parser(prog="python -m seqpipe.hf")
+    parser.usage_line = "export --workdir W [--step N] [--dtype D] --out DIR"
     parser.add_argument("command", choices=("export",))
     parser.add_argument("--workdir", required=True, help="the run's directory")
     parser.add_argument("--step", type=int, default=None, help="its checkpoint (default newest)")

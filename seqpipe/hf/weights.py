@@ -236,8 +236,9 @@ def _read_leaf(reader, t: Tensor, shape, dtype, index, layers_at: Callable | Non
 def _finite(block: np.ndarray, name: str, reader: Reader) -> np.ndarray:
     """The block, or HFError naming the tensor: a NaN or inf in a weight would make every
     training step non-finite (and be skipped), with nothing saying where it came from."""
-    if not np.isfinite(block).all():
-        bad = int(np.size(block) - np.isfinite(block).sum())
+    finite = np.isfinite(block)
+    if not finite.all():
+        bad = int(finite.size - np.count_nonzero(finite))
         raise HFError(
             f"{reader.directory}: tensor {name} holds {bad} NaN or infinite values; the "
             "checkpoint is damaged: download it again"

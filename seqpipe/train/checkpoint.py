@@ -299,9 +299,7 @@ def read_params(step_dir: Path, params_of: Any) -> tuple[dict, Any]:
     file does not read or a checksum differs (`seqpipe.hf export` then tries another)."""
     _drop_failed_reads()
     try:
-        meta = ocp.JsonCheckpointHandler().restore(step_dir / "meta", args=ocp.args.JsonRestore())
-        if not isinstance(meta, dict):
-            raise Damaged(f"meta holds {type(meta).__name__}, not a dict")
+        meta = _json_item(step_dir, "meta")
         item = {"params": params_of(meta)}
         shardings = jax.tree.map(lambda x: x.sharding, item)
         restore_args = ocp.checkpoint_utils.construct_restore_args(item, shardings)
@@ -367,10 +365,7 @@ def _read_step(manager, step: int, abstract_state: Any, config: ConfigDict, data
     a barrier of all processes after reading, and a process whose read raised skips it,
     so the others would pair that barrier with its next collective and hang or fail."""
     step_dir = Path(manager.directory) / str(step)
-    json = ocp.JsonCheckpointHandler()
-    meta = json.restore(step_dir / "meta", args=ocp.args.JsonRestore())
-    if not isinstance(meta, dict):
-        raise Damaged(f"meta holds {type(meta).__name__}, not a dict")
+    meta = _json_item(step_dir, "meta")
     expected = metadata(config)
     where = f"the checkpoint at {manager.directory}/{step}"
     # A checkpoint saved before a model key existed holds that key's default.
@@ -401,10 +396,16 @@ def _read_step(manager, step: int, abstract_state: Any, config: ConfigDict, data
         state = handler.restore(step_dir / "state", args=ocp.args.StandardRestore(target))
     finally:
         handler.close()
-    data = json.restore(step_dir / "data", args=ocp.args.JsonRestore())
-    if not isinstance(data, dict):
-        raise Damaged(f"data holds {type(data).__name__}, not a dict")
+    data = _json_item(step_dir, "data")
     return state, meta.get("checksums"), None if note else data, note
+
+
+def _json_item(step_dir: Path, name: str) -> dict:
+    """A step's JSON item (`meta`, `data`); Damaged if it does not hold a dict."""
+    item = ocp.JsonCheckpointHandler().restore(step_dir / name, args=ocp.args.JsonRestore())
+    if not isinstance(item, dict):
+        raise Damaged(f"{name} holds {type(item).__name__}, not a dict")
+    return item
 
 
 def _data_change(meta: dict, config: ConfigDict, data_id: dict | None, where: str) -> str | None:
