@@ -9,7 +9,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from helpers import TINY, run_of, run_python
+from helpers import run_of, run_python, tiny_args
 from safetensors import safe_open
 
 from seqpipe.hf import config as hf_config
@@ -418,15 +418,11 @@ def gpt_run(tmp_path_factory) -> Path:
     """A GPT run (configs/tiny's gelu MLP) of two steps, a checkpoint after each."""
     tmp = tmp_path_factory.mktemp("gpt")
     work = tmp / "run"
-    overrides = {**TINY, "train.steps": "2", "checkpoint.every": "1"}
-    overrides.update({"checkpoint.async_save": "false", "mesh.data": "2"})
-    result = run(["--workdir", str(work), *_tiny(overrides)])
+    overrides = {"train.steps": 2, "checkpoint.every": 1, "checkpoint.async_save": "false"}
+    overrides["mesh.data"] = 2
+    result = run(["--workdir", str(work), *tiny_args(**overrides)])
     assert result.returncode == 0, result.stderr
     return work
-
-
-def _tiny(overrides: dict) -> list[str]:
-    return ["--config", "tiny", *(f"--config.{k}={v}" for k, v in overrides.items())]
 
 
 def _export(work: Path, out: Path, *more: str):
