@@ -114,7 +114,7 @@ def test_tensor_collectives_run_inside_the_units_and_data_ones_after_the_loop():
     other collectives are the stage ring's permutes; over `data`, one pmean after it."""
     config = tensor_config("seq1f1b", (2, 2, 2), 2, "full")
     mesh = sharding.mesh_of(config)
-    ids = np.vectorize(lambda d: d.id)(mesh.devices)  # [data, stage, tensor]
+    ids = np.vectorize(lambda d: d.id)(mesh.devices)[:, :, 0]  # [data, stage, tensor]
     tensor_groups = frozenset(frozenset(ids[d, s].tolist()) for d in range(2) for s in range(2))
     data_groups = frozenset(frozenset(ids[:, s, t].tolist()) for s in range(2) for t in range(2))
     comps = hlo.computations(_compiled_text(config))

@@ -529,7 +529,7 @@ def local_rows(config, mesh: jax.sharding.Mesh) -> slice:
         raise DataError(
             f"process {jax.process_index()} holds no device of the "
             f"{' x '.join(str(n) for n in mesh.shape.values())} mesh; make mesh.data * "
-            "mesh.stage * mesh.tensor the global device count"
+            "mesh.stage * mesh.context * mesh.tensor the global device count"
         )
     return rows[jax.process_index()]
 

@@ -48,7 +48,7 @@ def rope(
     pos = np.arange(q_len, dtype=np.int64) + offset
     tables = rope_tables(pos, head_dim, base, scaling, accumulation(x_BxQxHxE.dtype))
     cos, sin = (t[None, :, None, :] for t in tables)
-    return _rotate(x_BxQxHxE, cos, sin)
+    return rotate(x_BxQxHxE, cos, sin)
 
 
 def accumulation(dtype) -> np.dtype:
@@ -58,7 +58,7 @@ def accumulation(dtype) -> np.dtype:
     return np.dtype(jnp.promote_types(dtype, jnp.float32))
 
 
-def _rotate(x, cos, sin):
+def rotate(x, cos, sin):
     x1, x2 = jnp.split(x.astype(accumulation(x.dtype)), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)
 
@@ -75,7 +75,7 @@ def _rope_at(x, positions_BxQ, table_len: int, base: float, scaling: RopeScaling
     """`rope` at run-time positions. Its backward (the rotation by minus the angles) keeps
     the positions alone, not the gathered cos and sin."""
     cos, sin = _angles_at(positions_BxQ, table_len, x.shape[-1], base, scaling, x.dtype)
-    return _rotate(x, cos, sin)
+    return rotate(x, cos, sin)
 
 
 def _rope_at_fwd(x, positions_BxQ, table_len, base, scaling):
@@ -84,7 +84,7 @@ def _rope_at_fwd(x, positions_BxQ, table_len, base, scaling):
 
 def _rope_at_bwd(table_len, base, scaling, positions_BxQ, d_out):
     cos, sin = _angles_at(positions_BxQ, table_len, d_out.shape[-1], base, scaling, d_out.dtype)
-    return _rotate(d_out, cos, -sin), None
+    return rotate(d_out, cos, -sin), None
 
 
 _rope_at.defvjp(_rope_at_fwd, _rope_at_bwd)

@@ -46,12 +46,15 @@ def mask(q_ids_BxQ: jax.Array, kv_ids_BxK: jax.Array) -> jax.Array:
 
 @struct.dataclass
 class Packing:
-    """One segment's packing: `kv_ids` [b, P + Q] the kernel ids of the prefix and the
-    segment's own keys (None: no document mask), `positions` [b, Q] its RoPE positions
-    (None: offset, offset + 1, ...)."""
+    """How one segment's positions lie: `kv_ids` [b, P + Q] the kernel ids of the prefix
+    and the segment's own keys (None: no document mask), `positions` [b, Q] its RoPE
+    positions (None: offset, offset + 1, ...); under context parallelism, `context` (a
+    `seqpipe.parallel.context.Split`): which of the sequence's positions this device
+    holds, P and Q being its own (None: all of them)."""
 
     kv_ids: jax.Array | None = None
     positions: jax.Array | None = None
+    context: object = struct.field(pytree_node=False, default=None)
 
     def documents(self, q_len: int):
         """The `documents=` argument of `attention.attend`: (q ids, kv ids) or None."""

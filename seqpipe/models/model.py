@@ -37,7 +37,7 @@ from seqpipe.kernels.attention import accumulation, attend, attend_cached, rope
 from seqpipe.kernels.rope import NO_SCALING, RopeScaling
 from seqpipe.models import document_mask
 from seqpipe.models.document_mask import Packing
-from seqpipe.parallel import tensor
+from seqpipe.parallel import context, tensor
 
 Params = dict[str, Any]
 
@@ -332,6 +332,19 @@ def _self_attention(mm: _Matmuls, x_BxQxD, k_prefix, v_prefix, offset, cfg, cach
     if cfg.qkv_bias:
         q, k_seg, v_seg = q + p["bq"], k_seg + p["bk"], v_seg + p["bv"]
     positions = None if packing is None else packing.positions
+    split = None if packing is None else packing.context
+    if split is not None:  # this device's positions of the sequence: `seqpipe.parallel.context`
+        q, k_seg = (
+            context.rope(x, split, cfg.rope_base, cfg.rope_scaling, positions) for x in (q, k_seg)
+        )
+        if cache is not None:  # the local prefix, read out of the cache (sinks: its cotangents)
+            k_prefix, v_prefix = (
+                cache.block(which, 0, offset, q.dtype) + sink[:, :offset]
+                for which, sink in ((0, k_prefix), (1, v_prefix))
+            )
+        k, v = k_prefix.astype(k_seg.dtype), v_prefix.astype(v_seg.dtype)
+        attn_BxQxHxE = context.attend(cfg.attention, q, k, v, k_seg, v_seg, split, packing.kv_ids)
+        return mm("wo", attn_BxQxHxE), k_seg, v_seg
     q = rope(q, offset, cfg.rope_base, cfg.rope_scaling, positions)
     k_seg = rope(k_seg, offset, cfg.rope_base, cfg.rope_scaling, positions)
     documents = None if packing is None else packing.documents(q.shape[1])

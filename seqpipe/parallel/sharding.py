@@ -1,50 +1,71 @@
 """Mesh axes and shardings, declared in one place."""
 
+import math
 from collections.abc import Sequence
 
 import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from seqpipe.parallel import context as context_lib
 from seqpipe.parallel import tensor as tensor_lib
 
 DATA = "data"
 STAGE = "stage"
+CONTEXT = context_lib.AXIS
 TENSOR = tensor_lib.AXIS
-AXES = (DATA, STAGE, TENSOR)
+AXES = (DATA, STAGE, CONTEXT, TENSOR)
 
 
 def make_mesh(
-    data: int, stage: int, devices: Sequence[jax.Device] | None = None, tensor: int = 1
+    data: int,
+    stage: int,
+    devices: Sequence[jax.Device] | None = None,
+    tensor: int = 1,
+    context: int = 1,
 ) -> Mesh:
-    """A (data, stage, tensor) mesh over the first data * stage * tensor of `devices`
-    (default: this process's backend; for a TPU slice without one,
-    `seqpipe.targets.topology.devices`). `tensor` varies fastest: a tensor-parallel group is
-    adjacent devices (one host, one NVLink domain), where its per-layer collectives are
-    cheapest; pipeline stages and data replicas may span hosts.
+    """A (data, stage, context, tensor) mesh over the first data * stage * context * tensor
+    of `devices` (default: this process's backend; for a TPU slice without one,
+    `seqpipe.targets.topology.devices`). Later axes vary faster, by how much each moves:
+    a tensor-parallel group is adjacent devices (one host, one NVLink domain), as its
+    collectives run at every matmul; a context group next (an all-gather of K/V per
+    layer); pipeline stages (one message a tick) and data replicas (one reduction a step)
+    may span hosts.
 
     Auto axes: outside shard_map XLA propagates shardings (the reference model needs
     no annotations); inside it, the pipeline is explicit anyway.
     """
-    devices = list(jax.devices() if devices is None else devices)[: data * stage * tensor]
-    auto = (jax.sharding.AxisType.Auto,) * 3
+    shape = (data, stage, context, tensor)
+    devices = list(jax.devices() if devices is None else devices)[: math.prod(shape)]
+    auto = (jax.sharding.AxisType.Auto,) * len(AXES)
     try:
-        return jax.make_mesh((data, stage, tensor), AXES, axis_types=auto, devices=devices)
+        return jax.make_mesh(shape, AXES, axis_types=auto, devices=devices)
     except NotImplementedError:
         # A TPU torus whose axes do not factor into these sizes (tensor 8 on 4x4x4):
         # split a physical axis rather than refuse.
         from jax.experimental import mesh_utils
 
-        grid = mesh_utils.create_device_mesh(
-            (data, stage, tensor), devices, allow_split_physical_axes=True
-        )
+        grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
         return Mesh(grid, AXES, axis_types=auto)
 
 
 def mesh_of(config, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """The mesh a (resolved) config names."""
     m = config.mesh
-    return make_mesh(m.data, m.stage, devices, m.get("tensor", 1))
+    return make_mesh(m.data, m.stage, devices, m.get("tensor", 1), m.get("context", 1))
+
+
+def bound(fn, tensor: int = 1, context: int = 1):
+    """`fn`, traceable where the tensor and context axes are not bound (a shape probe
+    outside the step, from the tools): under an abstract mesh of those axes, inputs and
+    outputs whole."""
+    sizes = {TENSOR: tensor, CONTEXT: context}
+    names = jax.sharding.get_abstract_mesh().axis_names
+    axes = [a for a, size in sizes.items() if size > 1 and a not in names]
+    if not axes:
+        return fn
+    mesh = jax.sharding.AbstractMesh(tuple(sizes[a] for a in axes), tuple(axes))
+    return jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

@@ -22,7 +22,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 AXIS = "tensor"
 
@@ -128,12 +127,3 @@ def psum(x, tensor: int):
 
 def pmax(x, tensor: int):
     return x if tensor == 1 else jax.lax.pmax(x, AXIS)
-
-
-def bound(fn, tensor: int):
-    """`fn`, traceable where the tensor axis is not bound (a shape probe outside the step,
-    from the tools): under an abstract mesh of `tensor` devices, inputs and outputs whole."""
-    if tensor == 1 or AXIS in jax.sharding.get_abstract_mesh().axis_names:
-        return fn
-    mesh = jax.sharding.AbstractMesh((tensor,), (AXIS,))
-    return jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)

@@ -32,7 +32,8 @@ from seqpipe.kernels import kv_cache
 from seqpipe.models import document_mask
 from seqpipe.models.model import Params
 from seqpipe.parallel import sharding
-from seqpipe.parallel.sharding import DATA, STAGE, TENSOR
+from seqpipe.parallel import context
+from seqpipe.parallel.sharding import CONTEXT, DATA, STAGE, TENSOR
 from seqpipe.parallel.tensor import KV_PARAMS
 from seqpipe.pipeline import carry as carry_lib
 from seqpipe.pipeline import units
@@ -89,16 +90,21 @@ class Context:
 
 @struct.dataclass
 class StageInputs:
-    """What a stage's ticks read and never write: its parameters and the batch."""
+    """What a stage's ticks read and never write: its parameters and the batch, as
+    micro-batches of this context device's local rows (`seqpipe.parallel.context`; the
+    rows themselves without context parallelism)."""
 
     layers_VxN: Params  # the stage's V chunks of n layers (padded to n: `seqpipe.parallel.layout`)
     shared: Params  # embedding, final norm, head
-    tokens_MxbxL1: jax.Array  # the replica's micro-batches, with the next-token targets
+    inputs_MxbxL: jax.Array  # the replica's micro-batches' input tokens
+    targets_MxbxL: jax.Array  # and each one's next token
     stage: jax.Array  # this device's stage index
-    # Packed rows (`seqpipe.models.document_mask`): the micro-batches' document ids and positions,
-    # and 1 / the global batch's count of counted targets (the loss's scale); else None.
-    documents_MxbxL1: jax.Array | None = None
-    positions_MxbxL1: jax.Array | None = None
+    # Packed rows (`seqpipe.models.document_mask`): the inputs' document ids and positions,
+    # which targets count, and 1 / the global batch's count of counted targets (the loss's
+    # scale); else None.
+    documents_MxbxL: jax.Array | None = None
+    positions_MxbxL: jax.Array | None = None
+    counted_MxbxL: jax.Array | None = None
     scale: jax.Array | None = None
 
     def chunk(self, c) -> Params:
@@ -117,11 +123,17 @@ class StageInputs:
         """Whether local chunk c is global chunk 0 (it embeds tokens)."""
         return c * stages + self.stage == 0
 
+    @staticmethod
+    def _window(x_MxbxL, spec: PipelineSpec, mb, seg: int):
+        """Segment `seg` of micro-batch `mb` of x, [b, L_k]."""
+        off, length = spec.offsets[seg], spec.lengths[seg]
+        return jax.lax.dynamic_index_in_dim(x_MxbxL, mb, keepdims=False)[:, off : off + length]
+
     def tokens(self, spec: PipelineSpec, mb, seg: int) -> tuple[jax.Array, jax.Array]:
         """(inputs, targets) [b, L_k] of segment `seg` of micro-batch `mb`."""
-        off, length = spec.offsets[seg], spec.lengths[seg]
-        window = jax.lax.dynamic_index_in_dim(self.tokens_MxbxL1, mb, keepdims=False)
-        return window[:, off : off + length], window[:, off + 1 : off + length + 1]
+        return tuple(
+            self._window(x, spec, mb, seg) for x in (self.inputs_MxbxL, self.targets_MxbxL)
+        )
 
     def packing(self, spec: PipelineSpec, mb, seg: int):
         """The `document_mask.Packing` of segment `seg` of micro-batch `mb` (its own rows' ids
@@ -131,19 +143,17 @@ class StageInputs:
         docs, pos = (
             jax.lax.dynamic_index_in_dim(x, mb, keepdims=False) if on else None
             for x, on in (
-                (self.documents_MxbxL1, spec.documents),
-                (self.positions_MxbxL1, spec.positions),
+                (self.documents_MxbxL, spec.documents),
+                (self.positions_MxbxL, spec.positions),
             )
         )
         return document_mask.of_rows(docs, pos, spec.offsets[seg], spec.lengths[seg], True)
 
     def counted(self, spec: PipelineSpec, mb, seg: int):
         """[b, L_k] which targets of the segment count (None: unpacked rows, all)."""
-        if self.documents_MxbxL1 is None:
+        if self.counted_MxbxL is None:
             return None
-        off, length = spec.offsets[seg], spec.lengths[seg]
-        window = jax.lax.dynamic_index_in_dim(self.documents_MxbxL1, mb, keepdims=False)
-        return document_mask.counted_targets(window[:, off : off + length + 1])
+        return self._window(self.counted_MxbxL, spec, mb, seg)
 
     def loss_scale(self, ctx: "Context"):
         """What each unit's summed loss is scaled by: 1 / the global batch's target count."""
@@ -450,10 +460,15 @@ _LAYERS = jax.tree_util.DictKey("layers")
 
 
 def reduce(
-    final: Carry, scatter: bool = False, tensor: int = 1, kv_replicated: bool = False
+    final: Carry,
+    scatter: bool = False,
+    tensor: int = 1,
+    kv_replicated: bool = False,
+    context: int = 1,
 ) -> tuple[jax.Array, Params, Params] | jax.Array:
-    """The step's only collectives over `stage` and `data`, after the loop: the mean
-    loss, and unless this was an evaluation the stage's gradients and the shared ones.
+    """The step's only collectives over `stage`, `context` and `data`, after the loop:
+    the mean loss, and unless this was an evaluation the stage's gradients and the shared
+    ones. Each context device's are sums over its own positions: they add up.
 
     With `scatter` (the sharded optimizer) a gradient is reduce-scattered over `data`
     along `sharding.data_split_dim`: each replica gets the mean of its share alone, for
@@ -463,7 +478,8 @@ def reduce(
     gains), each of which saw only this device's positions, are summed over `tensor`; so
     are those of K/V projections held whole (`kv_replicated`), each device's holding its
     query heads' share of its K/V head's gradient."""
-    loss = jax.lax.pmean(jax.lax.psum(final.loss, STAGE), DATA)
+    summed = (CONTEXT,) if context > 1 else ()  # each device's share adds up
+    loss = jax.lax.pmean(jax.lax.psum(final.loss, (STAGE, *summed)), DATA)
     if not final.grads:
         return loss
     data = jax.lax.axis_size(DATA) if scatter else 1
@@ -475,11 +491,13 @@ def reduce(
         return (*shape[:dim], shape[dim] * tensor, *shape[dim + 1 :])
 
     def mean(g, path, shape, lead: int):  # `shape`: as among the parameters
+        axes = summed
         if tensor > 1 and sharding.tensor_split_dim(path, shape, tensor) is None:
-            g = jax.lax.psum(g, TENSOR)
+            axes += (TENSOR,)
         dim = sharding.data_split_dim(path, shape, data, tensor)
-        if dim is None:
-            return jax.lax.pmean(g, DATA)
+        if dim is None:  # one all-reduce over the data replicas and the devices that add up
+            return jax.lax.psum(g, (DATA, *axes)) / jax.lax.axis_size(DATA)
+        g = jax.lax.psum(g, axes) if axes else g
         return jax.lax.psum_scatter(g, DATA, scatter_dimension=dim + lead, tiled=True) / data
 
     def shared(path, g):
@@ -532,16 +550,22 @@ def stage_step(
         act = jnp.dtype(spec.cfg.dtype)
         layers_VxN, shared = jax.tree.map(lambda w: w.astype(act), (layers_VxN, shared))
 
-    def micro(x):  # [B, L+1] -> [M, b, L+1]
-        return None if x is None else x.reshape(M, rows, seq_len + 1)
+    def micro(x_BxL):  # [B, L] -> this context device's local rows, [M, b, L / context]
+        if x_BxL is None:
+            return None
+        x_BxL = context.local_rows(x_BxL, spec.sequence_lengths, spec.context)
+        return x_BxL.reshape(M, rows, -1)
 
+    counted = None if documents is None else document_mask.counted_targets(documents)
     inp = StageInputs(
         layers_VxN,
         shared,
-        micro(tokens_BxL1),
+        micro(tokens_BxL1[:, :-1]),
+        micro(tokens_BxL1[:, 1:]),
         jax.lax.axis_index(STAGE),
-        micro(documents),
-        micro(positions),
+        micro(None if documents is None else documents[:, :-1]),
+        micro(None if positions is None else positions[:, :-1]),
+        micro(counted),
         # The gradients and the loss are averaged over `data` (`reduce`): each replica's
         # sum is scaled by the replica count over the global count.
         None
@@ -549,7 +573,7 @@ def stage_step(
         else jax.lax.axis_size(DATA) / jnp.maximum(count, 1).astype(jnp.float32),
     )
     final, _ = jax.lax.scan(lambda c, row: (tick(ctx, inp, c, row), None), init, program_rows(spec))
-    return reduce(final, scatter, spec.tensor, spec.cfg.kv_replicated)
+    return reduce(final, scatter, spec.tensor, spec.cfg.kv_replicated, spec.context)
 
 
 def param_specs(params: Params, tensor: int, data: int = 1) -> Params:

@@ -141,7 +141,9 @@ def _layer_run(unit, inputs, i):
     def run(p, x, k_prefix, v_prefix, taps=None):
         at = None if cache is None else cache.at_layer(i)
         offset = spec.offsets[unit.seg]
-        return model.layer(p, x, k_prefix, v_prefix, offset, spec.cfg, taps, at, unit.packing)
+        return model.layer(
+            p, x, k_prefix, v_prefix, offset, spec.cfg, taps, at, unit.segment_layout
+        )
 
     return run
 
@@ -203,7 +205,14 @@ class KeepLayerResiduals(Strategy):
 
     @classmethod
     def of(cls, spec, units) -> "KeepLayerResiduals":
-        key = (spec.cfg, spec.remat, spec.lengths, spec.chunk_layers, spec.schedule.split)
+        key = (
+            spec.cfg,
+            spec.remat,
+            spec.lengths,
+            spec.context,
+            spec.chunk_layers,
+            spec.schedule.split,
+        )
         key += (spec.uneven, jax.sharding.get_abstract_mesh(), spec.documents, spec.positions)
         if key not in _SHARED:
             _SHARED[key] = len({u.layer_layout(1).stored for u in units}) == 1

@@ -8,7 +8,7 @@ from seqpipe import schedule
 from seqpipe.errors import ConfigError
 from seqpipe.kernels import attention
 from seqpipe.models.model import GPTConfig
-from seqpipe.parallel import layout
+from seqpipe.parallel import context, layout
 from seqpipe.pipeline.remat import POLICIES, Policy
 from seqpipe.schedule import partition
 
@@ -29,6 +29,10 @@ class PipelineSpec:
     # from a batch.
     documents: bool = False
     positions: bool = False
+    # Context-parallel devices each segment's positions are split over
+    # (`seqpipe.parallel.context`): `lengths` and everything measured by them are one
+    # device's share, L_k / context.
+    context: int = 1
 
     def __post_init__(self):
         if not self.layers_per_chunk:
@@ -113,6 +117,18 @@ class PipelineSpec:
         return self.lengths[seg] // self.tensor
 
     @property
+    def sequence_lengths(self) -> tuple[int, ...]:
+        """The segments' lengths in the sequence (`lengths` are one context device's)."""
+        return tuple(length * self.context for length in self.lengths)
+
+    def context_split(self, seg: int):
+        """How segment `seg`'s positions lie over the context devices (a
+        `seqpipe.parallel.context.Split`), or None without context parallelism."""
+        if self.context == 1:
+            return None
+        return context.Split(self.context, self.lengths[: seg + 1])
+
+    @property
     def offsets(self) -> tuple[int, ...]:
         return tuple(int(x) for x in np.cumsum((0,) + self.lengths[:-1]))
 
@@ -155,7 +171,11 @@ def make_spec(config, seq_len: int | None = None) -> PipelineSpec:
         p.virtual_stages,
         p.inflight,
     )
-    return PipelineSpec(cfg, table, schedule.lower(table), tuple(lengths), p.remat, layers)
+    # Each context device runs its share of every segment (`seqpipe.parallel.context`).
+    size = config.mesh.get("context", 1)
+    local = tuple(length // size for length in lengths)
+    program = schedule.lower(table)
+    return PipelineSpec(cfg, table, program, local, p.remat, layers, context=size)
 
 
 def forward_only(spec: PipelineSpec) -> PipelineSpec:

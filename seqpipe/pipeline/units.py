@@ -27,7 +27,7 @@ from flax import struct
 from seqpipe.kernels import attention, kv_cache
 from seqpipe.models import document_mask, model
 from seqpipe.models.model import Params
-from seqpipe.parallel import tensor
+from seqpipe.parallel import sharding
 from seqpipe.pipeline import remat_strategies
 from seqpipe.pipeline.spec import PipelineSpec
 
@@ -245,6 +245,15 @@ class SegmentUnit:
         return self if packing is None else dataclasses.replace(self, packing=packing)
 
     @property
+    def segment_layout(self):
+        """What every layer reads of how the segment's positions lie: `packing`, with the
+        context split where there is one (`PipelineSpec.context_split`)."""
+        split = self.spec.context_split(self.seg)
+        if split is None:
+            return self.packing
+        return dataclasses.replace(self.packing or document_mask.Packing(), context=split)
+
+    @property
     def n(self) -> int:
         return self.layers or self.spec.chunk_layers
 
@@ -301,7 +310,7 @@ class SegmentUnit:
 
         def unit_body(chunk, shared, x_in, k_prefix, v_prefix, taps=None):
             x, offset = start(shared, x_in), spec.offsets[self.seg]
-            run = (spec.policy.checkpoint, taps, inputs.depth, inputs.cache, self.packing)
+            run = (spec.policy.checkpoint, taps, inputs.depth, inputs.cache, self.segment_layout)
             y, *rest = model.layers(chunk, x, k_prefix, v_prefix, offset, spec.cfg, *run)
             return self.padded(y), *rest
 
@@ -396,7 +405,7 @@ class SegmentUnit:
 
         if spec.policy.checkpoint is not None:
             run = jax.checkpoint(run, policy=model.CHECKPOINT_POLICIES[spec.policy.checkpoint])
-        return self.layer_vjp(run, p, x, k_prefix, v_prefix, at, self.packing)
+        return self.layer_vjp(run, p, x, k_prefix, v_prefix, at, self.segment_layout)
 
     def pull_layer(self, pullback, d_out):
         """(d p, dx, dK prefix, dV prefix, what W reads) of a `layer_vjp` pullback."""
@@ -475,7 +484,8 @@ class SegmentUnit:
         spec, cfg = self.spec, self.spec.cfg
         words = (1, self.n, rows, spec.kv_len, cfg.local_kv_heads, cfg.head_dim)
         words = words if cache is None else cache.words_k.shape
-        key = (spec.cfg, spec.remat, spec.lengths, self.seg, self.n, rows, self.split, words)
+        key = (spec.cfg, spec.remat, spec.lengths, spec.context, self.seg, self.n, rows, self.split)
+        key += (words,)
         key += (jax.sharding.get_abstract_mesh(), spec.documents, spec.positions)
         if key not in _LAYOUTS:
             _LAYOUTS[key] = _probe_layer_layout(self, rows, words)
@@ -503,7 +513,9 @@ def _probe_layer_layout(unit: SegmentUnit, rows: int, words: tuple) -> ResidualL
     words = sds(words, kv_cache.storage_dtype(cfg.dtype))
     index = sds((), jnp.int32)
     packing = unit.packing_avals(rows)
-    jax.eval_shape(tensor.bound(probe, spec.tensor), p, x, words, words, index, index, packing)
+    jax.eval_shape(
+        sharding.bound(probe, spec.tensor, spec.context), p, x, words, words, index, index, packing
+    )
     return found[0]
 
 

@@ -168,6 +168,7 @@ SCHEMA = {
     "data.packing": Key(str, choices=PACKINGS),
     "data.reset_positions": Key(bool),
     "mesh.tensor": _POSITIVE_INT,
+    "mesh.context": _POSITIVE_INT,
 }
 OWN_RULES = ("mesh.data", "mesh.stage", "pipeline.inflight", "train.inject_nan_at")
 
@@ -178,7 +179,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.model = _model_defaults()
     # tensor: devices each stage's layers, embedding and head are split over (Megatron-style
     # tensor parallelism with sequence parallelism, `seqpipe.parallel.tensor`).
-    c.mesh = dict(data=1, stage=1, tensor=1)
+    # context: devices each segment's positions are split over (context parallelism,
+    # `seqpipe.parallel.context`), each keeping 1/context of the K/V prefix.
+    c.mesh = dict(data=1, stage=1, context=1, tensor=1)
     # Not type-safe: `inflight` is a name or an integer (validate checks every key's type).
     c.pipeline = ml_collections.ConfigDict(type_safe=False)
     c.pipeline.update(
@@ -612,10 +615,13 @@ def _validate_llama(m, tensor: int) -> None:
 
 def mesh_sizes(mesh: ml_collections.ConfigDict, num_devices: int | None = None) -> dict:
     """{'data': d, 'stage': s} with an axis at -1 given the devices the other leaves (and
-    mesh.tensor) when num_devices is known (else it stays -1); ConfigError if no split of
-    the devices fits."""
+    mesh.context and mesh.tensor) when num_devices is known (else it stays -1);
+    ConfigError if no split of the devices fits."""
     sizes = {axis: mesh[axis] for axis in MESH_AXES}
-    tensor = mesh.get("tensor", 1)
+    inner = {axis: mesh.get(axis, 1) for axis in ("context", "tensor")}
+    inner = {axis: size for axis, size in inner.items() if size > 1}
+    per_group = math.prod(inner.values())
+    times = "".join(f" * mesh.{axis}" for axis in inner)
     for axis, size in sizes.items():
         _require(
             isinstance(size, int) and not isinstance(size, bool) and (size >= 1 or size == -1),
@@ -630,21 +636,20 @@ def mesh_sizes(mesh: ml_collections.ConfigDict, num_devices: int | None = None) 
     )
     if num_devices is None:
         return sizes
-    fixed = math.prod(size for size in sizes.values() if size != -1) * tensor
+    fixed = math.prod(size for size in sizes.values() if size != -1) * per_group
     if not open_axes:
         _require(
             fixed == num_devices,
-            f"{'mesh.data * mesh.stage' + (' * mesh.tensor' if tensor > 1 else '')} = "
-            f"{fixed} but {num_devices} devices are visible; set the mesh axes so their "
-            "product matches, or mesh.data or mesh.stage to -1",
+            f"mesh.data * mesh.stage{times} = {fixed} but {num_devices} devices are visible; "
+            "set the mesh axes so their product matches, or mesh.data or mesh.stage to -1",
         )
         return sizes
     (open_axis,) = open_axes
     (other,) = (axis for axis in MESH_AXES if axis != open_axis)
-    named = f"mesh.{other}" if tensor == 1 else f"mesh.{other} * mesh.tensor"
+    named = f"mesh.{other}{times}"
     _require(
         num_devices % fixed == 0,
-        f"{named}{'=' if tensor == 1 else ' = '}{fixed} does not divide the {num_devices} "
+        f"{named}{'=' if not inner else ' = '}{fixed} does not divide the {num_devices} "
         f"visible devices (mesh.{open_axis}=-1 takes what {named} leaves); set {named} to a "
         f"divisor of {num_devices}",
     )

@@ -275,5 +275,11 @@ def _balanced_layers(
 def segment_multiple(config) -> int:
     """What every segment length of `config` (a ConfigDict) is a multiple of:
     `pipeline.partition_multiple`, and the tensor devices, which split each segment's
-    positions evenly."""
-    return math.lcm(config.pipeline.partition_multiple, config.mesh.get("tensor", 1))
+    positions evenly. With C context devices a segment is 2C pieces, each a multiple of
+    `partition_multiple` (the attention kernels' unit), and a device's two of them split
+    evenly over the tensor devices (`seqpipe.parallel.context`)."""
+    multiple, tensor = config.pipeline.partition_multiple, config.mesh.get("tensor", 1)
+    context = config.mesh.get("context", 1)
+    if context == 1:
+        return math.lcm(multiple, tensor)
+    return context * math.lcm(2 * multiple, tensor)
