@@ -31,8 +31,7 @@ from jax.sharding import PartitionSpec as P
 from seqpipe.kernels import kv_cache
 from seqpipe.models import document_mask
 from seqpipe.models.model import Params
-from seqpipe.parallel import sharding
-from seqpipe.parallel import context
+from seqpipe.parallel import context, sharding
 from seqpipe.parallel.sharding import CONTEXT, DATA, STAGE, TENSOR
 from seqpipe.parallel.tensor import KV_PARAMS
 from seqpipe.pipeline import carry as carry_lib
