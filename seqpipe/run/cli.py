@@ -97,7 +97,7 @@ def load_or_exit(
         )
     # On CPU the devices are made to fit the mesh: an axis at -1 gets 1.
     devices = math.prod(n for n in (config.mesh.data, config.mesh.stage) if n != -1)
-    devices *= config.mesh.get("tensor", 1)
+    devices *= config.mesh.get("tensor", 1) * config.mesh.get("context", 1)
     processes = getattr(args, "num_processes", None) or 1
     if devices % processes:
         fail(f"--num_processes {processes} does not divide the mesh's {devices} devices")
