@@ -62,7 +62,7 @@ def run_of(config):
     from seqpipe.run import run_config
 
     m = config.mesh
-    count = m.data * m.stage * m.tensor
+    count = m.data * m.stage * m.context * m.tensor
     devices = jax.devices() if count < 1 else jax.devices()[:count]
     return run_config.resolve(config, devices)
 

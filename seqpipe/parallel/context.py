@@ -165,7 +165,7 @@ def _angles(split: Split, width: int, base, scaling, dtype):
     rounding without a table as long as the sequence."""
     f = attention.accumulation(dtype)
     cos_in, sin_in = rope_tables(np.arange(split.piece), width, base, scaling, f)  # scaled
-    starts = np.array([split.starts(c) for c in range(split.size)], np.float64)  # [C, 2]
+    starts = _piece_starts(split)
     inv = inverse_frequencies(width, base, scaling)
     at = jnp.asarray(np.cos(starts[..., None] * inv).astype(f))[index(split.size)]  # [2, E/2]
     st = jnp.asarray(np.sin(starts[..., None] * inv).astype(f))[index(split.size)]
@@ -173,6 +173,11 @@ def _angles(split: Split, width: int, base, scaling, dtype):
     sin = st[:, None] * cos_in[None] + at[:, None] * sin_in[None]
     shape = (1, 2 * split.piece, 1, width // 2)
     return cos.reshape(shape), sin.reshape(shape)
+
+
+def _piece_starts(split: Split) -> np.ndarray:
+    """[C, 2] where each device's two pieces start in the sequence."""
+    return np.array([split.starts(c) for c in range(split.size)], np.float64)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))

@@ -481,6 +481,13 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     # An axis still at -1 skips the checks that need its size.
     sizes = mesh_sizes(mesh, num_devices)
     data, stage = sizes["data"], sizes["stage"]
+    context = mesh.get("context", 1)
+    _require(
+        p.schedule != "none" or context == 1,
+        f"mesh.context={context} splits each segment over devices inside the pipeline; set "
+        f"pipeline.schedule (one of {list(SCHEDULES[1:])}, seq1f1b with mesh.stage=1 for no "
+        "stages) or mesh.context=1",
+    )
     _require(
         p.schedule != "none" or stage in (1, -1),
         f"mesh.stage={stage} needs a pipeline schedule; set pipeline.schedule "
@@ -717,9 +724,17 @@ def _validate_pipeline(config: ml_collections.ConfigDict, stages: int) -> None:
             f"pipeline.partition={p.partition}, pipeline.partition_multiple="
             f"{p.partition_multiple}"
         )
+        context = config.mesh.get("context", 1)
+        if context > 1:  # each segment is 2C pieces (`seqpipe.parallel.context`)
+            setting += f", mesh.context={context}"
         if config.mesh.tensor > 1:  # each segment splits evenly over the tensor devices
             setting += f", mesh.tensor={config.mesh.tensor}"
-        raise ConfigError(f"{setting}: {e}; change one of these keys") from None
+        why = ""
+        if context > 1:
+            why = f" (with mesh.context={context} each segment is {2 * context} equal pieces"
+            why += ", each a multiple of pipeline.partition_multiple" * (p.partition_multiple > 1)
+            why += ", a device's two split over mesh.tensor" * (config.mesh.tensor > 1) + ")"
+        raise ConfigError(f"{setting}: {e}{why}; change one of these keys") from None
     try:
         schedule.build(p.schedule, stages, p.microbatches, p.segments, p.virtual_stages, p.inflight)
     except ValueError as e:
