@@ -1,6 +1,6 @@
 """Two real processes on 127.0.0.1, 4 fake CPU devices each (gloo collectives), train on
-1 x 8, 2 x 4 and 4 x 2 meshes (data x stage) and 1 x 4 x 2 (data x stage x tensor) and
-reach, step by step, the losses one process with 8 devices reaches; both write
+1 x 8, 2 x 4 and 4 x 2 meshes (data x stage), 1 x 4 x 2 (data x stage x tensor) and
+1 x 1 x 4 x 2 (data x stage x context x tensor) and reach, step by step, the losses one process with 8 devices reaches; both write
 checkpoints and only process 0 logs."""
 
 import json
@@ -43,25 +43,30 @@ def _losses(workdir) -> dict[int, float]:
 
 # 1 x 8: both processes hold every row (stages spread over hosts, as on a pod);
 # 2 x 4: each holds one data replica; 4 x 2: each holds two; 1 x 4 x 2: stages over
-# hosts, each tensor pair within one.
+# hosts, each tensor pair within one; 1 x 1 x 4 x 2 (data x stage x context x tensor): a
+# context group across the hosts, each holding two of its devices' tensor pairs.
 @pytest.mark.parametrize(
-    "data_size, stages, tensor",
-    # 1 x 8 and 2 x 4 only under make test-all: 4 x 2 (replicas across processes) and
-    # 1 x 4 x 2 (stages and tensor devices across them) cover what crosses processes.
+    "data_size, stages, tensor, context",
+    # 1 x 8 and 2 x 4 only under make test-all: 4 x 2 (replicas across processes),
+    # 1 x 4 x 2 (stages and tensor devices across them) and the context group cover what
+    # crosses processes.
     [
-        pytest.param(1, 8, 1, marks=pytest.mark.slow),
-        pytest.param(2, 4, 1, marks=pytest.mark.slow),
-        (4, 2, 1),
-        (1, 4, 2),
+        pytest.param(1, 8, 1, 1, marks=pytest.mark.slow),
+        pytest.param(2, 4, 1, 1, marks=pytest.mark.slow),
+        (4, 2, 1, 1),
+        (1, 4, 2, 1),
+        (1, 1, 2, 4),
     ],
-    ids=["1x8", "2x4", "4x2", "1x4x2"],
+    ids=["1x8", "2x4", "4x2", "1x4x2", "1x1x4x2"],
 )
-def test_two_processes_match_one(tmp_path, data_size, stages, tensor):
+def test_two_processes_match_one(tmp_path, data_size, stages, tensor, context):
     overrides = {
         **PIPELINED,
         "mesh.data": str(data_size),
         "mesh.stage": str(stages),
         "mesh.tensor": str(tensor),
+        "mesh.context": str(context),
+        "train.seq_len": str(16 * context),  # 2 segments of 2 * context pieces each
         "model.num_layers": "8",  # one per stage on 1 x 8
         "train.steps": str(STEPS),
         "checkpoint.every": "2",
