@@ -9,12 +9,22 @@ whole matrix besides.
 """
 
 import dataclasses
+import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import GRAD_RTOL, LOSS_RTOL, max_relative_error, tiny_config
+from helpers import (
+    GRAD_RTOL,
+    LOSS_RTOL,
+    REPO,
+    max_relative_error,
+    run_python,
+    subprocess_env,
+    tiny_config,
+)
 from packed_rows import on_device, packed_batch
 from pairwise import all_pairs
 from test_pipeline import LLAMA, make_config, randomized_gains
@@ -30,6 +40,7 @@ from seqpipe.tools.verify import canonical_loss_and_grads
 from seqpipe.train import trainer
 
 SEQ_LEN = 32  # 2C pieces of every segment: K = 4 segments of 8 at C = 4
+HF_GQA = REPO / "tests" / "fixtures" / "hf" / "llama_gqa_llama3"  # made by transformers
 
 
 def context_config(schedule, mesh, segments, remat="full", arch="gpt", attention_name="xla"):
@@ -249,9 +260,45 @@ def test_the_evaluation_under_context_is_the_models_loss():
     np.testing.assert_allclose(float(got), float(want), rtol=LOSS_RTOL)
 
 
+def test_an_uneven_layer_split_under_context():
+    config = context_config("seq1f1b", (1, 2, 2, 1), 2, "none", "llama")
+    config.model.num_layers = 5
+    config.pipeline.layers_per_stage = "3,2"
+    check(config, arch="llama")
+
+
+@pytest.mark.parametrize("packed", [pytest.param(False, marks=pytest.mark.slow), True])
+def test_verify_is_ok_on_a_transformers_made_gqa_llama(tmp_path, packed):
+    """`python -m seqpipe.verify --config hf:DIR` with mesh.context=2 over 2 stages: OK, on
+    the fixture's tokenizer and a jsonl corpus of real text packed into rows."""
+    corpus = tmp_path / "docs.jsonl"
+    lines = [x.strip() for x in Path(json.__file__).read_text().splitlines() if x.strip()]
+    corpus.write_text("".join(json.dumps({"text": x}) + "\n" for x in lines * 4))
+    args = [
+        "--config",
+        f"hf:{HF_GQA}",
+        "--config.mesh.context=2",
+        "--config.mesh.stage=2",
+        "--config.pipeline.schedule=seq1f1b",
+        "--config.pipeline.segments=2",
+        "--config.pipeline.microbatches=2",
+        "--config.train.seq_len=64",
+        "--config.train.global_batch_size=4",
+        "--config.data.source=jsonl",
+        f"--config.data.path={corpus}",
+        "--config.data.text_key=text",
+        f"--config.data.packing={'best_fit' if packed else 'none'}",
+        f"--config.data.cache_dir={tmp_path / 'cache'}",
+    ]
+    result = run_python("-m", "seqpipe.verify", *args, env=subprocess_env(devices=4))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip().endswith("OK")
+    assert ("on packed rows" in result.stdout) == packed
+
+
 def test_a_run_resumes_across_context_meshes(tmp_path):
-    """Saved on stage 2 x context 2 x tensor 2, resumed on context 4 x tensor 1 and then
-    without context: the losses of the straight run."""
+    """Saved on stage 2 x context 2 x tensor 2, resumed on 2 replicas x context 2 (the
+    sharded optimizer on) and then without context: the losses of the straight run."""
     base = {
         "mesh.data": "1",
         "mesh.stage": "2",
@@ -263,7 +310,7 @@ def test_a_run_resumes_across_context_meshes(tmp_path):
     }
     meshes = {
         "c2t2": {"mesh.context": "2", "mesh.tensor": "2"},
-        "c4": {"mesh.context": "4"},
+        "c2d2": {"mesh.context": "2", "mesh.data": "2"},
         "c1": {"mesh.data": "4"},
     }
 
@@ -273,7 +320,7 @@ def test_a_run_resumes_across_context_meshes(tmp_path):
     straight = trainer.run(config("c2t2", 3), str(tmp_path / "a"))
     run = str(tmp_path / "b")
     resumed = trainer.run(config("c2t2", 1), run)
-    resumed += trainer.run(config("c4", 2), run)
+    resumed += trainer.run(config("c2d2", 2), run)
     resumed += trainer.run(config("c1", 3), run)
     assert [r["step"] for r in resumed] == [1, 2, 3]
     np.testing.assert_allclose(
