@@ -9,6 +9,7 @@ whole matrix besides.
 """
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 
@@ -126,6 +127,24 @@ def test_context_parallel_pipeline_matches_reference(case):
 @pytest.mark.parametrize("case", PAIRS, ids=case_id)
 def test_context_parallel_pipeline_matches_reference_all_pairs(case):
     run_case(case)
+
+
+@pytest.mark.parametrize("kernel", ["splash", "pallas_gpu"])
+def test_the_pallas_kernels_take_the_split(monkeypatch, kernel):
+    """splash and pallas_gpu (in Pallas interpret mode, as they run off their chips) on
+    packed rows split over 2 context devices: each piece's call is their usual contract."""
+    from seqpipe.kernels import pallas_gpu, splash
+
+    if kernel == "splash":
+        fn = functools.partial(splash.splash_attention, interpret=True)
+        monkeypatch.setattr(splash, "splash_attention", fn)
+        splash._kernel.cache_clear()
+    else:
+        tiles = pallas_gpu.Blocks(forward=(4, 2), dkv=(4, 2), dq=(2, 4))
+        fn = functools.partial(pallas_gpu.pallas_gpu_attention, blocks=tiles, interpret=True)
+        monkeypatch.setattr(pallas_gpu, "pallas_gpu_attention", fn)
+    config = context_config("seq1f1b", (1, 2, 2, 1), 2, "full", "llama", kernel)
+    check(config, packed=True, arch="llama")
 
 
 # ------------------------------------------------------------------ broken splits fail
