@@ -1,7 +1,7 @@
 """Two real processes on 127.0.0.1, 4 fake CPU devices each (gloo collectives), train on
 1 x 8, 2 x 4 and 4 x 2 meshes (data x stage), 1 x 4 x 2 (data x stage x tensor) and
-1 x 1 x 4 x 2 (data x stage x context x tensor) and reach, step by step, the losses one process with 8 devices reaches; both write
-checkpoints and only process 0 logs."""
+1 x 1 x 4 x 2 (data x stage x context x tensor) and reach, step by step, the losses one
+process with 8 devices reaches; both write checkpoints and only process 0 logs."""
 
 import json
 import shutil
