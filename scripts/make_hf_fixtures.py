@@ -72,6 +72,20 @@ MODELS = {
         dict(num_key_value_heads=1, sliding_window=None, rope_theta=1000000.0),
         {},
     ),
+    # Qwen 3: per-head RMSNorm of queries and keys (q_norm, k_norm), heads 16 wide where
+    # hidden_size / heads is 8 (head_dim set apart, as Qwen3-30B-A3B's 32 x 128 on 2048),
+    # tied embeddings.
+    "qwen3_qk_norm": (
+        "Qwen3Config",
+        dict(
+            num_key_value_heads=2,
+            head_dim=16,
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+            tie_word_embeddings=True,
+        ),
+        {},
+    ),
     # Arcee with a tanh GELU: Llama with a non-gated MLP (up_proj, down_proj), the format
     # seqpipe's GPT (model.mlp=gelu) exports as.
     "arcee_gelu": (

@@ -22,7 +22,14 @@ from seqpipe.hf import weights
 from seqpipe.models import model
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
-MODELS = ("llama_gqa_llama3", "llama_tied_mha", "qwen2_bias", "mistral_gqa", "arcee_gelu")
+MODELS = (
+    "llama_gqa_llama3",
+    "llama_tied_mha",
+    "qwen2_bias",
+    "mistral_gqa",
+    "arcee_gelu",
+    "qwen3_qk_norm",
+)
 LOGIT_ATOL = 1e-3  # max |seqpipe - transformers| over every float32 logit
 LOSS_RTOL = 1e-5
 
@@ -182,7 +189,8 @@ def test_a_model_no_hf_architecture_fits_is_refused_in_one_line(tmp_path):
         weights.save(tmp_path, cfg, model.init_params(cfg, jax.random.key(0)))
     assert str(e.value) == (
         "model.mlp=gelu with model.qkv_bias=True has no HuggingFace architecture seqpipe "
-        "writes (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, ArceeForCausalLM)"
+        "writes (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
+        "ArceeForCausalLM)"
     )
 
 
@@ -239,7 +247,7 @@ BAD = {
     "unsupported architecture": (
         lambda d: _edit(d, architectures=["GPT2LMHeadModel"]),
         "architecture GPT2LMHeadModel is not supported; seqpipe reads LlamaForCausalLM, "
-        "MistralForCausalLM, Qwen2ForCausalLM, ArceeForCausalLM",
+        "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, ArceeForCausalLM",
     ),
     # a Mixtral (or any other model) under a Llama name would run as a Llama
     "model_type disagrees": (

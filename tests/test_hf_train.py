@@ -118,6 +118,25 @@ def test_every_schedule_equals_the_reference_on_imported_weights(schedule):
     assert r["ok"], r
 
 
+@pytest.mark.parametrize(
+    "mesh",
+    [{"mesh.tensor": 2}, {"mesh.context": 2, "pipeline.schedule": "seq_zb_h1"}],
+    ids=["tensor-2", "context-2-seq_zb_h1"],
+)
+def test_a_qwen3_model_equals_the_reference(mesh):
+    """Qwen 3 (heads 16 wide on a width of 32: head_dim set apart; q_norm and k_norm, whose
+    gains every tensor device holds whole) from a transformers-made checkpoint, pipelined
+    over 2 stages with tensor or context parallelism: loss and every gradient."""
+    overrides = pipelined("seq1f1b", 2, **mesh)
+    config = config_lib.load(
+        f"hf:{FIXTURES / 'qwen3_qk_norm'}", {k: str(v) for k, v in overrides.items()}
+    )
+    assert (config.model.head_dim, config.model.qk_norm) == (16, True)
+    tokens = np.asarray(np.random.default_rng(0).integers(0, 96, (2, 33)), np.int32)
+    r = verify.compare(run_of(config), tokens, sharding.mesh_of(config))
+    assert r["ok"], r
+
+
 @pytest.mark.parametrize("tensor", [pytest.param(2, marks=pytest.mark.slow), 4])
 def test_verify_cli_with_init_from(tmp_path, tensor):
     """`python -m seqpipe.verify --config hf:DIR` with K/V heads split (tensor 2) and

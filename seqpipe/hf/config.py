@@ -1,4 +1,5 @@
-"""A HuggingFace `config.json` as seqpipe's `model.` keys and back, for the Llama family.
+"""A HuggingFace `config.json` as seqpipe's `model.` keys and back, for the Llama family
+(Llama, Mistral, Qwen 2 and 3, Arcee).
 
 seqpipe's GPT (`model.mlp=gelu`: RMSNorm, RoPE, a non-gated tanh-GELU MLP) is transformers'
 Arcee with `hidden_act: gelu_pytorch_tanh`: a Llama whose MLP is `up_proj`, `down_proj`.
@@ -17,12 +18,13 @@ from collections.abc import Mapping
 from pathlib import Path
 
 PREFIX = "hf:"
-# architecture: (model_type, whether Q, K and V carry biases, model.mlp)
+# architecture: (model_type, whether Q, K and V carry biases, model.mlp, model.qk_norm)
 ARCHITECTURES = {
-    "LlamaForCausalLM": ("llama", False, "swiglu"),
-    "MistralForCausalLM": ("mistral", False, "swiglu"),
-    "Qwen2ForCausalLM": ("qwen2", True, "swiglu"),
-    "ArceeForCausalLM": ("arcee", False, "gelu"),
+    "LlamaForCausalLM": ("llama", False, "swiglu", False),
+    "MistralForCausalLM": ("mistral", False, "swiglu", False),
+    "Qwen2ForCausalLM": ("qwen2", True, "swiglu", False),
+    "Qwen3ForCausalLM": ("qwen3", False, "swiglu", True),
+    "ArceeForCausalLM": ("arcee", False, "gelu", False),
 }
 SUPPORTED = tuple(ARCHITECTURES)
 # model.mlp: the hidden_act values that run it (the first is written), and the
@@ -135,17 +137,11 @@ def _refuse(hf: Mapping, where: str, arch: str) -> None:
         "mlp_bias": bool,
         "use_sliding_window": bool,
         "sliding_window": lambda v: v is not None and arch == "MistralForCausalLM",
+        "layer_types": lambda v: any(t != "full_attention" for t in v or ()),
     }
     for key, bad in unsupported.items():
         if key in hf and bad(hf[key]):
             raise HFError(f"{where}: {key}={hf[key]!r} is not supported by seqpipe's model")
-    heads, width = hf["num_attention_heads"], hf["hidden_size"]
-    head_dim = hf.get("head_dim") or width // heads
-    if head_dim * heads != width:
-        raise HFError(
-            f"{where}: head_dim={head_dim} with {heads} heads is not hidden_size={width}; "
-            "seqpipe's heads are hidden_size / num_attention_heads wide"
-        )
 
 
 def rope(hf: Mapping, where: str) -> tuple[float, dict]:
@@ -185,7 +181,7 @@ def model_keys(hf: Mapping, where: str = "config.json") -> dict:
     _types(hf, where)
     _refuse(hf, where, arch)
     theta, scaling = rope(hf, where)
-    heads = hf["num_attention_heads"]
+    heads, width = hf["num_attention_heads"], hf["hidden_size"]
     return {
         "vocab_size": int(hf["vocab_size"]),
         "num_layers": int(hf["num_hidden_layers"]),
@@ -197,6 +193,8 @@ def model_keys(hf: Mapping, where: str = "config.json") -> dict:
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
         "qkv_bias": ARCHITECTURES[arch][1],
+        "head_dim": int(hf.get("head_dim") or width // heads),
+        "qk_norm": ARCHITECTURES[arch][3],
         "rope_base": theta,
         "rope_scaling": scaling,
     }
@@ -207,6 +205,8 @@ def _effective(key: str, value, keys: Mapping):
     only the fields its type reads."""
     if key == "num_kv_heads":
         return value or keys["num_heads"]
+    if key == "head_dim":
+        return value or keys["d_model"] // keys["num_heads"]
     if key == "rope_scaling":
         s = dict(value)
         return (s.get("type", "none"), *(s.get(f) for f in ROPE_FIELDS[s.get("type", "none")]))
@@ -261,15 +261,13 @@ def rope_change(model: Mapping, spec: str) -> str | None:
 
 def writes(model: Mapping) -> str:
     """The architecture seqpipe's `model.` keys export as; HFError where none fits."""
-    fits = [
-        a
-        for a, (_, bias, mlp) in ARCHITECTURES.items()
-        if (bias, mlp) == (model["qkv_bias"], model["mlp"])
-    ]
+    ours = (model["qkv_bias"], model["mlp"], model.get("qk_norm", False))
+    fits = [a for a, (_, *kind) in ARCHITECTURES.items() if tuple(kind) == ours]
     if not fits:
         raise HFError(
-            f"model.mlp={model['mlp']} with model.qkv_bias={model['qkv_bias']} has no HuggingFace "
-            f"architecture seqpipe writes ({', '.join(SUPPORTED)})"
+            f"model.mlp={model['mlp']} with model.qkv_bias={model['qkv_bias']}"
+            f"{' and model.qk_norm=True' * ours[2]} has no HuggingFace architecture seqpipe "
+            f"writes ({', '.join(SUPPORTED)})"
         )
     return fits[0]
 
@@ -296,7 +294,7 @@ def hf_config(model: Mapping, dtype: str, base: Mapping | None = None, context: 
         hidden_size=model["d_model"],
         num_attention_heads=model["num_heads"],
         num_key_value_heads=model["num_kv_heads"] or model["num_heads"],
-        head_dim=model["d_model"] // model["num_heads"],
+        head_dim=model.get("head_dim") or model["d_model"] // model["num_heads"],
         intermediate_size=model["d_ff"],
         hidden_act=ACTIVATIONS[model["mlp"]][0],
         rms_norm_eps=model["norm_eps"],
@@ -317,8 +315,10 @@ def hf_config(model: Mapping, dtype: str, base: Mapping | None = None, context: 
     )
     if arch in ("LlamaForCausalLM", "ArceeForCausalLM"):
         out.update(attention_bias=False, mlp_bias=False)
-    if arch == "Qwen2ForCausalLM":
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         out.update(use_sliding_window=False)
+    if arch == "Qwen3ForCausalLM":
+        out.update(attention_bias=False)
     return out
 
 

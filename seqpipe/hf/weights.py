@@ -60,6 +60,8 @@ TENSORS = {
     "bq": Tensor(_L + "self_attn.q_proj.bias", False, (2,)),
     "bk": Tensor(_L + "self_attn.k_proj.bias", False, (2,)),
     "bv": Tensor(_L + "self_attn.v_proj.bias", False, (2,)),
+    "q_norm": Tensor(_L + "self_attn.q_norm.weight", False, (1,)),
+    "k_norm": Tensor(_L + "self_attn.k_norm.weight", False, (1,)),
     "w_gate": Tensor(_L + "mlp.gate_proj.weight", True, (1, 1)),
     "w_in": Tensor(_L + "mlp.up_proj.weight", True, (1, 1)),
     "w_out": Tensor(_L + "mlp.down_proj.weight", True, (1, 1)),

@@ -7,13 +7,14 @@ running a sequence segment by segment, carrying the KV prefix, equals running it
 
 The parameters (`init_params`; HF Llama/Qwen 2 names in brackets, HF's [out, in]
 `nn.Linear` weights transposed), with N layers, D = d_model, V vocabulary, H query heads
-and K = num_kv_heads K/V heads of width E = D / H, F = d_ff:
+and K = num_kv_heads K/V heads of width E (`head_dim`, D / H unless set), F = d_ff:
   embed      [V, D]        (embed_tokens.weight)
   head       [D, V]        (lm_head.weight.T); absent with tie_embeddings: logits use embed.T
   final_norm [D]           (norm.weight)
   layers:    attn_norm, mlp_norm [N, D] (input_layernorm, post_attention_layernorm)
              wq [N, D, H, E], wk, wv [N, D, K, E], wo [N, H, E, D] (q/k/v/o_proj)
              with qkv_bias: bq [N, H, E], bk, bv [N, K, E] (q/k/v_proj.bias)
+             with qk_norm: q_norm, k_norm [N, E] (self_attn.q_norm/k_norm.weight)
              mlp gelu: w_in [N, D, F], w_out [N, F, D]
              mlp swiglu: w_gate [N, D, F] (gate_proj), w_in (up_proj), w_out (down_proj);
                          the activation is silu(gate) * up
@@ -71,14 +72,20 @@ class GPTConfig:
     # On packed rows (`seqpipe.models.document_mask`), each token attends only within its document;
     # rows without document ids are plain causal rows either way.
     document_mask: bool = True
+    head_dim: int = 0  # E, each head's width; 0: d_model / num_heads (Qwen 3 sets its own)
+    qk_norm: bool = False  # RMSNorm of each query and key head before RoPE (Qwen 3)
 
     def __post_init__(self):
         # A config section (a dict or ConfigDict) becomes the hashable dataclass.
         object.__setattr__(self, "rope_scaling", RopeScaling.from_config(self.rope_scaling))
+        if not self.head_dim:
+            object.__setattr__(self, "head_dim", self.d_model // self.num_heads)
 
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.num_heads
+    def q_width(self) -> int:
+        """H * E: the queries' (and the attention output's) width, d_model unless a head's
+        width is set apart from it."""
+        return self.num_heads * self.head_dim
 
     @property
     def kv_heads(self) -> int:
@@ -147,6 +154,8 @@ def init_params(cfg: GPTConfig, key: jax.Array) -> Params:
         params["layers"].update(
             bq=jnp.zeros((n, h, e), dt), bk=jnp.zeros((n, kv, e), dt), bv=jnp.zeros((n, kv, e), dt)
         )
+    if cfg.qk_norm:
+        params["layers"].update(q_norm=jnp.ones((n, e), dt), k_norm=jnp.ones((n, e), dt))
     if cfg.tie_embeddings:
         del params["head"]
     return params
@@ -331,6 +340,11 @@ def _self_attention(mm: _Matmuls, x_BxQxD, k_prefix, v_prefix, offset, cfg, cach
     q, k_seg, v_seg = mm.column_parallel(("wq", "wk", "wv"), h_BxQxD)
     if cfg.qkv_bias:
         q, k_seg, v_seg = q + p["bq"], k_seg + p["bk"], v_seg + p["bv"]
+    if cfg.qk_norm:  # over each head's width, one gain for every head
+        q, k_seg = (
+            rms_norm(q, p["q_norm"], cfg.norm_eps),
+            rms_norm(k_seg, p["k_norm"], cfg.norm_eps),
+        )
     positions = None if packing is None else packing.positions
     split = None if packing is None else packing.context
     if split is not None:  # this device's positions of the sequence: `seqpipe.parallel.context`
@@ -734,13 +748,13 @@ def flops_per_token(cfg: GPTConfig, seq_len: int, causal: bool = False) -> float
     the causal shape per segment separately).
     """
     n, d, v = cfg.num_layers, cfg.d_model, cfg.vocab_size
-    attention = 12.0 * n * d * seq_len * (0.5 if causal else 1.0)
+    attention = 12.0 * n * cfg.q_width * seq_len * (0.5 if causal else 1.0)
     return 6.0 * (n * layer_matmul_params(cfg) + d * v) + attention
 
 
 def layer_matmul_params(cfg: GPTConfig) -> int:
-    """Weights of one layer's matmuls: Q and O (D x D each), K and V (D x K*E each),
+    """Weights of one layer's matmuls: Q and O (D x H*E each), K and V (D x K*E each),
     two MLP matrices (three with swiglu); biases and norm gains are not matmuls."""
     d, kv_width = cfg.d_model, cfg.kv_heads * cfg.head_dim
     mlp = 3 if cfg.mlp == "swiglu" else 2
-    return 2 * d * d + 2 * d * kv_width + mlp * d * cfg.d_ff
+    return 2 * d * cfg.q_width + 2 * d * kv_width + mlp * d * cfg.d_ff

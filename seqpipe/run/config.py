@@ -116,6 +116,8 @@ SCHEMA = {
     "model.tie_embeddings": Key(bool),
     "model.norm_eps": _POSITIVE,
     "model.qkv_bias": Key(bool),
+    "model.head_dim": _COUNT,
+    "model.qk_norm": Key(bool),
     "model.document_mask": Key(bool),
     "model.rope_scaling.type": Key(str, choices=ROPE_SCALINGS),
     "model.rope_scaling.factor": _POSITIVE,
@@ -232,6 +234,10 @@ def _model_defaults() -> dict:
         tie_embeddings=False,
         norm_eps=1e-6,
         qkv_bias=False,
+        # Each head's width (0: d_model / num_heads) and RMSNorm of each query and key head
+        # before RoPE (Qwen 3).
+        head_dim=0,
+        qk_norm=False,
         # On packed rows (data.packing concat or best_fit), each token attends only within
         # its document (`seqpipe.data.packing`); unpacked rows have no documents to mask by.
         document_mask=True,
@@ -463,13 +469,15 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         _require(message is None, message)
     _validate_llama(m, mesh.tensor)
     _require(
-        m.d_model % m.num_heads == 0,
-        f"model.num_heads={m.num_heads} must divide model.d_model={m.d_model}",
+        m.head_dim or m.d_model % m.num_heads == 0,
+        f"model.num_heads={m.num_heads} must divide model.d_model={m.d_model} (or set "
+        "model.head_dim)",
     )
+    width = m.head_dim or m.d_model // m.num_heads
     _require(
-        (m.d_model // m.num_heads) % 2 == 0,
-        f"model.d_model / model.num_heads = {m.d_model // m.num_heads} must be even for rotary "
-        "embeddings; change model.num_heads",
+        width % 2 == 0,
+        f"each head's width {width} (model.head_dim, or model.d_model / model.num_heads) "
+        "must be even for rotary embeddings; change model.num_heads or model.head_dim",
     )
     tensor = mesh.tensor
     for key, size in (("num_heads", m.num_heads), ("d_ff", m.d_ff), ("vocab_size", m.vocab_size)):

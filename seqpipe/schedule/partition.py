@@ -30,6 +30,7 @@ def _dense_and_attn(
     num_layers: int | None,
     num_kv_heads: int = 0,
     mlp: str = "gelu",
+    head_dim: int = 0,
 ) -> tuple[float, int]:
     """Per-token and per-(query, key) coefficients of the per-layer cost model
     (docs/schedules.md, Partition).
@@ -49,12 +50,12 @@ def _dense_and_attn(
     ):
         if value is None or value < 1:
             raise PartitionError(f"kind='flops' needs a positive {name}, got {value}")
-    if d_model % num_heads:
+    if not head_dim and d_model % num_heads:
         raise PartitionError(f"d_model {d_model} is not a multiple of num_heads {num_heads}")
-    head_dim = d_model // num_heads
-    kv_width = (num_kv_heads or num_heads) * head_dim
+    head_dim = head_dim or d_model // num_heads  # 0: d_model / num_heads
+    q_width, kv_width = num_heads * head_dim, (num_kv_heads or num_heads) * head_dim
     matrices = 3 if mlp == "swiglu" else 2
-    dense = 4 * d_model * d_model + 4 * d_model * kv_width + 2 * matrices * d_model * d_ff
+    dense = 4 * d_model * q_width + 4 * d_model * kv_width + 2 * matrices * d_model * d_ff
     if num_layers is not None:
         if num_layers < 1:
             raise PartitionError(f"num_layers must be >= 1, got {num_layers}")
@@ -73,6 +74,7 @@ def model_dims(model, with_layers: bool = True) -> dict[str, int]:
     dims = {name: getattr(model, name) for name in names}
     # The Llama family's (`model.num_kv_heads`, `model.mlp`); GPT's where a model has none.
     dims.update(num_kv_heads=getattr(model, "num_kv_heads", 0), mlp=getattr(model, "mlp", "gelu"))
+    dims.update(head_dim=getattr(model, "head_dim", 0))  # 0: d_model / num_heads
     return dims
 
 
@@ -89,6 +91,7 @@ def segment_lengths(
     multiple: int = 1,
     num_kv_heads: int = 0,
     mlp: str = "gelu",
+    head_dim: int = 0,
 ) -> tuple[int, ...]:
     """Lengths of `segments` contiguous segments summing to `seq_len`.
 
@@ -116,7 +119,7 @@ def segment_lengths(
         base, extra = divmod(blocks, segments)
         return tuple((base + (i < extra)) * multiple for i in range(segments))
     dense, attn = _dense_and_attn(
-        d_model, num_heads, d_ff, vocab_size, num_layers, num_kv_heads, mlp
+        d_model, num_heads, d_ff, vocab_size, num_layers, num_kv_heads, mlp, head_dim
     )
     total = _prefix_cost(seq_len, dense, attn)
     bounds = [0]
@@ -140,12 +143,13 @@ def segment_flops(
     num_layers: int | None = None,
     num_kv_heads: int = 0,
     mlp: str = "gelu",
+    head_dim: int = 0,
 ) -> tuple[float, ...]:
     """Each segment's share (summing to 1) of one micro-batch's cost, per the model above."""
     if not lengths or min(lengths) < 1:
         raise PartitionError(f"segment lengths must be positive, got {tuple(lengths)}")
     dense, attn = _dense_and_attn(
-        d_model, num_heads, d_ff, vocab_size, num_layers, num_kv_heads, mlp
+        d_model, num_heads, d_ff, vocab_size, num_layers, num_kv_heads, mlp, head_dim
     )
     ends = [0]
     for n in lengths:
@@ -170,6 +174,7 @@ def chunk_costs(
     layers_per_chunk: Sequence[int] | None = None,
     num_kv_heads: int = 0,
     mlp: str = "gelu",
+    head_dim: int = 0,
 ) -> dict[str, tuple[float, ...]]:
     """Work beyond the layers per global chunk, as `schedule.stats(chunk_costs=...)` takes,
     and with `layers_per_chunk` (an uneven split) each chunk's layer count ("layers").
@@ -182,7 +187,9 @@ def chunk_costs(
     """
     if chunks < 1 or seq_len < 1:
         raise PartitionError(f"chunks and seq_len must be >= 1, got {chunks}, {seq_len}")
-    dense, attn = _dense_and_attn(d_model, num_heads, d_ff, vocab_size, None, num_kv_heads, mlp)
+    dense, attn = _dense_and_attn(
+        d_model, num_heads, d_ff, vocab_size, None, num_kv_heads, mlp, head_dim
+    )
     if num_layers is None or num_layers < 1:
         raise PartitionError(f"num_layers must be >= 1, got {num_layers}")
     per_token = num_layers / chunks * _prefix_cost(seq_len, dense, attn) / seq_len
@@ -213,6 +220,7 @@ def stage_layers(
     vocab_size: int | None = None,
     num_kv_heads: int = 0,
     mlp: str = "gelu",
+    head_dim: int = 0,
 ) -> tuple[int, ...]:
     """Layers of each global chunk (stage r's c-th chunk is chunk c * stages + r).
 
@@ -236,7 +244,16 @@ def stage_layers(
         )
     if split == "flops":
         return _balanced_layers(
-            num_layers, stages, seq_len, d_model, num_heads, d_ff, vocab_size, num_kv_heads, mlp
+            num_layers,
+            stages,
+            seq_len,
+            d_model,
+            num_heads,
+            d_ff,
+            vocab_size,
+            num_kv_heads,
+            mlp,
+            head_dim,
         )
     try:
         depths = tuple(int(x) for x in split.split(","))
@@ -254,13 +271,24 @@ def stage_layers(
 
 
 def _balanced_layers(
-    num_layers, stages, seq_len, d_model, num_heads, d_ff, vocab_size, num_kv_heads, mlp
+    num_layers,
+    stages,
+    seq_len,
+    d_model,
+    num_heads,
+    d_ff,
+    vocab_size,
+    num_kv_heads,
+    mlp,
+    head_dim=0,
 ):
     if num_layers < stages:
         raise PartitionError(f"{num_layers} layers cannot fill {stages} stages")
     if seq_len is None or seq_len < 1:
         raise PartitionError(f"the 'flops' layer split needs a positive seq_len, got {seq_len}")
-    dense, attn = _dense_and_attn(d_model, num_heads, d_ff, vocab_size, None, num_kv_heads, mlp)
+    dense, attn = _dense_and_attn(
+        d_model, num_heads, d_ff, vocab_size, None, num_kv_heads, mlp, head_dim
+    )
     layer = _prefix_cost(seq_len, dense, attn) / seq_len  # one layer's forward per token
     extra = [0.0] * stages  # forward and backward beyond the layers, in layer-forwards
     extra[-1] += 3 * 2 * d_model * vocab_size / layer

@@ -55,7 +55,7 @@ def analytic_forward(cfg: GPTConfig, lengths, rows: int) -> dict:
     offset = 0
     for s in lengths:
         dense += 2 * rows * s * model.layer_matmul_params(cfg) * n
-        attention += 2 * (2 * rows * s * (offset + s) * d) * n
+        attention += 2 * (2 * rows * s * (offset + s) * cfg.q_width) * n
         offset += s
     head = 2 * rows * sum(lengths) * d * v
     return {
