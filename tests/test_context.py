@@ -34,7 +34,7 @@ from seqpipe import schedule as schedule_lib
 from seqpipe.kernels import attention, kv_cache
 from seqpipe.models import model, reference
 from seqpipe.parallel import context, sharding
-from seqpipe.pipeline import executor
+from seqpipe.pipeline import carry, executor
 from seqpipe.pipeline import spec as spec_lib
 from seqpipe.run import config as config_lib
 from seqpipe.tools.verify import canonical_loss_and_grads
@@ -259,6 +259,19 @@ def test_every_device_does_the_same_attention_work():
     h = 64 // size  # segment 0 cut into C contiguous chunks instead
     contiguous = [h * (c * h + h) for c in range(size)]
     assert max(contiguous) / np.mean(contiguous) > 1.5
+
+
+def test_each_device_keeps_its_share_of_the_residuals():
+    """Under remat none with blockwise (the prefix read where it lies in the cache), a
+    context device's stash of layer residuals is about 1/C of one device's: no residual is
+    a copy of the prefix, nor of the keys gathered (0.78 when the prefix read out of the
+    cache was an input of the checkpointed attention); K/V buffers are exactly 1/C."""
+    sizes = {}
+    for size in (1, 2):
+        config = context_config("seq1f1b", (1, 2, size, 1), 4, "none", "llama", "blockwise")
+        sizes[size] = carry.of_spec(executor.make_spec(config), 2).nbytes()
+    assert sizes[2]["saved"] <= 0.55 * sizes[1]["saved"], (sizes[2]["saved"], sizes[1]["saved"])
+    assert sizes[2]["kv_k"] * 2 == sizes[1]["kv_k"]
 
 
 # ------------------------------------------------------------------ composes

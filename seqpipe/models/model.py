@@ -351,13 +351,10 @@ def _self_attention(mm: _Matmuls, x_BxQxD, k_prefix, v_prefix, offset, cfg, cach
         q, k_seg = (
             context.rope(x, split, cfg.rope_base, cfg.rope_scaling, positions) for x in (q, k_seg)
         )
-        if cache is not None:  # the local prefix, read out of the cache (sinks: its cotangents)
-            k_prefix, v_prefix = (
-                cache.block(which, 0, offset, q.dtype) + sink[:, :offset]
-                for which, sink in ((0, k_prefix), (1, v_prefix))
-            )
         k, v = k_prefix.astype(k_seg.dtype), v_prefix.astype(v_seg.dtype)
-        attn_BxQxHxE = context.attend(cfg.attention, q, k, v, k_seg, v_seg, split, packing.kv_ids)
+        attn_BxQxHxE = context.attend(
+            cfg.attention, q, k, v, k_seg, v_seg, split, packing.kv_ids, cache
+        )
         return mm("wo", attn_BxQxHxE), k_seg, v_seg
     q = rope(q, offset, cfg.rope_base, cfg.rope_scaling, positions)
     k_seg = rope(k_seg, offset, cfg.rope_base, cfg.rope_scaling, positions)

@@ -115,14 +115,23 @@ def in_sequence(x_BxRx: jax.Array, split: Split, differentiable: bool = True) ->
     return jnp.concatenate(parts, axis=1)
 
 
-def attend(impl: str, q, k_prefix, v_prefix, k_seg, v_seg, split: Split, kv_ids=None):
+def attend(impl: str, q, k_prefix, v_prefix, k_seg, v_seg, split: Split, kv_ids=None, cache=None):
     """`attention.attend` of this device's queries of the segment ([b, L/C, H, E], its two
     pieces) on its local prefix [b, P/C, K, E] and segment K/V [b, L/C, K, E]: the keys of
     the whole sequence up to each query. `kv_ids` (packed rows): the local kernel ids of
-    the prefix and the segment, [b, P/C + L/C]. Checkpointed but for the attention's own
-    residuals: a backward gathers the keys again rather than keep them whole."""
+    the prefix and the segment, [b, P/C + L/C]. With `cache` (a `kv_cache.Prefix` at the
+    layer) the local prefix is read out of the K/V cache and `k_prefix`, `v_prefix` are
+    zero sinks for its cotangents (`attention.attend_cached`). Checkpointed but for the
+    attention's own residuals: a backward reads the prefix and gathers the keys again
+    rather than keep either."""
 
-    def whole(q, k_prefix, v_prefix, k_seg, v_seg, kv_ids):
+    def whole(q, k_prefix, v_prefix, k_seg, v_seg, kv_ids, cache):
+        if cache is not None:  # inside the checkpoint: no residual is a copy of the prefix
+            local = sum(split.local_lengths[:-1])
+            k_prefix, v_prefix = (
+                cache.block(which, 0, local, q.dtype) + sink[:, :local]
+                for which, sink in ((0, k_prefix), (1, v_prefix))
+            )
         keys = [
             in_sequence(jnp.concatenate(kv, axis=1), split)
             for kv in ((k_prefix, k_seg), (v_prefix, v_seg))
@@ -132,7 +141,8 @@ def attend(impl: str, q, k_prefix, v_prefix, k_seg, v_seg, split: Split, kv_ids=
         return jax.lax.switch(index(split.size), branches, q, *keys, ids)
 
     policy = jax.checkpoint_policies.save_only_these_names(*attention_residuals.NAMES)
-    return jax.checkpoint(whole, policy=policy)(q, k_prefix, v_prefix, k_seg, v_seg, kv_ids)
+    args = (q, k_prefix, v_prefix, k_seg, v_seg, kv_ids, cache)
+    return jax.checkpoint(whole, policy=policy)(*args)
 
 
 def _device_attention(impl: str, split: Split, device: int, q, keys_k, keys_v, ids):
