@@ -54,6 +54,7 @@ def _spec(
     schedule="seq1f1b",
     arch=None,
     context=1,
+    tensor=1,
 ):
     c = config_lib.base_config()
     # XLA counts a while loop's body once: blockwise's loops are counted by
@@ -62,7 +63,7 @@ def _spec(
         vocab_size=128, num_layers=layers, d_model=64, num_heads=2, d_ff=128, attention="xla"
     )
     c.model.update(arch or {})
-    c.mesh.update(stage=stage, context=context)
+    c.mesh.update(stage=stage, context=context, tensor=tensor)
     c.pipeline.update(
         schedule=schedule,
         microbatches=microbatches,
@@ -138,7 +139,7 @@ def test_no_recompute_ratio_at_most_1_05(stage):
         )
 
 
-def test_context_devices_each_execute_their_share():
+def test_context_and_tensor_devices_each_execute_their_share():
     """mesh.context=2: a unit is compiled on the two context devices (its K/V gathers
     bound) and counted for both; the analytic count is the sequence's, as on one device.
     XLA's count agrees with the jaxpr's, and each device's two pieces compute their own
@@ -151,6 +152,10 @@ def test_context_devices_each_execute_their_share():
     parts = flops.breakdown(two, rows=1)
     assert got["ratio"] == pytest.approx(sum(parts.values()), abs=0.03)
     assert 0.9 < parts["matmul"] < flops.breakdown(one, rows=1)["matmul"] == pytest.approx(1.0)
+    # Two tensor devices each run half of every matmul: counted for both, all of them.
+    tensor = _spec(1, seq=128, remat="none", layers=1, tensor=2)
+    assert flops.breakdown(tensor, rows=1)["matmul"] == pytest.approx(1.0)
+    assert 1.0 <= flops.step_ratio(tensor, rows=1)["ratio"] <= 1.05
 
 
 # Multi-query attention, SwiGLU, Q/K/V biases and a tied head: K/V projections of one

@@ -20,7 +20,8 @@ compiled as constants, so XLA folds them to the branch that runs on that chunk.
 With mesh.context = C > 1 (`seqpipe.parallel.context`) a unit runs one context device's
 positions: it is compiled on C devices (its all-gathers bound), XLA counts what one of
 them executes, and the step's executed count is C times that (the zigzag split gives
-every device the same work; the device's `lax.switch` branches are equal). The analytic
+every device the same work; the device's `lax.switch` branches are equal). Likewise
+with mesh.tensor = T: T devices, each its share of the matmuls. The analytic
 count is the sequence's (`spec.sequence_lengths`). Under `xla` attention each device's two
 pieces compute their own square, smaller than the segment's: executed attention is
 below the analytic one, which counts the segment's whole square.
@@ -280,18 +281,19 @@ def unit_counts(sched, layers_per_chunk=None) -> collections.Counter:
 
 def executed_step(spec, rows: int, replicas: int = 1) -> dict:
     """Executed FLOPs of a step, per unit kind (`flops`: one device's) and in total (all
-    replicas and context devices)."""
+    replicas, and the context and tensor devices of each stage)."""
     kinds = {}
     total = 0.0
     counts = unit_counts(spec.schedule, spec.layers_per_chunk)
+    devices = spec.context * spec.tensor  # a stage's, each running its share of a unit
     for (seg, first, last, backward, n), count in sorted(counts.items()):
         each = unit_flops(spec, rows, seg, first, last, backward, n)
         name = f"{KIND_LABELS[backward]} seg{seg}{' first' * first}{' last' * last}"
         kinds[name + (f" {n} layers" if spec.uneven else "")] = {
-            "count": count * replicas * spec.context,
+            "count": count * replicas * devices,
             "flops": each,
         }
-        total += each * count * replicas * spec.context
+        total += each * count * replicas * devices
     return {"units": kinds, "executed": total}
 
 
@@ -465,7 +467,7 @@ def breakdown(spec, rows: int, replicas: int = 1) -> dict:
         fn = sharding.bound(fns[backward], spec.tensor, spec.context)
         c = jaxpr_flops(fn, unit_args(spec, rows, seg, n, backward, (first, last)))
         for k, v in c.items():
-            total[k] += v * count * replicas * spec.context  # each context device's share
+            total[k] += v * count * replicas * spec.context * spec.tensor  # each device's share
     analytic = analytic_step(spec, rows, replicas)
     named = collections.Counter()
     for k, v in total.items():
