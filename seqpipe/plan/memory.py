@@ -75,7 +75,8 @@ def state_bytes(cfg, stage_layers: int, data: int, shard_optimizer: bool) -> dic
 PROBE = 128  # tokens of a traced segment; residuals are fitted in the segment and K/V length
 
 
-@functools.lru_cache(maxsize=64)
+# Per model: 5 policies x 2 prefix lengths x split or not x 4 tensor and 4 context sizes.
+@functools.lru_cache(maxsize=1024)
 def _layer_residuals(cfg, remat: str, cached: int, split: bool = False, context: int = 1) -> int:
     """Bytes one layer's forward keeps under `remat` (`none`: every vjp residual; what
     `dots` or `layer` keep) on one device, for a segment of PROBE tokens after `cached`
