@@ -108,6 +108,18 @@ def test_split_rows_show_the_flops_split_shortening_the_predicted_step():
     assert "| flops |" in bench.split_table([even, flops])
 
 
+@pytest.mark.parametrize("axis", ["tensor", "context"])
+def test_a_stage_of_several_devices_is_refused_in_one_line(axis, capsys):
+    """The bench times units alone on a device each: a stage split over tensor or context
+    devices is refused before anything compiles."""
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--quick", f"--config.mesh.{axis}=2"])
+    assert e.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: python -m seqpipe.bench measures stages of one device each")
+    assert f"mesh.{axis}=2 is not supported" in line
+
+
 def test_a_run_that_dies_leaves_what_it_measured(tmp_path, monkeypatch):
     """The JSON is written after each section: a run killed later (XLA out of memory on a
     shared machine) keeps the rows it measured."""

@@ -53,6 +53,8 @@ def _spec(
     split="even",
     schedule="seq1f1b",
     arch=None,
+    context=1,
+    tensor=1,
 ):
     c = config_lib.base_config()
     # XLA counts a while loop's body once: blockwise's loops are counted by
@@ -61,7 +63,7 @@ def _spec(
         vocab_size=128, num_layers=layers, d_model=64, num_heads=2, d_ff=128, attention="xla"
     )
     c.model.update(arch or {})
-    c.mesh.update(stage=stage)
+    c.mesh.update(stage=stage, context=context, tensor=tensor)
     c.pipeline.update(
         schedule=schedule,
         microbatches=microbatches,
@@ -135,6 +137,25 @@ def test_no_recompute_ratio_at_most_1_05(stage):
         assert flops.step_ratio(spec, rows=1)["ratio"] == pytest.approx(
             sum(parts.values()), abs=0.03
         )
+
+
+def test_context_and_tensor_devices_each_execute_their_share():
+    """mesh.context=2: a unit is compiled on the two context devices (its K/V gathers
+    bound) and counted for both; the analytic count is the sequence's, as on one device.
+    XLA's count agrees with the jaxpr's, and each device's two pieces compute their own
+    square of scores, not the segment's: fewer matmuls than without context, though the
+    checkpointed attention (`context.attend`) computes `xla`'s scores again in the
+    backward (the K/V are gathered again rather than kept)."""
+    one, two = (_spec(1, seq=128, remat="none", layers=1, context=c) for c in (1, 2))
+    got = flops.step_ratio(two, rows=1)
+    assert got["analytic"] == flops.analytic_step(one, rows=1)
+    parts = flops.breakdown(two, rows=1)
+    assert got["ratio"] == pytest.approx(sum(parts.values()), abs=0.03)
+    assert 0.9 < parts["matmul"] < flops.breakdown(one, rows=1)["matmul"] == pytest.approx(1.0)
+    # Two tensor devices each run half of every matmul: counted for both, all of them.
+    tensor = _spec(1, seq=128, remat="none", layers=1, tensor=2)
+    assert flops.breakdown(tensor, rows=1)["matmul"] == pytest.approx(1.0)
+    assert 1.0 <= flops.step_ratio(tensor, rows=1)["ratio"] <= 1.05
 
 
 # Multi-query attention, SwiGLU, Q/K/V biases and a tied head: K/V projections of one

@@ -183,6 +183,23 @@ def test_unit_working_set_shrinks_with_segments():
     assert memory.unit_temp_bytes(spec4, 2, 3) < memory.unit_temp_bytes(spec1, 2, 0)
 
 
+def test_context_devices_keep_half_the_positions_and_the_whole_state():
+    """With mesh.context=2 each device's carry holds half of every segment's positions
+    (stash, messages, K/V; the jaxpr's carry is still the analytic one, byte for byte),
+    the parameters' gradients whole; the unit compiles alone on the context devices, and
+    `seq_len` is the sequence's."""
+    c = tiny_config("seq1f1b", 2)
+    c.mesh.context = 2
+    config_lib.validate(c)
+    spec, rows = executor.make_spec(c), 2
+    assert sum(nbytes(a) for a in memory.carry_avals(c)) == carry.breakdown(spec, rows)["carry"]
+    one, two = measured("seq1f1b", 2, "full"), memory.step_memory(c)
+    assert (one["context"], two["context"]) == (1, 2) and two["seq_len"] == one["seq_len"] == 32
+    for key in ("stash", "messages", "kv", "dkv"):
+        assert 2 * two[key] == one[key] > 0, key
+    assert two["grads"] == one["grads"] and two["unit"] > 0
+
+
 TINY_ARGS = [f"--config.model.{k}={v}" for k, v in TINY.items()] + [
     "--config.mesh.data=1",
     "--config.mesh.stage=2",

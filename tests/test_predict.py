@@ -60,6 +60,10 @@ def test_a_prediction_names_a_seq1f1b_variant():
     [
         (["--topology", "h100-8"], "--topology h100-8: the estimate is fitted to one H200"),
         (["--predict", "seq1f1b:2", "--config.model.num_layers=3"], "--predict: model.num_"),
+        (
+            ["--config.mesh.context=2"],
+            "python -m seqpipe.tools.predict measures stages of one device each; mesh.context=2",
+        ),
     ],
 )
 def test_bad_input_is_one_line(args, message, capsys):

@@ -16,15 +16,18 @@ from seqpipe.tools import step_cost
 BATCH, LAYERS = 8, 2
 
 
-def compiled_text(schedule: str, segments: int, microbatches: int) -> tuple[str, object]:
+def compiled_text(
+    schedule: str, segments: int, microbatches: int, context: int = 1
+) -> tuple[str, object]:
     """Optimized CPU HLO of a tiny step (no recompute, `xla` attention) and its model."""
     config = make_config("1f1b" if schedule == "none" else schedule, (1, 1), segments,
                          "uniform", "equal", 1, attention="xla")  # fmt: skip
     config.pipeline.update(microbatches=microbatches, remat="none")
     config.model.num_layers = LAYERS
+    config.mesh.context = context
     config.train.global_batch_size = BATCH
     spec = executor.make_spec(config)
-    mesh = sharding.make_mesh(1, 1)
+    mesh = sharding.make_mesh(1, 1, context=context)
     params = jax.eval_shape(lambda: model.init_params(spec.cfg, jax.random.key(0)))
     tokens = jax.ShapeDtypeStruct((BATCH, SEQ_LEN + 1), np.int32)
     if schedule == "none":
@@ -70,6 +73,25 @@ def test_the_unit_rule_is_what_makes_the_count_right():
     pipelined step counts other FLOPs: the rule is not idle."""
     text, cfg = compiled_text("seq1f1b", 2, 4)
     assert step_cost.step_cost(text).total("flops") != pytest.approx(matmul_flops(cfg, 2))
+
+
+def test_a_context_devices_module_counts_its_share_and_its_gathers():
+    """mesh.context=2: the module is one context device's. Its matmuls are half the dense
+    ones and its two pieces' attention a segment: each piece of h queries on the keys
+    before it and its own h, scores and values 6 times (as above) and the scores once more
+    in the backward (`context.attend` is checkpointed: it gathers the K/V again rather
+    than keep them). The gathers are kernels of their own kind."""
+    context, segments, microbatches = 2, 2, 2
+    text, cfg = compiled_text("seq1f1b", segments, microbatches, context)
+    cost = step_cost.step_cost(text, microbatches, segments)
+    d, f, v, e = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.head_dim
+    dense = 3 * 2 * (LAYERS * (d * 3 * d + d * d + 2 * d * f) + d * v) * BATCH * SEQ_LEN
+    length = SEQ_LEN // segments
+    h = length // (2 * context)
+    pairs = sum(2 * h * k * length + (2 * context + 1) * h * h for k in range(segments))
+    attention = 7 * 2 * LAYERS * BATCH * cfg.num_heads * e * pairs
+    assert cost.total("flops") == pytest.approx(dense / context + attention, rel=1e-12)
+    assert cost.total("kernels", "collective") > 0
 
 
 MODULE = """HloModule m

@@ -4,6 +4,7 @@ import math
 from collections.abc import Sequence
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -55,16 +56,23 @@ def mesh_of(config, devices: Sequence[jax.Device] | None = None) -> Mesh:
     return make_mesh(m.data, m.stage, devices, m.get("tensor", 1), m.get("context", 1))
 
 
-def bound(fn, tensor: int = 1, context: int = 1):
+def bound(fn, tensor: int = 1, context: int = 1, devices: Sequence[jax.Device] | None = None):
     """`fn`, traceable where the tensor and context axes are not bound (a shape probe
     outside the step, from the tools): under an abstract mesh of those axes, inputs and
-    outputs whole."""
-    sizes = {TENSOR: tensor, CONTEXT: context}
+    outputs whole. With `devices`, a mesh of the first of them instead, so that `fn`
+    compiles (a unit compiled alone for its memory, FLOPs or time: each device's program
+    is the one a device of the step runs)."""
+    sizes = {CONTEXT: context, TENSOR: tensor}  # in the mesh's order
     names = jax.sharding.get_abstract_mesh().axis_names
     axes = [a for a, size in sizes.items() if size > 1 and a not in names]
     if not axes:
         return fn
-    mesh = jax.sharding.AbstractMesh(tuple(sizes[a] for a in axes), tuple(axes))
+    shape = tuple(sizes[a] for a in axes)
+    if devices is None:
+        mesh = jax.sharding.AbstractMesh(shape, tuple(axes))
+    else:
+        grid = np.array(list(devices)[: math.prod(shape)]).reshape(shape)
+        mesh = Mesh(grid, tuple(axes))
     return jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
 
 

@@ -11,7 +11,13 @@
 - unit: one backward unit's working set: under `full` the recomputed chunk's residuals
   of its longest segment, every layer's; else one layer's (`units.ResidualLayout`);
 - head: the last stage's logits for one segment, float32 (one copy);
+- gather: with mesh.context = C > 1, one layer's K/V of the whole prefix and segment,
+  all-gathered from the context devices, and in the backward their cotangents;
 - update: the optimizer's new parameters and moments before they replace the old.
+
+Under context parallelism everything but the state and the update is one context device's:
+the spec's lengths, the carry (`carry.breakdown`) and the residuals (traced on C devices)
+hold 1/C of the positions; parameters and moments are whole on each.
 
 How far the estimate is trusted against a budget: `plan.bounds`.
 """
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 
 import jax
@@ -68,28 +75,48 @@ def state_bytes(cfg, stage_layers: int, data: int, shard_optimizer: bool) -> dic
 PROBE = 128  # tokens of a traced segment; residuals are fitted in the segment and K/V length
 
 
-@functools.lru_cache(maxsize=64)
-def _layer_residuals(cfg, remat: str, cached: int, split: bool = False) -> int:
+# Per model: 5 policies x 2 prefix lengths x split or not x 4 tensor and 4 context sizes.
+@functools.lru_cache(maxsize=1024)
+def _layer_residuals(cfg, remat: str, cached: int, split: bool = False, context: int = 1) -> int:
     """Bytes one layer's forward keeps under `remat` (`none`: every vjp residual; what
     `dots` or `layer` keep) on one device, for a segment of PROBE tokens after `cached`
-    ones, traced at `cfg.tensor` (a layer's input and norms stay whole on each tensor
-    device, its matmul outputs are split); `split`: under a table that splits B from W,
-    whose layers keep what W reads too."""
+    ones (a context device's: the sequence's are `context` times as many), traced at
+    `cfg.tensor` (a layer's input and norms stay whole on each tensor device, its matmul
+    outputs are split) and on `context` devices (the attention checkpointed as
+    `context.attend` does it); `split`: under a table that splits B from W, whose
+    layers keep what W reads too."""
     table = schedule.build("seq_zb_h1" if split else "seq1f1b", 2, 2, 2)
-    spec = PipelineSpec(cfg, table, schedule.lower(table), (cached, PROBE), remat, (1, 1))
+    lower = schedule.lower(table)
+    spec = PipelineSpec(cfg, table, lower, (cached, PROBE), remat, (1, 1), context=context)
     stored = units.SegmentUnit(spec, 1, layers=1).layer_layout(1).stored
     return sum(math.prod(a.shape) * a.dtype.itemsize for a in stored)
 
 
-def residual_bytes(cfg, remat: str, tokens: int, kv_len: int, split: bool = False) -> float:
-    """Bytes one layer keeps for `tokens` of segments attending over `kv_len` keys, on one
-    device: a + b x kv_len per token, fitted to two traces. b is zero where attention
-    keeps no scores (the fused kernels, `blockwise`); `xla` attention under `none` keeps
-    its probabilities, which grow with the K/V length. `split`: as `_layer_residuals`."""
-    short = _layer_residuals(cfg, remat, PROBE, split)
-    long = _layer_residuals(cfg, remat, 3 * PROBE, split)
-    per_key = (long - short) / (PROBE * 2 * PROBE)  # K/V length 2 PROBE -> 4 PROBE
-    per_token = short / PROBE - per_key * 2 * PROBE
+def residual_bytes(
+    cfg,
+    remat: str,
+    tokens: int,
+    kv_len: int,
+    split: bool = False,
+    context: int = 1,
+    rows: int = 1,
+) -> float:
+    """Bytes one layer keeps for `tokens` of segments (on this device; `rows` rows of
+    them) attending over `kv_len` keys (of the sequence), on one device: a + b x kv_len
+    per token, fitted to two traces. b is zero where attention keeps no scores (the fused
+    kernels, `blockwise`); `xla` attention under `none` keeps its probabilities, which
+    grow with the K/V length. Under context parallelism no attention keeps its scores
+    (`context.attend` saves only the output and log-sum-exp) but `none` keeps the
+    layer's local K/V prefix, read out of the cache: the growth is per row and key
+    instead. `split`, `context`: as `_layer_residuals`."""
+    short = _layer_residuals(cfg, remat, PROBE, split, context)
+    long = _layer_residuals(cfg, remat, 3 * PROBE, split, context)
+    keys = 2 * PROBE * context  # the sequence's K/V length: 2 PROBE -> 4 PROBE a device
+    growth = (long - short) / keys  # a key's, for PROBE tokens of one row
+    if context > 1:
+        return tokens * (short - growth * keys) / PROBE + rows * growth * kv_len
+    per_key = growth / PROBE
+    per_token = short / PROBE - per_key * keys
     return tokens * (per_token + per_key * kv_len)
 
 
@@ -105,10 +132,31 @@ def carry_bytes(spec_full, rows: int, remat: str) -> int:
     slots = full["stash"] / (rows * spec_full.msg_len * cfg.d_model * act)
     # Each slot's segment priced at the whole sequence's K/V: exact for the last segment,
     # an upper bound for the others.
-    tokens, kv_len = rows * spec_full.seg_max, sum(spec_full.lengths)
-    layer = residual_bytes(cfg, remat, tokens, kv_len, spec_full.schedule.split)
+    tokens, kv_len = rows * spec_full.seg_max, sum(spec_full.sequence_lengths)
+    split, context = spec_full.schedule.split, spec_full.context
+    layer = residual_bytes(cfg, remat, tokens, kv_len, split, context, rows)
     res = slots * spec_full.chunk_layers * layer
+    if context > 1 and _grows(cfg, remat, split, context):
+        # Each segment keeps its own prefix: their residuals differ, so the executor keeps
+        # a pool of slots per segment (`Program.num_res`), each at its own K/V.
+        segments = zip(
+            spec_full.program.num_res,
+            spec_full.lengths,
+            itertools.accumulate(spec_full.sequence_lengths),
+            strict=True,
+        )
+        res = spec_full.chunk_layers * sum(
+            n * residual_bytes(cfg, remat, rows * length, end, split, context, rows)
+            for n, length, end in segments
+        )
     return int(full["carry"] - full["stash"] + res)
+
+
+def _grows(cfg, remat: str, split: bool, context: int) -> bool:
+    """Whether a layer's residuals grow with the K/V before its segment."""
+    return _layer_residuals(cfg, remat, PROBE, split, context) != _layer_residuals(
+        cfg, remat, 3 * PROBE, split, context
+    )
 
 
 _CARRIES: dict = {}
@@ -128,7 +176,8 @@ def estimate(spec_full, remat: str, rows: int, data: int, shard_optimizer: bool)
     policy = remat_lib.POLICIES[remat]
     st = state_bytes(cfg, spec_full.chunk_layers * spec_full.virtual, data, shard_optimizer)
     act = 2 if cfg.dtype == "bfloat16" else 4
-    layer = residual_bytes(cfg, "none", rows * spec_full.seg_max, sum(spec_full.lengths))
+    tokens, kv_len = rows * spec_full.seg_max, sum(spec_full.sequence_lengths)
+    layer = residual_bytes(cfg, "none", tokens, kv_len, context=spec_full.context, rows=rows)
     loss_len = cfg.loss_chunk if cfg.loss_chunk > 0 else spec_full.seg_max
     out = {
         "state": st["params"] + st["moments"],
@@ -140,6 +189,11 @@ def estimate(spec_full, remat: str, rows: int, data: int, shard_optimizer: bool)
         # The last stage's logits of one segment, float32 (XLA fuses their softmax and
         # cotangent into the buffer: one copy, on the compiled gpt_1b steps).
         "head": rows * min(loss_len, spec_full.seg_max) * (cfg.vocab_size // cfg.tensor) * 4,
+        # The last segment's layer gathers the K/V of the whole sequence, and its backward
+        # holds their cotangents before the reduce-scatter.
+        "gather": 0
+        if spec_full.context == 1
+        else 2 * rows * kv_len * 2 * cfg.local_kv_heads * cfg.head_dim * act,
         "update": st["params"] + st["moments"],
     }
     # The head runs in the last chunk's forward, the unit's working set in a backward:

@@ -36,9 +36,10 @@ def hand_picked(config, p: space.Problem) -> list[tuple[str, Candidate]]:
     pp = config.pipeline
     own = config.mesh.stage if config.mesh.stage > 1 else 0
     data = max(1, p.devices // 8)
+    context = config.mesh.get("context", 1)
     readme = (
         Candidate(
-            p.devices // (own * config.mesh.tensor) or 1,
+            p.devices // (own * context * config.mesh.tensor) or 1,
             own,
             config.mesh.tensor,
             pp.schedule,
@@ -47,6 +48,7 @@ def hand_picked(config, p: space.Problem) -> list[tuple[str, Candidate]]:
             pp.virtual_stages,
             str(pp.inflight),
             pp.remat if pp.remat != "auto" else "full",
+            context=context,
         )
         if own
         else Candidate(data, 8, 1, "seq1f1b", 8, 4, 1, "full", "full")
@@ -97,8 +99,9 @@ REMAT_LEAN = ("full_layer", "full", "layer", "dots", "none")  # least memory fir
 
 
 def lean(c: Candidate) -> tuple:
-    """Memory-lean first: most stages, then most segments, then the least-keeping remat."""
-    return (-c.stage * c.tensor, -c.segments, REMAT_LEAN.index(c.remat), c.label)
+    """Memory-lean first: the most devices a replica's work is split over (stages, tensor
+    and context), then most segments, then the least-keeping remat."""
+    return (-c.stage * c.tensor * c.context, -c.segments, REMAT_LEAN.index(c.remat), c.label)
 
 
 def estimate_some(config, p, rates, budget, cands: list) -> list[dict]:

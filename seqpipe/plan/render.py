@@ -27,7 +27,8 @@ def _mfu(row: dict) -> str:
 def table(rows: list[dict]) -> str:
     """The ranked rows as Markdown; `source` says which memory figure was compiled."""
     lines = [
-        "| # | candidate (data x stage x tensor, schedule, M, K, V, depth, remat) | step s "
+        "| # | candidate (data x stage x tensor, C context, schedule, M, K, V, depth, remat) "
+        "| step s "
         "| tokens/s | MFU causal | memory GiB | memory | bubble |",
         "|---|---|---|---|---|---|---|---|",
     ]

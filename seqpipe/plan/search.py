@@ -32,7 +32,7 @@ def config_of(base, c: Candidate, seq_len: int, global_batch: int, validate: boo
             section, name = key.split(".")
             cfg[section][name] = value
     if validate:
-        config_lib.validate(cfg, c.data * c.stage * c.tensor)
+        config_lib.validate(cfg, c.devices)
     return cfg
 
 
@@ -87,7 +87,8 @@ def lower_bound(base, c: Candidate, seq_len: int, global_batch: int, rates) -> f
     table, so the search evaluates candidates in the order of this bound and stops where
     it passes the best."""
     cfg, lengths, layers, shard, state = _shape_of(base, c, seq_len, global_batch)
-    spec = PipelineSpec(cfg, None, None, lengths, c.remat, layers)
+    local = tuple(length // c.context for length in lengths)  # a context device's
+    spec = PipelineSpec(cfg, None, None, local, c.remat, layers, context=c.context)
     rows = global_batch // (c.data * c.microbatches)
     unit = timing.unit_cost(spec, rows, rates)
     busy = c.microbatches * c.segments * c.virtual * (unit["F"] + unit["B"])
@@ -97,10 +98,11 @@ def lower_bound(base, c: Candidate, seq_len: int, global_batch: int, rates) -> f
     first = partition.segment_flops(lengths, **partition.model_dims(cfg))[0] * c.segments
     split = schedule.generator(c.schedule).split
     fill = (c.stage - 1) * first * (unit["F"] + (0 if split else unit["B"]))
-    # The last stage also runs the head: its matmuls, forward and backward, at least.
+    # The last stage also runs the head: its matmuls, forward and backward, at least (its
+    # tensor and context devices each their share).
     head = 6 * cfg.d_model * cfg.vocab_size * global_batch // c.data * seq_len
-    head_s = head / cfg.tensor / rates.flops
-    return busy + head_s + fill + timing.after_loop(state, c.data, shard, rates)
+    head_s = head / (cfg.tensor * c.context) / rates.flops
+    return busy + head_s + fill + timing.after_loop(state, c.data, shard, rates, c.context)
 
 
 _SHAPES: dict = {}
@@ -126,7 +128,8 @@ _LENGTHS: dict = {}
 def _mesh_of(base, c: Candidate, seq_len: int, global_batch: int) -> tuple:
     """(model, layers per chunk, sharded optimizer, state bytes, segment multiple) of the
     candidate's mesh and layer split; once for all candidates that share them."""
-    key = (id(base), c.data, c.stage, c.tensor, c.virtual, c.layers_per_stage, seq_len)
+    key = (id(base), c.data, c.stage, c.context, c.tensor, c.virtual, c.layers_per_stage)
+    key += (seq_len,)
     if key not in _SHAPES:
         config = config_of(base, c, seq_len, global_batch, validate=False)
         cfg = full_cfg(config)

@@ -19,6 +19,7 @@ DEPTHS = ("full", "minimal")
 MICROBATCH_FACTORS = (1, 2, 4)  # M = S x these (a 1F1B pipeline fills at M >= S)
 BLOCK = 128  # segment lengths a multiple of this: the attention kernels' block
 TENSOR = (1, 2, 4, 8)
+CONTEXT = (1, 2, 4, 8)  # devices a segment's positions are split over (`parallel.context`)
 
 
 class PlanError(ValueError):
@@ -40,12 +41,18 @@ class Candidate:
     remat: str
     partition: str = "uniform"
     layers_per_stage: str = "even"
+    context: int = 1
+
+    @property
+    def devices(self) -> int:
+        return self.data * self.stage * self.context * self.tensor
 
     def overrides(self) -> dict[str, object]:
         """The config keys that make this candidate (`--config.KEY=VALUE`)."""
         return {
             "mesh.data": self.data,
             "mesh.stage": self.stage,
+            "mesh.context": self.context,
             "mesh.tensor": self.tensor,
             "pipeline.schedule": self.schedule,
             "pipeline.microbatches": self.microbatches,
@@ -59,12 +66,11 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        """Short: mesh DxSxT, schedule, M, K, V, depth, remat (and the non-default splits)."""
-        parts = [
-            f"{self.data}x{self.stage}x{self.tensor}",
-            self.schedule,
-            f"M={self.microbatches}",
-        ]
+        """Short: mesh DxSxT, C (context > 1), schedule, M, K, V, depth, remat (and the
+        non-default splits)."""
+        parts = [f"{self.data}x{self.stage}x{self.tensor}"]
+        parts += [f"C={self.context}"] * (self.context > 1)
+        parts += [self.schedule, f"M={self.microbatches}"]
         parts += [f"K={self.segments}"] * (self.segments > 1)
         parts += [f"V={self.virtual}"] * (self.virtual > 1)
         parts += [self.inflight, self.remat]
@@ -83,7 +89,7 @@ class Problem:
     devices: int
     seq_len: int
     global_batch: int
-    devices_per_host: int = 8  # tensor parallelism stays inside a host's fast links
+    devices_per_host: int = 8  # tensor and context parallelism stay in a host's fast links
     partition_multiple: int = 1
 
 
@@ -91,35 +97,50 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def meshes(p: Problem) -> list[tuple[int, int, int]]:
-    """(data, stage, tensor): tensor divides the heads and stays in a host; two or more
-    stages dividing the layers; data divides the global batch."""
+def meshes(p: Problem) -> list[tuple[int, int, int, int]]:
+    """(data, stage, context, tensor), in the mesh's order: tensor divides the heads;
+    tensor and context together stay in a host (a tensor group's collectives run at every
+    matmul, a context group's K/V gathers at every layer); two or more stages dividing
+    the layers; data divides the global batch."""
     out = []
     kv = p.num_kv_heads or p.num_heads
-    for t in TENSOR:
-        if p.devices % t or p.num_heads % t or kv % t or t > p.devices_per_host:
+    for t, c in itertools.product(TENSOR, CONTEXT):
+        if p.devices % (t * c) or p.num_heads % t or kv % t or t * c > p.devices_per_host:
             continue
-        for s in divisors(p.devices // t):
-            d = p.devices // (t * s)
+        for s in divisors(p.devices // (t * c)):
+            d = p.devices // (t * c * s)
             if s >= 2 and p.num_layers % s == 0 and p.global_batch % d == 0:
-                out.append((d, s, t))
+                out.append((d, s, c, t))
     return out
 
 
-def segment_counts(p: Problem, tensor: int) -> list[int]:
-    """K > 1 that split the sequence into equal segments, each a multiple of the block,
-    the tensor devices and `pipeline.partition_multiple`."""
-    unit = math.lcm(BLOCK, tensor, p.partition_multiple)
+def segment_unit(p: Problem, tensor: int, context: int = 1) -> int:
+    """What every segment length is a multiple of: the block, the tensor devices and
+    `pipeline.partition_multiple`; with C > 1 context devices, each of its 2C pieces
+    a multiple of the block (`run.config`'s `segment_multiple`, with the block)."""
+    multiple = math.lcm(BLOCK, p.partition_multiple)
+    if context == 1:
+        return math.lcm(multiple, tensor)
+    return context * math.lcm(2 * multiple, tensor)
+
+
+def segment_counts(p: Problem, tensor: int, context: int = 1) -> list[int]:
+    """K > 1 that split the sequence into equal segments of a multiple of `segment_unit`."""
+    unit = segment_unit(p, tensor, context)
     return [k for k in SEGMENTS if p.seq_len % (k * unit) == 0]
 
 
-def schedule_shapes(p: Problem, stage: int, tensor: int) -> list[tuple[str, int, int]]:
-    """(schedule, K, V) for a stage count."""
-    ks = segment_counts(p, tensor)
+def schedule_shapes(
+    p: Problem, stage: int, tensor: int, context: int = 1
+) -> list[tuple[str, int, int]]:
+    """(schedule, K, V) for a stage count (and context devices: the 1F1B family's one
+    segment, the sequence, splits over them only if it is a multiple of the unit)."""
+    ks = segment_counts(p, tensor, context)
+    whole = context == 1 or p.seq_len % segment_unit(p, tensor, context) == 0
     out = []
     for name in SCHEDULES:
         seq = name.startswith("seq")
-        for k in ks if seq else [1]:
+        for k in ks if seq else [1] * whole:
             for v in VIRTUAL if "interleaved" in name else [1]:
                 if p.num_layers % (stage * v) == 0:
                     out.append((name, k, v))
@@ -138,10 +159,10 @@ def candidates(p: Problem, remats=tuple(remat.POLICIES)) -> list[Candidate]:
     """Every candidate of the space (uniform segments, even layers), before any pruning.
     The partition and the layer split are refined for the best few (`refinements`)."""
     out = []
-    for d, s, t in meshes(p):
-        for name, k, v in schedule_shapes(p, s, t):
+    for d, s, c, t in meshes(p):
+        for name, k, v in schedule_shapes(p, s, t, c):
             for m, depth, rm in itertools.product(microbatch_counts(p, d, s, v), DEPTHS, remats):
-                out.append(Candidate(d, s, t, name, m, k, v, depth, rm))
+                out.append(Candidate(d, s, t, name, m, k, v, depth, rm, context=c))
     return out
 
 
@@ -166,7 +187,7 @@ def check(p: Problem) -> None:
             f"model.num_layers={p.num_layers} and the data replicas --global-batch "
             f"{p.global_batch}; change --global-batch or the topology"
         )
-    if not any(segment_counts(p, t) for _, _, t in meshes(p)):
+    if not any(segment_counts(p, t, c) for _, _, c, t in meshes(p)):
         unit = math.lcm(BLOCK, p.partition_multiple)
         raise PlanError(
             f"--seq-len {p.seq_len}: no segment count in {', '.join(map(str, SEGMENTS))} "

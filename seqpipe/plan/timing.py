@@ -1,7 +1,12 @@
 """The time model: a candidate's step in seconds from FLOPs and bytes, without a device.
 
 A unit (a segment through a chunk) costs FLOPs / F + bytes / B on one device, plus
-its messages and tensor-parallel collectives at the link's bandwidth. The schedule's
+its messages and tensor-parallel collectives at the link's bandwidth. With mesh.context =
+C a device runs 1/C of every segment's positions: its matmuls' FLOPs and its bytes scale
+by 1/C, its attention is 1/C of the segment's causal work (the zigzag split,
+`seqpipe.parallel.context`), and every layer all-gathers the other devices' K/V of the
+prefix and the segment over the same link (a backward gathers them again and
+reduce-scatters their cotangents). The schedule's
 tick model (`schedule.stats`: a tick lasts as long as its busiest stage, each segment
 its FLOP share, the head on the last stage) turns the mean unit's forward and backward
 into the pipeline's time; after the loop come the gradients' reduction over `data` and
@@ -92,20 +97,25 @@ def rates_for(target) -> Rates:
 def unit_cost(spec, rows: int, rates: Rates) -> dict:
     """Seconds of the mean unit's forward (F) and backward (B, with its recompute) on one
     device, and their FLOPs and bytes."""
-    cfg, t = spec.cfg, spec.cfg.tensor
+    cfg, t, c = spec.cfg, spec.cfg.tensor, spec.context
     dims = partition.model_dims(cfg)
     dense, attn = partition._dense_and_attn(**dims | {"num_layers": None})
-    n, seq, k = spec.chunk_layers, sum(spec.lengths), spec.segments
+    n, seq, k = spec.chunk_layers, sum(spec.lengths), spec.segments  # seq: this device's
     tokens = rows * seq / k  # the mean unit's
-    pairs = rows * seq * seq / 2 / k  # (query, key) pairs of the mean unit, causal
+    whole = seq * c  # the sequence: a context device's queries see keys of all of it
+    pairs = rows * whole * whole / 2 / k / c  # (query, key) pairs of the mean unit, causal
     fwd_flops = n * (dense * tokens + attn * pairs) / t
     passes = spec.policy.matmul_passes  # forwards' worth of matmuls a layer runs a step
 
     layer_params = model.layer_matmul_params(cfg) / t
     act = 2 if cfg.dtype == "bfloat16" else 4
     seg = seq / k
-    # Blockwise attention runs a segment over the whole K/V buffer, masked.
+    # Blockwise attention runs a segment over the whole K/V buffer, masked; a context
+    # device's piece over the gathered keys before it and its own (mean: half the segment
+    # and half a piece, after the prefix).
     keys = spec.kv_len + seg if k > 1 else seq
+    if c > 1:
+        keys = whole * (k - 1) / (2 * k) + whole / k * (c + 1) / (2 * c)
     act_pass = n * tokens * (cfg.d_model + cfg.d_ff / 4) * act * ACT_BYTES / t
     score_pass = 0 if rates.fused_attention else n * rows * seg * keys * cfg.num_heads / t
     score_pass *= SCORE_BYTES
@@ -115,10 +125,16 @@ def unit_cost(spec, rows: int, rates: Rates) -> dict:
     bwd_bytes = n * layer_params * WEIGHT_BYTES["B"] + (2 + recompute) * (act_pass + score_pass)
     message = tokens * cfg.d_model * act / t
     tp = 0.0 if t == 1 else 4 * n * tokens * cfg.d_model * act * (t - 1) / t
+    # Each layer gathers the K/V (2 of kv heads x head dim) of the prefix and the segment,
+    # (P + L_k)(C - 1)/C positions from the others (mean P + L_k: (K + 1) / 2K of the
+    # sequence); the backward gathers again and reduce-scatters as much, a recompute again.
+    kv = 2 * cfg.local_kv_heads * cfg.head_dim * act
+    ctx = 0.0 if c == 1 else n * rows * whole * (k + 1) / (2 * k) * (c - 1) / c * kv
     # In sequence, as the roofline per kernel adds up: the matmuls are compute-bound, the
     # rest (most of the bytes) memory-bound.
-    f = fwd_flops / rates.flops + fwd_bytes / rates.bytes + (message + tp) / rates.link
-    b = bwd_flops / rates.flops + bwd_bytes / rates.bytes + (message + 2 * tp) / rates.link
+    f = fwd_flops / rates.flops + fwd_bytes / rates.bytes + (message + tp + ctx) / rates.link
+    b = bwd_flops / rates.flops + bwd_bytes / rates.bytes
+    b += (message + 2 * tp + (2 + recompute) * ctx) / rates.link
     return {"F": f, "B": b, "flops": fwd_flops + bwd_flops, "bytes": fwd_bytes + bwd_bytes}
 
 
@@ -128,17 +144,19 @@ _STATS: dict = {}
 def table_stats(spec) -> dict:
     """`schedule.stats` of the spec's table with each segment's FLOP share and the head's
     and embedding's work on their chunks; once a table (the remat policies share it)."""
-    key = (id(spec.schedule), spec.lengths, spec.layers_per_chunk, spec.cfg)
+    # The sequence's segments: a context device runs 1/C of each, the same shares.
+    lengths = spec.sequence_lengths
+    key = (id(spec.schedule), lengths, spec.layers_per_chunk, spec.cfg)
     if key not in _STATS:
         dims = partition.model_dims(spec.cfg)
-        costs = partition.segment_flops(spec.lengths, **dims)
+        costs = partition.segment_flops(lengths, **dims)
         chunks = partition.chunk_costs(
             spec.stages * spec.virtual,
-            sum(spec.lengths),
+            sum(lengths),
             **dims,
             layers_per_chunk=spec.layers_per_chunk,
         )
-        _STATS[key] = (spec.schedule, schedule.stats(spec.schedule, costs, spec.lengths, chunks))
+        _STATS[key] = (spec.schedule, schedule.stats(spec.schedule, costs, lengths, chunks))
     return _STATS[key][1]
 
 
@@ -152,12 +170,16 @@ def pipeline_time(spec, rows: int, rates: Rates) -> dict:
     return {"loop_s": st["time"] * per, "bubble": st["bubble"], "unit": unit}
 
 
-def after_loop(state: dict, data: int, shard_optimizer: bool, rates: Rates) -> float:
+def after_loop(
+    state: dict, data: int, shard_optimizer: bool, rates: Rates, context: int = 1
+) -> float:
     """Seconds of the gradients' reduction over `data` (reduce-scatter and all-gather: twice
-    the float32 gradients' bytes on the wire) and the AdamW update (parameters, moments
-    and gradients read and written, over the replicas when the optimizer is sharded)."""
+    the float32 gradients' bytes on the wire), and over `context` (each device's sum over
+    its positions, inside a host), and the AdamW update (parameters, moments and
+    gradients read and written, over the replicas when the optimizer is sharded)."""
     grads = state["count"] * 4
     wire = 0.0 if data == 1 else 2 * (data - 1) / data * grads / rates.data_link
+    wire += 2 * (context - 1) / context * grads / rates.link
     update = 2 * (state["params"] + state["moments"] + grads)
     update /= data if shard_optimizer else 1
     return wire + update / rates.bytes
@@ -168,11 +190,11 @@ def step_time(spec, rows: int, data: int, shard_optimizer: bool, state: dict, ra
     half of the score matrix (what splash and the fused kernels compute; the full count
     would read above 100% at a TPU's peak) over every device's peak."""
     pipe = pipeline_time(spec, rows, rates)
-    seconds = pipe["loop_s"] + after_loop(state, data, shard_optimizer, rates)
-    m = spec.schedule.microbatches
-    tokens = rows * m * data * sum(spec.lengths)
-    devices = data * spec.stages * spec.cfg.tensor
-    flops = model.flops_per_token(spec.cfg, sum(spec.lengths), causal=True) * tokens
+    seconds = pipe["loop_s"] + after_loop(state, data, shard_optimizer, rates, spec.context)
+    m, seq = spec.schedule.microbatches, sum(spec.sequence_lengths)
+    tokens = rows * m * data * seq
+    devices = data * spec.stages * spec.context * spec.cfg.tensor
+    flops = model.flops_per_token(spec.cfg, seq, causal=True) * tokens
     return {
         "step_s": seconds,
         "bubble": pipe["bubble"],

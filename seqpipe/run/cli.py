@@ -239,15 +239,18 @@ def _launcher_rank() -> tuple[int, int]:
     return 0, 0
 
 
-def no_tensor_or_exit(config, tool: str) -> None:
+def one_device_stages_or_exit(config, tool: str) -> None:
     """The benchmarks time units and steps on devices of their own, one stage each: a
-    tensor-parallel stage is not one of those, so it is refused in one line."""
-    if config.mesh.tensor > 1:
-        fail(
-            f"{tool} measures stages of one device each; mesh.tensor={config.mesh.tensor} "
-            "is not supported there: set mesh.tensor=1 (train.py --compile_only measures "
-            "a tensor-parallel step's memory)"
-        )
+    stage split over tensor or context devices is not one of those (its units' collectives
+    need the others), so it is refused in one line."""
+    for axis in ("tensor", "context"):
+        size = config.mesh.get(axis, 1)
+        if size > 1:
+            fail(
+                f"{tool} measures stages of one device each; mesh.{axis}={size} is not "
+                f"supported there: set mesh.{axis}=1 (train.py --compile_only and "
+                "python -m seqpipe.tools.memory measure such a step's memory)"
+            )
 
 
 def run_or_exit(fn: Callable[[], T]) -> T:

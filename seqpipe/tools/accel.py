@@ -539,7 +539,7 @@ def parse(argv: list[str]):
     if "--quick" in argv:  # the user's own overrides come later, so they win
         argv = list(QUICK) + argv
     config, args = cli.load_or_exit(argv, "python -m seqpipe.bench --accelerator", flags)
-    cli.no_tensor_or_exit(config, "python -m seqpipe.bench --accelerator")
+    cli.one_device_stages_or_exit(config, "python -m seqpipe.bench --accelerator")
     default = QUICK_VARIANTS if args.quick else DEFAULT_VARIANTS
     names = (default if args.variants is None else args.variants).split(",")
     names = [n for n in names if n]  # --variants= : the prediction alone

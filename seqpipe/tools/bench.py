@@ -626,7 +626,7 @@ def main(argv: list[str]) -> int:
     if quick:  # the user's own overrides come later, so they win
         argv = list(QUICK) + argv
     config, args = cli.load_or_exit(argv, "python -m seqpipe.bench", flags)
-    cli.no_tensor_or_exit(config, "python -m seqpipe.bench")
+    cli.one_device_stages_or_exit(config, "python -m seqpipe.bench")
     cli.quiet_libtpu()
     config = cli.resolve_or_exit(config)  # a mesh axis at -1 gets its size
     runs = QUICK_RUNS if args.quick else RUNS

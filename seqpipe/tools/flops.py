@@ -17,6 +17,15 @@ layers are added as n-1 copies of a middle-chunk one-layer unit (no embedding, n
 A `lax.cond` counts its costliest branch; the unit's first/last-chunk switches are
 compiled as constants, so XLA folds them to the branch that runs on that chunk.
 
+With mesh.context = C > 1 (`seqpipe.parallel.context`) a unit runs one context device's
+positions: it is compiled on C devices (its all-gathers bound), XLA counts what one of
+them executes, and the step's executed count is C times that (the zigzag split gives
+every device the same work; the device's `lax.switch` branches are equal). Likewise
+with mesh.tensor = T: T devices, each its share of the matmuls. The analytic
+count is the sequence's (`spec.sequence_lengths`). Under `xla` attention each device's two
+pieces compute their own square, smaller than the segment's: executed attention is
+below the analytic one, which counts the segment's whole square.
+
 The head's backward runs in the last chunk's forward (the loss's cotangent is the constant
 1), so no policy recomputes the head. With full rematerialisation (`pipeline.remat=full`)
 the backward re-runs the body, so executed / analytic is (4 x layers + 3 x head) / (3 x
@@ -43,6 +52,7 @@ from seqpipe import schedule
 from seqpipe.kernels import attention
 from seqpipe.models import model
 from seqpipe.models.model import GPTConfig
+from seqpipe.parallel import sharding
 from seqpipe.pipeline import units
 
 # --------------------------------------------------------------------------- analytic
@@ -67,8 +77,9 @@ def analytic_forward(cfg: GPTConfig, lengths, rows: int) -> dict:
 
 
 def analytic_step(spec, rows: int, replicas: int = 1) -> int:
-    """Forward plus backward (2x) FLOPs of a whole step: M micro-batches per replica."""
-    per_mb = analytic_forward(spec.cfg, spec.lengths, rows)["forward"]
+    """Forward plus backward (2x) FLOPs of a whole step: M micro-batches per replica, of
+    the sequence's segments (whatever devices split their positions)."""
+    per_mb = analytic_forward(spec.cfg, spec.sequence_lengths, rows)["forward"]
     return 3 * per_mb * spec.schedule.microbatches * replicas
 
 
@@ -144,7 +155,11 @@ def unit_key(spec, rows: int, seg: int, first: bool, last: bool, backward: bool,
     seg_max = max(spec.lengths)
     keep = keep and backward and not spec.policy.keeps_residuals
     split = spec.schedule.split  # a split table's backward is B alone
-    return (spec.cfg, spec.remat, split, off, length, seg_max, rows, first, last, backward, keep)
+    # Under context parallelism a unit gathers every earlier segment's pieces: all of
+    # their lengths shape it (`context.Split`).
+    pieces = spec.lengths[: seg + 1] if spec.context > 1 else ()
+    key = (spec.cfg, spec.remat, spec.context, pieces, split, off, length, seg_max, rows)
+    return key + (first, last, backward, keep)  # `keep` last: `unit_program` reads it
 
 
 def compiled_unit(
@@ -156,6 +171,7 @@ def compiled_unit(
     key = unit_key(spec, rows, seg, first, last, backward, keep)
     if key not in _COMPILED:
         fn, args = unit_program(spec, rows, seg, first, last, backward, keep)
+        fn = sharding.bound(fn, spec.tensor, spec.context, jax.devices())
         _COMPILED[key] = (jax.jit(fn).lower(*args).compile(), args)
     return _COMPILED[key]
 
@@ -264,18 +280,20 @@ def unit_counts(sched, layers_per_chunk=None) -> collections.Counter:
 
 
 def executed_step(spec, rows: int, replicas: int = 1) -> dict:
-    """Executed FLOPs of a step, per unit kind and in total (all replicas)."""
+    """Executed FLOPs of a step, per unit kind (`flops`: one device's) and in total (all
+    replicas, and the context and tensor devices of each stage)."""
     kinds = {}
     total = 0.0
     counts = unit_counts(spec.schedule, spec.layers_per_chunk)
+    devices = spec.context * spec.tensor  # a stage's, each running its share of a unit
     for (seg, first, last, backward, n), count in sorted(counts.items()):
         each = unit_flops(spec, rows, seg, first, last, backward, n)
         name = f"{KIND_LABELS[backward]} seg{seg}{' first' * first}{' last' * last}"
         kinds[name + (f" {n} layers" if spec.uneven else "")] = {
-            "count": count * replicas,
+            "count": count * replicas * devices,
             "flops": each,
         }
-        total += each * count * replicas
+        total += each * count * replicas * devices
     return {"units": kinds, "executed": total}
 
 
@@ -285,7 +303,7 @@ def step_ratio(spec, rows: int, replicas: int = 1) -> dict:
     analytic = analytic_step(spec, rows, replicas)
     # Padded keys: the extra attention, forward + backward (2x) + a recomputed forward
     # where the policy recomputes attention's matmuls.
-    pad = padded_attention_excess(spec.cfg, spec.lengths, rows)
+    pad = padded_attention_excess(spec.cfg, spec.sequence_lengths, rows)
     pad *= spec.policy.matmul_passes * spec.schedule.microbatches * replicas
     return {
         "analytic": analytic,
@@ -357,6 +375,14 @@ _ELEMENTWISE_FREE = {
     "cond",
     "split",
     "rev",
+    # Collectives (context parallelism's K/V gathers and their transposes) move data.
+    "all_gather",
+    "reduce_scatter",
+    "psum",
+    "psum_invariant",
+    "pvary",
+    "axis_index",
+    "shard_map",
 }
 
 
@@ -438,9 +464,10 @@ def breakdown(spec, rows: int, replicas: int = 1) -> dict:
         # W runs on the whole padded chunk (`chunk_terms`).
         n = spec.chunk_layers if backward == 2 else n or spec.chunk_layers
         fns = unit_functions(spec, seg, first, last, rows, n)
-        c = jaxpr_flops(fns[backward], unit_args(spec, rows, seg, n, backward, (first, last)))
+        fn = sharding.bound(fns[backward], spec.tensor, spec.context)
+        c = jaxpr_flops(fn, unit_args(spec, rows, seg, n, backward, (first, last)))
         for k, v in c.items():
-            total[k] += v * count * replicas
+            total[k] += v * count * replicas * spec.context * spec.tensor  # each device's share
     analytic = analytic_step(spec, rows, replicas)
     named = collections.Counter()
     for k, v in total.items():

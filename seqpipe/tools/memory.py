@@ -22,7 +22,9 @@ lowered schedule (`schedule.Program`) and the shapes the executor uses:
 
 b rows per micro-batch, Lseg the longest segment, Lkv the cached prefix (`spec.kv_len`: no
 segment reads the last one's K/V, so 0 for K = 1), n layers per model chunk (num_kv and
-num_dkv count (micro-batch, chunk) pairs), D model width, H heads of width E.
+num_dkv count (micro-batch, chunk) pairs), D model width, H heads of width E. With
+mesh.context = C > 1, Lseg and Lkv are one context device's positions (1/C of the
+sequence's, `seqpipe.parallel.context`); `seq_len` stays the sequence's.
 `temp - carry` is what XLA needs beyond the carry: mostly the working set of one unit's
 recomputed forward and its vjp
 (attention probabilities of every layer of the chunk for one segment, logits on the last
@@ -156,7 +158,8 @@ def unit_temp_bytes(spec, rows: int, seg: int) -> int:
     import jax  # after main() sets the XLA flags
     import jax.numpy as jnp  # after main() sets the XLA flags
 
-    from seqpipe.pipeline import units  # jax: after main() sets the XLA flags
+    from seqpipe.parallel import sharding  # jax: after main() sets the XLA flags
+    from seqpipe.pipeline import units
 
     unit = units.SegmentUnit(spec, seg)
     chunk, shared, x_in, prefix, _, tok, _ = unit.avals(rows)
@@ -168,8 +171,13 @@ def unit_temp_bytes(spec, rows: int, seg: int) -> int:
 
     flag = jax.ShapeDtypeStruct((), jnp.bool_)
     args = (unit.saved_avals(rows), chunk, shared, prefix, prefix, tok, flag, x_in, own, own)
+
+    def compiled(fn, a):  # on a stage's tensor and context devices: its collectives bound
+        fn = sharding.bound(fn, spec.tensor, spec.context, jax.devices())
+        return jax.jit(fn).lower(*a).compile()
+
     return max(
-        int(jax.jit(fn).lower(*a).compile().memory_analysis().temp_size_in_bytes)
+        int(compiled(fn, a).memory_analysis().temp_size_in_bytes)
         for fn, a in ((backward, args), (unit.head, (shared, x_in, tok)))
     )
 
@@ -202,7 +210,8 @@ def step_memory(config, unit: bool = True) -> dict:
         "stages": spec.stages,
         "microbatches": spec.schedule.microbatches,
         "rows": rows,
-        "seq_len": sum(spec.lengths),
+        "context": spec.context,
+        "seq_len": sum(spec.sequence_lengths),  # a context device holds 1/context of it
         "stash_units": st["inflight_peak"][0],
         "stash_microbatches": st["activation_fraction"][0],
         "num_stash": prog.num_stash,

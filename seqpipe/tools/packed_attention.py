@@ -113,8 +113,10 @@ def main(argv=None) -> int:
     spec = executor.make_spec(config)
     cfg = spec.cfg
     width, t = cfg.num_heads * cfg.head_dim, config.train
-    flops = step_flops(spec.lengths, width, cfg.num_layers, t.global_batch_size, args.document)
-    print(f"segments {list(spec.lengths)}, {args.document}-token documents")
+    # The sequence's segments, whole: what the step computes over all its context devices.
+    lengths = spec.sequence_lengths
+    flops = step_flops(lengths, width, cfg.num_layers, t.global_batch_size, args.document)
+    print(f"segments {list(lengths)}, {args.document}-token documents")
     for name, value in flops.items():
         print(f"  {name:15s} {value:.4e} forward attention FLOPs a step")
     print(f"  packed / unpacked executed: {flops['packed'] / flops['unpacked']:.4f}")

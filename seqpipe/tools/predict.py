@@ -199,7 +199,7 @@ def main(argv: list[str]) -> int:
     if not any(a == "--config" or a.startswith("--config=") for a in argv):
         argv = ["--config", "gpt_1b", *argv]
     config, args = cli.load_or_exit(argv, "python -m seqpipe.tools.predict", flags)
-    cli.no_tensor_or_exit(config, "python -m seqpipe.tools.predict")
+    cli.one_device_stages_or_exit(config, "python -m seqpipe.tools.predict")
     if bad := problem(args.predict, config.model.num_layers):
         cli.fail(f"--predict: {bad}")
     target = None

@@ -16,13 +16,16 @@ unit M times a step. A loop of unknown trip count in the tick loop is one segmen
 (`pipeline.run_if`): it runs M times of the loop's T trips. A two-way conditional there
 (the executor before run_if) is a unit's "runs or idles": it runs M x (its segment
 switch's width, else 1) times of the T trips; any other conditional counts the mean of
-its branches. (Checked on matmul FLOPs, which must equal the model's:
+its branches: a context device's `lax.switch` on its place (`seqpipe.parallel.context`)
+too, whose branches do equal work. With mesh.context = C the module is one context
+device's, so are the figures. (Checked on matmul FLOPs, which must equal the model's:
 tests/test_step_cost.py.)
 
 Bytes: a fusion's operands and results, except that an operand only sliced (or updated
 in place) inside the fusion counts the slices, and an in-place dynamic-update-slice counts
 the update (read and written), not the buffer; a Triton kernel given the K/V cache whole
-counts one slot's one layer of it (`operand_bytes`). FLOPs: 2 x output elements x
+counts one slot's one layer of it (`operand_bytes`); a collective what it reads and writes
+on the device, not its time on the wire. FLOPs: 2 x output elements x
 contracted size of each dot, in fusions (Triton GEMMs) and cuBLAS calls alike.
 
 Time: a roofline per kernel, max(FLOPs / F, bytes / B). `H200` holds F and B fitted to
@@ -41,6 +44,11 @@ import sys
 from seqpipe.targets import hlo
 
 FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all"}
+# Collectives (context parallelism's K/V gathers, tensor parallelism's reductions, the
+# gradients' after the loop): one kernel each, its `-start` where it runs async (the
+# `-done` only waits for it).
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all")
+FREE |= {f"{name}-done" for name in COLLECTIVES}
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4}
 _BYTES |= {"u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
 _ARRAY = re.compile(r"\b([a-z]\w*?)\[([\d,]*)\]")
@@ -166,6 +174,8 @@ def kind_of(instr: Instr) -> str:
     """A kernel's kind, by what XLA named it: GEMMs, weight and stash slicing, in-place
     updates, memsets, copies, custom kernels, the rest elementwise or reductions."""
     name = instr.name
+    if instr.op.removesuffix("-start") in COLLECTIVES:
+        return "collective"
     if instr.op == "custom-call":
         return "gemm" if "gemm" in instr.line.split("custom_call_target=")[-1][:40] else "custom"
     if instr.op == "copy" or name.startswith("copy"):

@@ -24,14 +24,17 @@ def bubble_fractions(run: RunConfig) -> dict[str, float]:
         return {"bubble": 0.0, "bubble_head": 0.0}
     spec = run.spec
     dims = partition.model_dims(spec.cfg)
-    costs = partition.segment_flops(spec.lengths, **dims)
+    # The sequence's segments: a context device runs 1/context of each one's work, the
+    # same shares (its local lengths would misweigh attention against the matmuls).
+    lengths = spec.sequence_lengths
+    costs = partition.segment_flops(lengths, **dims)
     chunks = partition.chunk_costs(
         spec.stages * spec.virtual,
-        sum(spec.lengths),
+        sum(lengths),
         **dims,
         layers_per_chunk=spec.layers_per_chunk,
     )
-    with_head = schedule.stats(spec.schedule, costs, spec.lengths, chunks)
+    with_head = schedule.stats(spec.schedule, costs, lengths, chunks)
     return {"bubble": schedule.stats(spec.schedule)["bubble"], "bubble_head": with_head["bubble"]}
 
 
