@@ -38,7 +38,7 @@ from seqpipe.kernels.attention import accumulation, attend, attend_cached, rope
 from seqpipe.kernels.rope import NO_SCALING, RopeScaling
 from seqpipe.models import document_mask
 from seqpipe.models.document_mask import Packing
-from seqpipe.parallel import context, tensor
+from seqpipe.parallel import tensor
 
 Params = dict[str, Any]
 
@@ -347,14 +347,10 @@ def _self_attention(mm: _Matmuls, x_BxQxD, k_prefix, v_prefix, offset, cfg, cach
         )
     positions = None if packing is None else packing.positions
     split = None if packing is None else packing.context
-    if split is not None:  # this device's positions of the sequence: `seqpipe.parallel.context`
-        q, k_seg = (
-            context.rope(x, split, cfg.rope_base, cfg.rope_scaling, positions) for x in (q, k_seg)
-        )
+    if split is not None:  # this device's positions of the sequence (`seqpipe.parallel.context`)
+        q, k_seg = (split.rope(x, cfg.rope_base, cfg.rope_scaling, positions) for x in (q, k_seg))
         k, v = k_prefix.astype(k_seg.dtype), v_prefix.astype(v_seg.dtype)
-        attn_BxQxHxE = context.attend(
-            cfg.attention, q, k, v, k_seg, v_seg, split, packing.kv_ids, cache
-        )
+        attn_BxQxHxE = split.attend(cfg.attention, q, k, v, k_seg, v_seg, packing.kv_ids, cache)
         return mm("wo", attn_BxQxHxE), k_seg, v_seg
     q = rope(q, offset, cfg.rope_base, cfg.rope_scaling, positions)
     k_seg = rope(k_seg, offset, cfg.rope_base, cfg.rope_scaling, positions)

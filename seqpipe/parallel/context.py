@@ -29,8 +29,9 @@ import numpy as np
 from seqpipe.kernels import attention, attention_residuals
 from seqpipe.kernels.rope import NO_SCALING, RopeScaling, inverse_frequencies
 from seqpipe.kernels.rope import tables as rope_tables
+from seqpipe.parallel.sharding import CONTEXT
 
-AXIS = "context"
+AXIS = CONTEXT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +59,14 @@ class Split:
     def starts(self, device) -> tuple:
         """Where `device`'s two pieces start in the sequence."""
         return tuple(self.offset + p * self.piece for p in self.pieces(device))
+
+    # What a layer runs across the split (`model.layer` reads the split off the segment's
+    # `Packing`, and so needs no import of this module).
+    def attend(self, impl: str, q, k_prefix, v_prefix, k_seg, v_seg, kv_ids=None, cache=None):
+        return attend(impl, q, k_prefix, v_prefix, k_seg, v_seg, self, kv_ids, cache)
+
+    def rope(self, x, base: float, scaling: RopeScaling = NO_SCALING, positions=None):
+        return rope(x, self, base, scaling, positions)
 
 
 def row_order(lengths, size: int) -> np.ndarray:

@@ -8,12 +8,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from seqpipe.parallel import context as context_lib
 from seqpipe.parallel import tensor as tensor_lib
 
 DATA = "data"
 STAGE = "stage"
-CONTEXT = context_lib.AXIS
+CONTEXT = "context"  # `seqpipe.parallel.context`
 TENSOR = tensor_lib.AXIS
 AXES = (DATA, STAGE, CONTEXT, TENSOR)
 
