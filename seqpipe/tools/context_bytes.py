@@ -9,7 +9,8 @@ beside an analytic count (context parallelism, `seqpipe.parallel.context`).
 
 Measured: each collective of the per-device program, by the mesh axes its groups span,
 times how often it runs (`step_cost`'s counting: a loop its trips, the tick loop's units
-M times a step; an async collective counted once, at its start), as the bytes one device
+M times a step; an async collective counted once, at its start; the trip counts are the
+GPU compiler's, which a TPU compile's HLO does not carry), as the bytes one device
 receives over a ring of n devices: an all-gather (n - 1) x its operand, a reduce-scatter
 or all-to-all (n - 1) / n of it, an all-reduce 2 (n - 1) / n of it.
 
@@ -188,6 +189,13 @@ def main(argv: list[str]) -> int:
     p = config.pipeline
     spec = spec_lib.make_spec(config)
     rows = config.train.global_batch_size // (sizes["data"] * p.microbatches)
+    if " while(" in text and '"known_trip_count"' not in text:
+        print(
+            "context_bytes: the loops carry no known trip count (a TPU compile's HLO does not "
+            "say it): each counts once, so the measured column falls short; read a GPU "
+            "compile's HLO (--topology h200-N)",
+            file=sys.stderr,
+        )
     got = measured(text, sizes, p.microbatches, p.segments)
     want = analytic(spec, rows, grad_bytes(spec))
     print(f"{'per device, GB (1e9 B)':<26} {'measured':>10} {'analytic':>10}")
