@@ -20,9 +20,11 @@ from seqpipe.targets import xla_flags  # noqa: E402
 
 
 def _mesh_text(mesh: dict) -> str:
-    """data x stage, and x tensor where it splits: "2x4", "1x8x8"."""
+    """data x stage, and x tensor where it splits, then the context axis where it splits:
+    "2x4", "1x8x8", "1x2, context 4"."""
     sizes = [mesh["data"], mesh["stage"]] + ([mesh["tensor"]] if mesh["tensor"] > 1 else [])
-    return "x".join(map(str, sizes))
+    context = mesh.get("context", 1)
+    return "x".join(map(str, sizes)) + (f", context {context}" if context > 1 else "")
 
 
 def summary(result: dict, target=None) -> str:

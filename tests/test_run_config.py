@@ -32,6 +32,21 @@ def test_auto_and_the_open_axis_are_resolved_for_the_devices_and_said_in_one_lin
         run.remat = "none"
 
 
+def test_the_context_axis_is_said_where_it_splits():
+    import train
+
+    config = tiny_config(**{**PIPELINED, "mesh.data": "-1", "mesh.stage": "2", "mesh.context": "2"})
+    run = run_config.resolve(config, jax.devices())
+    assert run.mesh.sizes() == {"data": 2, "stage": 2, "context": 2, "tensor": 1}
+    assert "; mesh: data 2, stage 2, context 2, tensor 1 (8 cpu);" in run.line()
+    assert train._mesh_text(run.mesh.sizes()) == "2x2, context 2"
+    one = run_config.Mesh(data=2, stage=4, tensor=1)  # no context axis: as before it existed
+    assert (
+        one.sizes() == {"data": 2, "stage": 4, "tensor": 1}
+        and train._mesh_text(one.sizes()) == "2x4"
+    )
+
+
 def test_what_is_named_is_kept_and_a_run_without_a_pipeline_has_no_spec():
     config = tiny_config(**{"model.attention": "xla", "pipeline.remat": "dots"})
     run = run_config.resolve(config, jax.devices())

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from seqpipe.kernels import attention, attention_residuals
+from seqpipe.kernels import attention, attention_residuals, kv_cache
 from seqpipe.kernels.rope import NO_SCALING, RopeScaling, inverse_frequencies
 from seqpipe.kernels.rope import tables as rope_tables
 from seqpipe.parallel.sharding import CONTEXT
@@ -155,16 +155,30 @@ def attend(impl: str, q, k_prefix, v_prefix, k_seg, v_seg, split: Split, kv_ids=
 
 
 def _device_attention(impl: str, split: Split, device: int, q, keys_k, keys_v, ids):
-    """Device `device`'s two query pieces on the keys before each and their own."""
+    """Device `device`'s two query pieces on the keys before each and their own.
+
+    Where the kernel reads a prefix in place (`attention.reads_cache_in_place`) it reads
+    each piece's prefix out of the gathered keys, which are also the sinks its cotangents
+    come back as (their values unread): no branch slices a prefix of its own length. A
+    slice is a residual of the branch's attention, and a switch's residuals are the union
+    of its branches' (each padded with zeros in the others): C devices' prefix copies,
+    twice each, where one gathered array serves them all."""
     h, outs = split.piece, []
+    in_place = attention.reads_cache_in_place(impl)
+    cache = kv_cache.Prefix.holding(keys_k[None], keys_v[None]) if in_place else None
     for half, start in enumerate(split.starts(device)):
         q_piece = q[:, half * h : (half + 1) * h]
         own = slice(start, start + h)
         docs = None if ids is None else (ids[:, own], ids[:, : start + h])
-        k_pre, v_pre = keys_k[:, :start], keys_v[:, :start]
-        outs.append(
-            attention.attend(impl, q_piece, k_pre, v_pre, keys_k[:, own], keys_v[:, own], docs)
-        )
+        k_own, v_own = keys_k[:, own], keys_v[:, own]
+        if in_place:
+            out = attention.attend_cached(
+                impl, q_piece, cache, keys_k, keys_v, start, k_own, v_own, docs
+            )
+        else:
+            k_pre, v_pre = keys_k[:, :start], keys_v[:, :start]
+            out = attention.attend(impl, q_piece, k_pre, v_pre, k_own, v_own, docs)
+        outs.append(out)
     return jnp.concatenate(outs, axis=1)
 
 

@@ -46,6 +46,13 @@ class Mesh:
     data: int
     stage: int
     tensor: int
+    context: int = 1
+
+    def sizes(self) -> dict[str, int]:
+        """The axes in mesh order (data, stage, context, tensor); context only where it
+        splits (a run without context parallelism reads as before it existed)."""
+        kept = ("data", "stage") + (("context",) if self.context > 1 else ()) + ("tensor",)
+        return {axis: getattr(self, axis) for axis in kept}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -86,10 +93,11 @@ class RunConfig:
         else:
             attention = self.model.attention
         remat = self.remat_choice.line() if self.remat_choice is not None else self.remat
+        mesh = ", ".join(f"{axis} {size}" for axis, size in m.sizes().items())
         return (
-            f"attention: {attention}; pipeline.remat: {remat}; mesh: data {m.data}, stage "
-            f"{m.stage}, tensor {m.tensor} ({len(self.target.devices)} "
-            f"{self.target.platform}); pipeline.schedule: {c.pipeline.schedule}"
+            f"attention: {attention}; pipeline.remat: {remat}; mesh: {mesh} "
+            f"({len(self.target.devices)} {self.target.platform}); pipeline.schedule: "
+            f"{c.pipeline.schedule}"
         )
 
 
@@ -159,7 +167,9 @@ def build(config: ConfigDict, remat: str, attention: str, target: Target) -> Run
         model=GPTConfig.from_config(resolved.model),
         spec=spec,
         remat=remat,
-        mesh=Mesh(**{axis: config.mesh[axis] for axis in ("data", "stage", "tensor")}),
+        mesh=Mesh(
+            **{axis: config.mesh.get(axis, 1) for axis in ("data", "stage", "tensor", "context")}
+        ),
         placement=layout.of_config(config),
         shard_optimizer=config_lib.shards_optimizer(config),
         target=target,

@@ -301,14 +301,19 @@ class Module:
                     total.add(c, w)
             elif i.op == "call":
                 total.add(self._cost(callee(i, "to_apply"), units, tick_trips))
-            elif i.op == "fusion":
-                flops = self.fused_flops(callee(i, "calls"))
-                total.kernel(kind_of(i), self.fusion_bytes(i, types), flops)
             else:
-                operands = [types.get(o, "") for o in i.operands]
-                nbytes = sum(map(operand_bytes, operands, [i] * len(operands)))
-                total.kernel(kind_of(i), nbytes + size_of(i.type), dot_flops(i, types))
+                self.leaf(i, types, total)
         return total
+
+    def leaf(self, i: Instr, types: dict[str, str], total: Cost) -> None:
+        """Add a kernel (an instruction that is no container) to `total`."""
+        if i.op == "fusion":
+            flops = self.fused_flops(callee(i, "calls"))
+            total.kernel(kind_of(i), self.fusion_bytes(i, types), flops)
+        else:
+            operands = [types.get(o, "") for o in i.operands]
+            nbytes = sum(map(operand_bytes, operands, [i] * len(operands)))
+            total.kernel(kind_of(i), nbytes + size_of(i.type), dot_flops(i, types))
 
     def top_level(self, comp: str):
         """The instructions of `comp` and of the computations it calls, not those inside

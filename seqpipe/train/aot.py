@@ -94,7 +94,7 @@ def _describe(run: RunConfig, state: State, mesh: jax.sharding.Mesh) -> dict:
     split = sharding.split_table(state["params"], run.mesh.data, run.mesh.tensor)
     p = run.config.pipeline
     return {
-        "mesh": dataclasses.asdict(run.mesh),
+        "mesh": run.mesh.sizes(),
         "shard_optimizer": run.shard_optimizer,
         # From the shardings: each part of the train state (the step's arguments) per device.
         "state_bytes_per_device": {k: _bytes_per_device(v) for k, v in state.items()},
