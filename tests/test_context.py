@@ -129,7 +129,7 @@ def test_context_parallel_pipeline_matches_reference_all_pairs(case):
     run_case(case)
 
 
-@pytest.mark.parametrize("kernel", ["splash", "pallas_gpu"])
+@pytest.mark.parametrize("kernel", [pytest.param("splash", marks=pytest.mark.slow), "pallas_gpu"])
 def test_the_pallas_kernels_take_the_split(monkeypatch, kernel):
     """splash and pallas_gpu (in Pallas interpret mode, as they run off their chips) on
     packed rows split over 2 context devices: each piece's call is their usual contract."""
