@@ -157,14 +157,16 @@ def attend(impl: str, q, k_prefix, v_prefix, k_seg, v_seg, split: Split, kv_ids=
 def _device_attention(impl: str, split: Split, device: int, q, keys_k, keys_v, ids):
     """Device `device`'s two query pieces on the keys before each and their own.
 
-    Where the kernel reads a prefix in place (`attention.reads_cache_in_place`) it reads
+    Where the kernel reads a prefix in place (`blockwise`) it reads
     each piece's prefix out of the gathered keys, which are also the sinks its cotangents
     come back as (their values unread): no branch slices a prefix of its own length. A
     slice is a residual of the branch's attention, and a switch's residuals are the union
     of its branches' (each padded with zeros in the others): C devices' prefix copies,
     twice each, where one gathered array serves them all."""
     h, outs = split.piece, []
-    in_place = attention.reads_cache_in_place(impl)
+    # pallas_gpu's cached kernel under the switch failed in Pallas interpret mode (a
+    # KeyError in its discharge, 2026-12-07): it slices its prefix until checked on a GPU.
+    in_place = impl == "blockwise"
     cache = kv_cache.Prefix.holding(keys_k[None], keys_v[None]) if in_place else None
     for half, start in enumerate(split.starts(device)):
         q_piece = q[:, half * h : (half + 1) * h]
