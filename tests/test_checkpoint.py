@@ -236,6 +236,7 @@ def test_restore_into_another_mesh(tmp_path):
     assert leaf.sharding.spec == P(sharding.STAGE) and leaf.sharding.mesh.shape == {
         "data": 2,
         "stage": 4,
+        "context": 1,
         "tensor": 1,
     }
     assert leaf.addressable_shards[0].data.shape[0] == leaf.shape[0] // 4

@@ -61,7 +61,7 @@ def test_a_prediction_names_a_seq1f1b_variant():
         (["--topology", "h100-8"], "--topology h100-8: the estimate is fitted to one H200"),
         (["--predict", "seq1f1b:2", "--config.model.num_layers=3"], "--predict: model.num_"),
         (
-            ["--config.mesh.context=2"],
+            ["--config.mesh.context=2", "--config.pipeline.schedule=seq1f1b"],
             "python -m seqpipe.tools.predict measures stages of one device each; mesh.context=2",
         ),
     ],
