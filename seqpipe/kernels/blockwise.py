@@ -158,8 +158,10 @@ def _forward(q, prefix, k_seg, v_seg, block_q, block_k, documents=None):
         def visit(state, k_j, v_j, mask_QxK, k_ids=None):
             m, total, acc = state
             if k_ids is not None:
-                mask_QxK = mask_QxK & _same_document(q_ids, k_ids)
-            s = jnp.where(mask_QxK, _scores(q_i, k_j), -jnp.inf)
+                same = _same_document(q_ids, k_ids)
+                mask_QxK = same if mask_QxK is None else mask_QxK & same
+            s = _scores(q_i, k_j)
+            s = s if mask_QxK is None else jnp.where(mask_QxK, s, -jnp.inf)
             m_new = jnp.maximum(m, s.max(-1))
             if k_ids is not None:  # a row may have seen no key yet: no -inf - -inf
                 m_new = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -176,7 +178,9 @@ def _forward(q, prefix, k_seg, v_seg, block_q, block_k, documents=None):
 
         def prefix_block(j, state):
             k_j, v_j = (read(which, pb.start(j), pb.size) for which in (0, 1))
-            return visit(state, k_j, v_j, pb.fresh(j)[None, :], key_ids(pb, j, False))
+            whole = pb.length % pb.size == 0  # no block overlaps its neighbour: none masked
+            mask = None if whole else pb.fresh(j)[None, :]
+            return visit(state, k_j, v_j, mask, key_ids(pb, j, False))
 
         def own_block(j, state):
             k_j, v_j = (_slice(x, kb.start(j), kb.size) for x in (k_seg, v_seg))
