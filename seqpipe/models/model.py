@@ -36,9 +36,10 @@ import numpy as np
 from seqpipe.kernels import attention_residuals
 from seqpipe.kernels.attention import accumulation, attend, attend_cached, rope
 from seqpipe.kernels.rope import NO_SCALING, RopeScaling
-from seqpipe.models import document_mask
+from seqpipe.models import document_mask, moe
 from seqpipe.models.document_mask import Packing
 from seqpipe.parallel import tensor
+from seqpipe.parallel.sharding import CONTEXT
 
 Params = dict[str, Any]
 
@@ -74,6 +75,18 @@ class GPTConfig:
     document_mask: bool = True
     head_dim: int = 0  # E, each head's width; 0: d_model / num_heads (Qwen 3 sets its own)
     qk_norm: bool = False  # RMSNorm of each query and key head before RoPE (Qwen 3)
+    # A mixture of experts in every layer's MLP (`seqpipe.models.moe`; swiglu experts).
+    num_experts: int = 0  # 0: a dense MLP
+    experts_per_token: int = 2
+    expert_d_ff: int = 0  # each expert's hidden width; 0: d_ff
+    router_renormalize: bool = True  # the chosen experts' weights sum to one (Mixtral)
+    moe_aux_loss: float = 0.0  # the load-balancing loss's coefficient
+    moe_z_loss: float = 0.0  # the router z-loss's coefficient
+    # The tokens of one data replica's batch, which the router losses average over, and
+    # the segments of a row they are taken over (() the whole row): set by the pipeline's
+    # spec (and the tokens by `loss`, from its batch), not by a config.
+    router_tokens: int = 0
+    router_segments: tuple[int, ...] = ()
 
     def __post_init__(self):
         # A config section (a dict or ConfigDict) becomes the hashable dataclass.
@@ -86,6 +99,10 @@ class GPTConfig:
         """H * E: the queries' (and the attention output's) width, d_model unless a head's
         width is set apart from it."""
         return self.num_heads * self.head_dim
+
+    @property
+    def expert_width(self) -> int:
+        return self.expert_d_ff or self.d_ff
 
     @property
     def kv_heads(self) -> int:
@@ -156,6 +173,13 @@ def init_params(cfg: GPTConfig, key: jax.Array) -> Params:
         )
     if cfg.qk_norm:
         params["layers"].update(q_norm=jnp.ones((n, e), dt), k_norm=jnp.ones((n, e), dt))
+    if cfg.num_experts:  # the experts take the dense MLP's place, drawn from keys of their own
+        draws = iter(jax.random.split(jax.random.fold_in(key, 9), len(moe.PARAMS)))
+        for name in ("w_gate", "w_in", "w_out"):
+            params["layers"].pop(name, None)
+        params["layers"].update(
+            moe.init(cfg, lambda shape, s: normal(shape, s, next(draws)), n, std, out_std)
+        )
     if cfg.tie_embeddings:
         del params["head"]
     return params
@@ -302,7 +326,7 @@ def layer(
         mm, x_BxQxD, k_prefix_BxPxHxE, v_prefix_BxPxHxE, offset, cfg, cache, packing
     )
     x_BxQxD = x_BxQxD + tensor.scatter(attn_out, mm.t)
-    x_BxQxD = x_BxQxD + tensor.scatter(_mlp(mm, x_BxQxD, cfg), mm.t)
+    x_BxQxD = x_BxQxD + tensor.scatter(_mlp(mm, x_BxQxD, cfg, packing), mm.t)
     if taps is None:
         return x_BxQxD, k_seg, v_seg
     return x_BxQxD, k_seg, v_seg, mm.inputs
@@ -365,9 +389,12 @@ def _self_attention(mm: _Matmuls, x_BxQxD, k_prefix, v_prefix, offset, cfg, cach
     return mm("wo", attn_BxQxHxE), k_seg, v_seg
 
 
-def _mlp(mm: _Matmuls, x_BxQxD, cfg):
+def _mlp(mm: _Matmuls, x_BxQxD, cfg, packing=None):
     """The MLP half of `layer` before its residual add: the down projection's partial sums."""
     h_BxQxD = rms_norm(x_BxQxD, mm.p["mlp_norm"], cfg.norm_eps)
+    if cfg.num_experts:
+        split = packing is not None and packing.context is not None
+        return moe.mlp(mm.p, h_BxQxD, cfg, CONTEXT if split else None)
     if cfg.mlp == "swiglu":
         gate_BxQxF, up_BxQxF = mm.column_parallel(("w_gate", "w_in"), h_BxQxD)
         ff_BxQxF = swiglu(gate_BxQxF, up_BxQxF)
@@ -403,6 +430,11 @@ def matmul_shapes(cfg: GPTConfig, lead: tuple[int, ...]) -> tuple[dict, dict]:
     outputs = {"wq": (h, e), "wk": (kv, e), "wv": (kv, e), "wo": (d,), "w_in": (f,), "w_out": (d,)}
     if cfg.mlp == "swiglu":
         outputs["w_gate"] = (f,)
+    if cfg.num_experts:  # the experts' grouped matmuls get their gradients in B
+        for name in ("mlp_in", "mlp_act"):
+            del inputs[name]
+        for name in ("w_gate", "w_in", "w_out"):
+            outputs.pop(name, None)
     return (
         {k: lead + v for k, v in inputs.items()},
         {k: lead + v for k, v in outputs.items()},
@@ -720,6 +752,10 @@ def loss(
     (`document_mask.counted_targets`), each token attending within its document where
     `cfg.document_mask` says so."""
     inputs, targets = tokens_BxL1[:, :-1], tokens_BxL1[:, 1:]
+    if cfg.num_experts:  # the router losses over the pipeline's segments
+        cfg = dataclasses.replace(cfg, router_tokens=inputs.size)
+        if sum(cfg.router_segments) == inputs.shape[1]:
+            segment_lengths = segment_lengths or cfg.router_segments
     if documents is None and positions is None:
         y = hidden(params, inputs, cfg, segment_lengths, checkpoint)
         return head_loss_sum(params, y, targets, cfg) / targets.size
@@ -746,8 +782,14 @@ def flops_per_token(cfg: GPTConfig, seq_len: int, causal: bool = False) -> float
 
 
 def layer_matmul_params(cfg: GPTConfig) -> int:
-    """Weights of one layer's matmuls: Q and O (D x H*E each), K and V (D x K*E each),
-    two MLP matrices (three with swiglu); biases and norm gains are not matmuls."""
+    """Weights of one layer's matmuls that a token goes through: Q and O (D x H*E each), K
+    and V (D x K*E each), two MLP matrices (three with swiglu); with experts, the router
+    (D x X) and the chosen experts' three each (active parameters). Biases and norm gains
+    are not matmuls."""
     d, kv_width = cfg.d_model, cfg.kv_heads * cfg.head_dim
+    attention = 2 * d * cfg.q_width + 2 * d * kv_width
+    if cfg.num_experts:
+        experts = cfg.experts_per_token * 3 * d * cfg.expert_width
+        return attention + d * cfg.num_experts + experts
     mlp = 3 if cfg.mlp == "swiglu" else 2
-    return 2 * d * cfg.q_width + 2 * d * kv_width + mlp * d * cfg.d_ff
+    return attention + mlp * d * cfg.d_ff

@@ -41,6 +41,9 @@ DIMS = {
     "w_gate": 2,
     "w_in": 2,
     "w_out": 1,
+    "e_gate": 3,  # experts [X, D, F]: each expert's columns, as a dense MLP's
+    "e_in": 3,
+    "e_out": 2,
     "embed": 0,
     "head": 1,
 }

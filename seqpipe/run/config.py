@@ -118,6 +118,12 @@ SCHEMA = {
     "model.qkv_bias": Key(bool),
     "model.head_dim": _COUNT,
     "model.qk_norm": Key(bool),
+    "model.num_experts": _COUNT,
+    "model.experts_per_token": _POSITIVE_INT,
+    "model.expert_d_ff": _COUNT,
+    "model.router_renormalize": Key(bool),
+    "model.moe_aux_loss": _RATE,
+    "model.moe_z_loss": _RATE,
     "model.document_mask": Key(bool),
     "model.rope_scaling.type": Key(str, choices=ROPE_SCALINGS),
     "model.rope_scaling.factor": _POSITIVE,
@@ -238,6 +244,16 @@ def _model_defaults() -> dict:
         # before RoPE (Qwen 3).
         head_dim=0,
         qk_norm=False,
+        # A mixture of experts in every layer's MLP (`seqpipe.models.moe`; 0: dense):
+        # experts, how many each token goes to, each one's width (0: d_ff), whether the
+        # chosen experts' weights are renormalized to one (Mixtral; Qwen3-MoE's
+        # norm_topk_prob), the load-balancing and router z-loss coefficients.
+        num_experts=0,
+        experts_per_token=2,
+        expert_d_ff=0,
+        router_renormalize=True,
+        moe_aux_loss=0.0,
+        moe_z_loss=0.0,
         # On packed rows (data.packing concat or best_fit), each token attends only within
         # its document (`seqpipe.data.packing`); unpacked rows have no documents to mask by.
         document_mask=True,
@@ -459,6 +475,26 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _validate_experts(m, tensor: int) -> None:
+    if not m.num_experts:
+        return
+    _require(
+        m.experts_per_token <= m.num_experts,
+        f"model.experts_per_token={m.experts_per_token} is more than model.num_experts="
+        f"{m.num_experts}; choose at most {m.num_experts} experts per token",
+    )
+    _require(
+        m.mlp == "swiglu",
+        f"model.num_experts={m.num_experts} runs swiglu experts; set model.mlp=swiglu",
+    )
+    width = m.expert_d_ff or m.d_ff
+    _require(
+        width % tensor == 0,
+        f"each expert's width {width} (model.expert_d_ff, or model.d_ff) is not divisible by "
+        f"mesh.tensor={tensor}, which splits it; change one of them",
+    )
+
+
 def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
     """Check everything that can be checked before any device work; raise ConfigError.
 
@@ -479,6 +515,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         f"each head's width {width} (model.head_dim, or model.d_model / model.num_heads) "
         "must be even for rotary embeddings; change model.num_heads or model.head_dim",
     )
+    _validate_experts(m, mesh.tensor)
     tensor = mesh.tensor
     for key, size in (("num_heads", m.num_heads), ("d_ff", m.d_ff), ("vocab_size", m.vocab_size)):
         _require(

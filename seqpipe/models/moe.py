@@ -1,0 +1,137 @@
+"""A mixture-of-experts MLP (Mixtral's, Qwen3-MoE's): a router picks `experts_per_token` of
+`num_experts` SwiGLU experts per token, and the token's output is their outputs weighted
+by the router's probabilities (renormalized over the chosen ones where the family does so).
+
+Dropless: the token-expert assignments are sorted by expert and each expert's run of
+tokens is multiplied by its weights in one grouped matmul (`jax.lax.ragged_dot`), so a
+token costs its chosen experts alone and no token is dropped.
+
+Router losses (`moe_aux_loss`, `moe_z_loss`) are computed per unit of work: per layer, row
+and segment, over the tokens of that row in that segment, which a pipeline stage has
+whole when it runs the segment (across its tensor and context devices). The
+load-balancing loss is Switch Transformer's, as transformers computes it for one layer and
+one sequence: X * sum_e f_e * P_e, f_e the share of the segment's assignments that went to
+expert e (k per token, so f sums to k), P_e its mean router probability. The z-loss is
+the mean of logsumexp(router logits)^2. Each is averaged over the layers and over the
+batch's tokens (a segment weighs as its share of the row), and enters the training
+objective with its coefficient through its gradient alone (`_with_gradient_of`): the
+executor's backward runs a unit's vjp, and this adds the router losses' gradients to it
+wherever the layer is differentiated, with no output of its own. The loss the trainer
+reports is the language model's.
+
+Parameters, per layer (HF Mixtral / Qwen3-MoE names in brackets, transposed):
+  router  [N, D, X]     (block_sparse_moe.gate / mlp.gate)
+  e_gate  [N, X, D, F]  (experts.j.w1 / gate_proj)
+  e_in    [N, X, D, F]  (experts.j.w3 / up_proj)
+  e_out   [N, X, F, D]  (experts.j.w2 / down_proj)
+F = `expert_d_ff`. Under tensor parallelism each expert's F columns are split as a dense
+MLP's: each device routes its own positions, gathers the segment's tokens and routing,
+runs its columns of every chosen expert, and leaves partial sums for the reduce-scatter.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from seqpipe.parallel import tensor
+
+PARAMS = ("router", "e_gate", "e_in", "e_out")
+
+
+def init(cfg, normal, n: int, std: float, out_std: float) -> dict:
+    """A stack of n layers' MoE parameters, drawn by `normal(shape, std)`."""
+    d, x, f = cfg.d_model, cfg.num_experts, cfg.expert_width
+    return {
+        "router": normal((n, d, x), std),
+        "e_gate": normal((n, x, d, f), std),
+        "e_in": normal((n, x, d, f), std),
+        "e_out": normal((n, x, f, d), out_std),
+    }
+
+
+def route(h_BxQxD, router_DxX, k: int, renormalize: bool):
+    """(probabilities [b, Q, X] float32, router logits, chosen experts [b, Q, k], their
+    weights [b, Q, k]): softmax over every expert, then the top k, renormalized to sum to
+    one where `renormalize` (Mixtral; Qwen3-MoE's norm_topk_prob)."""
+    logits = jnp.einsum("bqd,dx->bqx", h_BxQxD, router_DxX).astype(jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)
+    weights, chosen = jax.lax.top_k(probs, k)
+    if renormalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return probs, logits, chosen, weights
+
+
+def experts(h_TxD, chosen_Txk, weights_Txk, e_gate, e_in, e_out):
+    """sum_j weights[t, j] * expert_{chosen[t, j]}(h[t]) for every token, [T, D]: the
+    assignments sorted by expert, each expert's run through its SwiGLU by `ragged_dot`."""
+    tokens, k = chosen_Txk.shape
+    flat = chosen_Txk.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=e_gate.shape[0]).astype(jnp.int32)
+    x = h_TxD[order // k]
+    gate = jax.lax.ragged_dot(x, e_gate, sizes)
+    up = jax.lax.ragged_dot(x, e_in, sizes)
+    act = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x.dtype)
+    y = jax.lax.ragged_dot(act, e_out, sizes)
+    y = y * weights_Txk.reshape(-1)[order][:, None].astype(y.dtype)
+    unsorted = jnp.zeros_like(y).at[order].set(y)
+    return unsorted.reshape(tokens, k, -1).sum(axis=1)
+
+
+def router_losses(probs, logits, chosen, cfg, axes: tuple[str, ...]):
+    """This device's share of the layer's router losses, scaled by their coefficients and
+    normalized as the module docstring says: summed over the devices of `axes` (tensor,
+    context: those that split the segment's positions) it is the layer's term."""
+    count = jnp.sum(jax.nn.one_hot(chosen, cfg.num_experts, dtype=jnp.float32), axis=(1, 2))
+    if axes:
+        count = jax.lax.psum(count, axes)
+    count = jax.lax.stop_gradient(count)  # [b, X], k per token of the row's segment
+    segment = jnp.sum(count, axis=-1, keepdims=True) / cfg.experts_per_token
+    norm = cfg.num_layers * cfg.router_tokens
+    aux = cfg.num_experts * jnp.sum(count / segment * jnp.sum(probs, axis=1)) / norm
+    z = jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2) / norm
+    return cfg.moe_aux_loss * aux + cfg.moe_z_loss * z
+
+
+@jax.custom_vjp
+def _with_gradient_of(x, loss):
+    """x; its backward also gives `loss` a cotangent of one, so the loss's gradient joins
+    whatever gradient flows through x."""
+    return x
+
+
+def _with_gradient_fwd(x, loss):
+    return x, jnp.zeros((), loss.dtype)
+
+
+def _with_gradient_bwd(zero, g):
+    return g, jnp.ones_like(zero)
+
+
+_with_gradient_of.defvjp(_with_gradient_fwd, _with_gradient_bwd)
+
+
+def mlp(p, h_BxQxD, cfg, context_axis: str | None = None):
+    """The MoE MLP on this device's positions [b, Q/t, D] (normed): partial sums over the
+    whole segment [b, Q, D] under tensor parallelism (the caller's reduce-scatter adds
+    them), else the output; the router losses' gradients ride on it. `context_axis`: the
+    mesh axis the segment's positions are also split over (context parallelism), if any."""
+    t = cfg.tensor
+    probs, logits, chosen, weights = route(
+        h_BxQxD, p["router"], cfg.experts_per_token, cfg.router_renormalize
+    )
+    h, gathered_weights = tensor.gather(h_BxQxD, t), tensor.gather(weights, t)
+    # The chosen experts carry no gradient: a plain gather.
+    gathered = chosen if t == 1 else jax.lax.all_gather(chosen, tensor.AXIS, axis=1, tiled=True)
+    b, q, d = h.shape
+    y = experts(
+        h.reshape(b * q, d),
+        gathered.reshape(b * q, -1),
+        gathered_weights.reshape(b * q, -1),
+        p["e_gate"],
+        p["e_in"],
+        p["e_out"],
+    ).reshape(b, q, d)
+    if not (cfg.moe_aux_loss or cfg.moe_z_loss):
+        return y
+    axes = ((tensor.AXIS,) if t > 1 else ()) + ((context_axis,) if context_axis else ())
+    return _with_gradient_of(y, router_losses(probs, logits, chosen, cfg, axes))
