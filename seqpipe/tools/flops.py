@@ -410,6 +410,14 @@ def _count(jaxpr, mult: float, out: collections.Counter) -> None:
             contract = math.prod(lhs[i] for i in lc)
             out["matmul"] += mult * 2 * math.prod(eqn.outvars[0].aval.shape) * contract
             continue
+        if name == "ragged_dot_general":  # the experts: each row of lhs meets one group
+            numbers = eqn.params["ragged_dot_dimension_numbers"]
+            (_, rc), (_, rb) = numbers.dot_dimension_numbers
+            rhs = eqn.invars[1].aval.shape
+            skip = {*rc, *rb, *numbers.rhs_group_dimensions}
+            width = math.prod(n for i, n in enumerate(rhs) if i not in skip)
+            out["matmul"] += mult * 2 * math.prod(eqn.invars[0].aval.shape) * width
+            continue
         if name == "scan":
             _count(eqn.params["jaxpr"].jaxpr, mult * eqn.params["length"], out)
             continue

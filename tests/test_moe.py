@@ -1,0 +1,250 @@
+"""The mixture-of-experts MLP (`seqpipe.models.moe`): the grouped experts against every
+expert on every token, the routing against numpy, the router losses' gradients against
+autodiff of the explicit objective, every schedule against the un-pipelined reference
+(loss and every gradient, router included), broken variants caught, FLOPs of the active
+parameters, and bad input."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_context import check, context_config
+from test_flops import _spec
+
+from seqpipe.models import model, moe
+from seqpipe.run import config as config_lib
+from seqpipe.tools import flops
+
+CFG = model.GPTConfig(
+    vocab_size=64,
+    num_layers=2,
+    d_model=16,
+    num_heads=2,
+    d_ff=24,
+    mlp="swiglu",
+    num_experts=4,
+    experts_per_token=2,
+    moe_aux_loss=0.1,
+    moe_z_loss=0.01,
+)
+
+
+def _layer0(cfg=CFG):
+    return jax.tree.map(lambda x: x[0], model.init_params(cfg, jax.random.key(0))["layers"])
+
+
+def _every_expert(h, chosen, weights, p):
+    """The oracle: every expert on every token, weighted by a dense gate that holds the
+    chosen experts' weights and zeros."""
+    outs = jnp.stack(
+        [
+            (jax.nn.silu(h @ p["e_gate"][e]) * (h @ p["e_in"][e])) @ p["e_out"][e]
+            for e in range(p["e_gate"].shape[0])
+        ],
+        axis=1,
+    )
+    rows = jnp.arange(h.shape[0])[:, None]
+    gate = jnp.zeros(outs.shape[:2]).at[rows, chosen].set(weights)
+    return jnp.einsum("te,ted->td", gate, outs)
+
+
+def _routed(p, tokens=24):
+    h = jax.random.normal(jax.random.key(2), (tokens, CFG.d_model))
+    _, _, chosen, weights = moe.route(h[None], p["router"], 2, True)
+    return h, chosen[0], weights[0]
+
+
+def test_the_grouped_experts_equal_every_expert_on_every_token():
+    p = _layer0()
+    h, chosen, weights = _routed(p)
+    got = moe.experts(h, chosen, weights, p["e_gate"], p["e_in"], p["e_out"])
+    want = _every_expert(h, chosen, weights, p)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # And their gradients, every expert's weights and the routing weights.
+    args = (h, weights, p["e_gate"], p["e_in"], p["e_out"])
+
+    def grouped(h, w, g, i, o):
+        return jnp.sum(jnp.sin(moe.experts(h, chosen, w, g, i, o)))
+
+    def dense(h, w, g, i, o):
+        q = {"e_gate": g, "e_in": i, "e_out": o}
+        return jnp.sum(jnp.sin(_every_expert(h, chosen, w, q)))
+
+    want = jax.grad(dense, range(5))(*args)
+    for a, b in zip(jax.grad(grouped, range(5))(*args), want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _combined_with_the_next_tokens_experts(h, chosen, weights, e_gate, e_in, e_out):
+    """A broken dispatch: each token gets the outputs the next token's experts computed."""
+    y = moe.experts(h, chosen, weights, e_gate, e_in, e_out)
+    return jnp.roll(y, 1, axis=0)
+
+
+def test_a_broken_dispatch_is_caught():
+    p = _layer0()
+    h, chosen, weights = _routed(p)
+    broken = _combined_with_the_next_tokens_experts(
+        h, chosen, weights, p["e_gate"], p["e_in"], p["e_out"]
+    )
+    want = _every_expert(h, chosen, weights, p)
+    # Off by as much as the outputs themselves, where the grouped experts agree to 1e-5.
+    assert float(jnp.max(jnp.abs(broken - want))) > 0.5 * float(jnp.max(jnp.abs(want)))
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_routing_is_softmax_then_top_k(renormalize):
+    """Mixtral: softmax over every expert, the top k renormalized; Qwen3-MoE without
+    norm_topk_prob: the top k's probabilities as they are."""
+    p = _layer0()
+    h = np.asarray(jax.random.normal(jax.random.key(3), (1, 9, CFG.d_model)))
+    probs, logits, chosen, weights = moe.route(jnp.asarray(h), p["router"], 2, renormalize)
+    z = h[0] @ np.asarray(p["router"], np.float64)
+    e = np.exp(z - z.max(-1, keepdims=True))
+    want_probs = e / e.sum(-1, keepdims=True)
+    top = np.argsort(-want_probs, axis=-1)[:, :2]
+    want = np.take_along_axis(want_probs, top, -1)
+    if renormalize:
+        want = want / want.sum(-1, keepdims=True)
+    np.testing.assert_array_equal(chosen[0], top)
+    np.testing.assert_allclose(weights[0], want, rtol=1e-5)
+    np.testing.assert_allclose(probs[0], want_probs, rtol=1e-5)
+    assert np.allclose(np.sum(weights, -1), 1.0) == renormalize
+
+
+def _explicit_objective(params, tokens, cfg, segments):
+    """The language model's mean loss plus every layer's router losses as values (not
+    through `moe`'s gradient hook): layer by layer, segment by segment."""
+    losses = []
+    plain = dataclasses.replace(cfg, moe_aux_loss=0.0, moe_z_loss=0.0)
+    rows, length = tokens[:, :-1].shape
+    routed = dataclasses.replace(cfg, router_tokens=rows * length)
+    x_all, offset = [], 0
+    k_cache = [jnp.zeros((rows, 0, cfg.kv_heads, cfg.head_dim))] * cfg.num_layers
+    v_cache = list(k_cache)
+    for seg in segments:
+        x = model.embed(params, tokens[:, offset : offset + seg], cfg)
+        for i in range(cfg.num_layers):
+            p = jax.tree.map(lambda w, i=i: w[i], params["layers"])
+            y, k, v = model.layer(p, x, k_cache[i], v_cache[i], offset, plain)
+            # The MLP input is that of the layer's attention output added: recompute it.
+            attn, _, _ = model._self_attention(
+                model._Matmuls(p, None, 1), x, k_cache[i], v_cache[i], offset, plain, None, None
+            )
+            h = model.rms_norm(x + attn, p["mlp_norm"], cfg.norm_eps)
+            probs, logits, chosen, _ = moe.route(h, p["router"], 2, cfg.router_renormalize)
+            losses.append(moe.router_losses(probs, logits, chosen, routed, ()))
+            k_cache[i] = jnp.concatenate([k_cache[i], k], 1)
+            v_cache[i] = jnp.concatenate([v_cache[i], v], 1)
+            x = y
+        x_all.append(x)
+        offset += seg
+    y = jnp.concatenate(x_all, 1)
+    lm = model.head_loss_sum(params, y, tokens[:, 1:], cfg) / tokens[:, 1:].size
+    return lm + sum(losses)
+
+
+@pytest.mark.parametrize("segments", [(4, 8)])
+def test_the_router_losses_gradients_equal_autodiff_of_the_explicit_objective(segments):
+    params = model.init_params(CFG, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (3, 13), 0, CFG.vocab_size)
+    cfg = dataclasses.replace(CFG, router_segments=segments)
+    got = jax.jit(jax.grad(model.loss), static_argnums=2)(params, tokens, cfg)
+    explicit = jax.jit(jax.grad(_explicit_objective), static_argnums=(2, 3))
+    want = explicit(params, tokens, CFG, segments)
+    for (path, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), strict=True
+    ):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7, err_msg=str(path))
+    # The losses move the router: without them its gradient differs.
+    none = dataclasses.replace(cfg, moe_aux_loss=0.0, moe_z_loss=0.0)
+    plain = jax.grad(model.loss)(params, tokens, none)["layers"]["router"]
+    assert float(jnp.max(jnp.abs(plain - got["layers"]["router"]))) > 1e-4
+
+
+def test_the_router_losses_are_switch_transformers_per_row():
+    """X * sum_e f_e * P_e per row (f: the share of its k assignments, P: the mean
+    probability), and the mean squared logsumexp, against numpy."""
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(2, 6, 4)).astype(np.float32)
+    probs = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+    chosen = np.argsort(-probs, -1)[..., :2]
+    cfg = dataclasses.replace(CFG, num_layers=1, router_tokens=12, moe_aux_loss=1.0)
+    f = np.stack([np.bincount(c.ravel(), minlength=4) / 6 for c in chosen])
+    aux = np.mean([4 * np.sum(f[r] * probs[r].mean(0)) for r in range(2)])
+    lse = np.log(np.exp(logits).sum(-1))
+    for z, want in ((0.0, aux), (1.0, aux + np.mean(lse**2))):
+        c = dataclasses.replace(cfg, moe_z_loss=z)
+        got = moe.router_losses(jnp.asarray(probs), jnp.asarray(logits), chosen, c, ())
+        assert float(got) == pytest.approx(want, rel=1e-5)
+
+
+# (schedule, (data, stage, context, tensor), segments, remat, routing, rows): the default
+# run takes the first two, `make test-all` the rest too.
+SAMPLE = [
+    ("seq1f1b", (1, 2, 1, 2), 2, "full", "mixtral", "plain"),
+    ("seq_zb_h1", (1, 2, 2, 1), 4, "dots", "qwen", "packed"),
+]
+MORE = [
+    ("seq_zb_h1", (1, 2, 1, 2), 2, "none", "qwen", "packed"),
+    ("seq1f1b_interleaved", (2, 2, 1, 1), 2, "full_layer", "qwen", "plain"),
+    ("1f1b", (2, 2, 1, 1), 1, "layer", "mixtral", "plain"),
+    ("gpipe", (1, 2, 2, 2), 2, "full", "mixtral", "packed"),
+]
+
+
+def _id(case):
+    return "-".join(map(str, case))
+
+
+@pytest.mark.parametrize(
+    "case", SAMPLE + [pytest.param(c, marks=pytest.mark.slow) for c in MORE], ids=_id
+)
+def test_the_pipeline_matches_the_reference(case):
+    """Loss and every gradient, router and experts included, with both router losses on:
+    tensor-split experts, packed rows, context, the split backward (experts' gradients in
+    B), segments the router losses are taken over."""
+    schedule, mesh, segments, remat, routing, rows = case
+    c = context_config(schedule, mesh, segments, remat, "llama")
+    c.model.update(
+        num_experts=4,
+        experts_per_token=2,
+        expert_d_ff=16,
+        moe_aux_loss=0.1,
+        moe_z_loss=0.01,
+        router_renormalize=routing == "mixtral",
+    )
+    check(c, rows == "packed", "llama")
+
+
+def test_flops_count_the_active_experts():
+    """remat none: the jaxpr's matmuls of the whole step equal the analytic count, which
+    counts each token's chosen experts (and the router), not all of them."""
+    arch = dict(mlp="swiglu", num_experts=4, experts_per_token=2, expert_d_ff=32)
+    spec = _spec(segments=2, remat="none", arch=arch)
+    assert flops.breakdown(spec, rows=1)["matmul"] == pytest.approx(1.0, rel=1e-9)
+    dense = dataclasses.replace(spec.cfg, num_experts=0, d_ff=2 * 32)
+    assert model.layer_matmul_params(spec.cfg) == model.layer_matmul_params(dense) + 64 * 4
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            {"model.num_experts": "4", "model.experts_per_token": "5"},
+            "model.experts_per_token=5 is more than model.num_experts=4; choose at most 4",
+        ),
+        ({"model.num_experts": "4", "model.mlp": "gelu"}, "model.num_experts=4 runs swiglu"),
+        (
+            {"model.num_experts": "4", "model.expert_d_ff": "6", "mesh.tensor": "4"},
+            "each expert's width 6 (model.expert_d_ff, or model.d_ff) is not divisible by "
+            "mesh.tensor=4",
+        ),
+    ],
+)
+def test_bad_input_is_one_line(overrides, message):
+    with pytest.raises(config_lib.ConfigError) as e:
+        config_lib.load("tiny", {"model.mlp": "swiglu", **overrides})
+    assert str(e.value).startswith(message) and "\n" not in str(e.value), e.value
