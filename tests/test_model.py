@@ -214,8 +214,14 @@ def test_rms_norm_backward_is_autodiffs():
 @pytest.mark.parametrize(
     "name, billions",
     # The public checkpoints' parameter counts (transformers' num_parameters()): Llama 3.2
-    # 1B ties its head, Qwen 2.5 has Q/K/V biases.
-    [("llama3_2_1b", 1.235814400), ("llama3_1_8b", 8.030261248), ("qwen2_5_7b", 7.615616512)],
+    # 1B ties its head, Qwen 2.5 has Q/K/V biases; the mixtures count every expert.
+    [
+        ("llama3_2_1b", 1.235814400),
+        ("llama3_1_8b", 8.030261248),
+        ("qwen2_5_7b", 7.615616512),
+        ("mixtral_8x7b", 46.702792704),
+        ("qwen3_30b_a3b", 30.532122624),
+    ],
 )
 def test_public_model_configs_have_their_parameter_counts(name, billions):
     from seqpipe.run import config as config_lib

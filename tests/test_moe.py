@@ -248,3 +248,17 @@ def test_bad_input_is_one_line(overrides, message):
     with pytest.raises(config_lib.ConfigError) as e:
         config_lib.load("tiny", {"model.mlp": "swiglu", **overrides})
     assert str(e.value).startswith(message) and "\n" not in str(e.value), e.value
+
+
+@pytest.mark.parametrize(
+    "name, total, active", [("mixtral_8x7b", 46.7, 12.9), ("qwen3_30b_a3b", 30.5, 3.3)]
+)
+def test_the_configs_have_the_published_parameter_counts(name, total, active):
+    """Billions of parameters, all and those a token goes through (the chosen experts), to
+    the published figure's last digit (Mistral rounds 12.88 up; Qwen cuts 3.35 to 3.3)."""
+    cfg = model.GPTConfig.from_config(config_lib.load(name).model)
+    shapes = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
+    count = model.num_params(shapes)
+    idle = (cfg.num_experts - cfg.experts_per_token) * 3 * cfg.d_model * cfg.expert_width
+    assert abs(count / 1e9 - total) < 0.06
+    assert abs((count - idle * cfg.num_layers) / 1e9 - active) < 0.06
