@@ -83,8 +83,8 @@ class GPTConfig:
     moe_aux_loss: float = 0.0  # the load-balancing loss's coefficient
     moe_z_loss: float = 0.0  # the router z-loss's coefficient
     # The tokens of one data replica's batch, which the router losses average over, and
-    # the segments of a row they are taken over (() the whole row): set by the pipeline's
-    # spec (and the tokens by `loss`, from its batch), not by a config.
+    # the segments of a row they are taken over (() the whole row): set from the batch
+    # (`loss`, the executor) and by the pipeline's spec, not by a config.
     router_tokens: int = 0
     router_segments: tuple[int, ...] = ()
 

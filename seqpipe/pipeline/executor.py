@@ -601,10 +601,11 @@ def _on_stages(params: Params, batch, spec: PipelineSpec, mesh, out_specs, scatt
 
     def local(layers, sh, tok, *packed):  # this stage's [V * n] layers, as V chunks and back
         chunks = jax.tree.map(lambda w: w.reshape(V, n, *w.shape[1:]), layers)
+        step = _routed_over(spec, tok)
         with kv_cache.layouts_for(platform):
-            if spec.forward_only:
-                return stage_step(spec, chunks, sh, tok, packed=packed)
-            loss, grads, grads_shared = stage_step(spec, chunks, sh, tok, scatter, packed)
+            if step.forward_only:
+                return stage_step(step, chunks, sh, tok, packed=packed)
+            loss, grads, grads_shared = stage_step(step, chunks, sh, tok, scatter, packed)
         return loss, jax.tree.map(lambda g: g.reshape(V * n, *g.shape[3:]), grads), grads_shared
 
     rows = P(DATA)
@@ -624,6 +625,16 @@ def _on_stages(params: Params, batch, spec: PipelineSpec, mesh, out_specs, scatt
         check_vma=False,
     )
     return body(params["layers"], shared, tokens_BxL1, *packed)
+
+
+def _routed_over(spec: PipelineSpec, tokens_BxL1) -> PipelineSpec:
+    """The spec whose router losses average over the tokens of this data replica's rows
+    (`seqpipe.models.moe`), as the reference's do over its batch."""
+    if not spec.cfg.num_experts:
+        return spec
+    rows, window = tokens_BxL1.shape
+    cfg = dataclasses.replace(spec.cfg, router_tokens=rows * (window - 1))
+    return dataclasses.replace(spec, cfg=cfg)
 
 
 def _unpack(batch) -> tuple[jax.Array, tuple]:

@@ -160,10 +160,8 @@ def make_spec(config, seq_len: int | None = None) -> PipelineSpec:
         multiple=partition.segment_multiple(config),
         **partition.model_dims(cfg),
     )
-    if cfg.num_experts:  # the router losses: over one data replica's tokens, per segment
-        rows = config.train.global_batch_size // max(config.mesh.data, 1)
-        tokens = rows * (seq_len or config.train.seq_len)
-        cfg = dataclasses.replace(cfg, router_tokens=tokens, router_segments=tuple(lengths))
+    if cfg.num_experts:  # the router losses are taken per segment (`seqpipe.models.moe`)
+        cfg = dataclasses.replace(cfg, router_segments=tuple(lengths))
     # The train state's placement, whatever `seq_len` says: the step must read the layers
     # where the state holds them.
     layers = layout.of_config(config).layers_per_chunk
