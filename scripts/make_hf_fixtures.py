@@ -6,7 +6,11 @@
 Each fixture is a tiny seeded model saved by `save_pretrained` (config.json and safetensors)
 with transformers' float32 logits and loss on fixed tokens (`oracle.npz`, `oracle.json`).
 Every parameter is redrawn from the seed, norm gains and biases included: HF's default
-initialisation (gains 1, biases 0) would let a converter that drops them pass.
+initialisation (gains 1, biases 0) would let a converter that drops them pass. A mixture
+of experts also stores, per layer, transformers' load-balancing loss of that layer alone on
+row 0 (`router_aux`) and, in oracle.json, the smallest gap between a token's k-th and
+(k+1)-th router logit over every layer of both oracles (`router_margin`: a near tie could
+pick other experts under float32 rounding).
 
 seqpipe's tests read these files without torch (tests/test_hf.py); when transformers is
 importable they also rebuild the oracle live with `oracle` below.
@@ -16,6 +20,7 @@ import argparse
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -99,6 +104,35 @@ MODELS = {
         ),
         {},
     ),
+    # Mixtral: 4 experts (each intermediate_size wide), the top 2 renormalized; GQA.
+    "mixtral_moe": (
+        "MixtralConfig",
+        dict(
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            rms_norm_eps=1e-5,
+            rope_theta=1000000.0,
+        ),
+        {},
+    ),
+    # Qwen3-MoE: Qwen 3's attention (q_norm, k_norm, heads 16 wide on 32) with 4 experts
+    # 24 wide (moe_intermediate_size; intermediate_size is dense layers', which it has
+    # none of), the top 2 not renormalized (norm_topk_prob false).
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=24,
+            norm_topk_prob=False,
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+        ),
+        {},
+    ),
 }
 
 
@@ -126,10 +160,42 @@ def seeded(config):
                 value = 0.5 * torch.randn(p.shape, generator=gen)
             elif "embed_tokens" in pname:
                 value = 0.3 * torch.randn(p.shape, generator=gen)
-            else:  # [out, in]
-                value = torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5
+            else:  # [out, in], or the experts' [experts, out, in]
+                value = torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5
             p.copy_(value)
     return model.eval()
+
+
+def experts(model) -> bool:
+    return hasattr(model.config, "num_experts_per_tok")
+
+
+def router_logits(model, ids: np.ndarray, **inputs) -> list[np.ndarray]:
+    """transformers' router logits of every layer, [B * L, X] each."""
+    with torch.no_grad():
+        # the base model: the head would add the aux loss, which a 4D mask breaks
+        out = model.model(input_ids=torch.from_numpy(ids), output_router_logits=True, **inputs)
+    return [x.float().numpy() for x in out.router_logits]
+
+
+def router_aux(model, ids: np.ndarray) -> np.ndarray:
+    """[layers]: transformers' load-balancing loss of each layer alone on row 0."""
+    balance = sys.modules[type(model).__module__].load_balancing_loss_func
+    x, k = model.config.num_local_experts, model.config.num_experts_per_tok
+    length = ids.shape[1]
+    return np.array(
+        [
+            float(balance((torch.from_numpy(r[:length]),), x, k))
+            for r in router_logits(model, ids[:1])
+        ]
+    )
+
+
+def margin(model, ids: np.ndarray, **inputs) -> float:
+    """The smallest gap between a token's k-th and (k+1)-th router logit, over every layer."""
+    k = model.config.num_experts_per_tok
+    ranked = [-np.sort(-r, axis=-1) for r in router_logits(model, ids, **inputs)]
+    return float(min(np.min(r[:, k - 1] - r[:, k]) for r in ranked))
 
 
 def oracle(model, ids: np.ndarray) -> tuple[np.ndarray, float]:
@@ -158,20 +224,20 @@ def packed_rows() -> tuple[np.ndarray, np.ndarray]:
     return docs, pos
 
 
-def packed_oracle(model, ids: np.ndarray, docs: np.ndarray, pos: np.ndarray) -> np.ndarray:
-    """transformers' float32 logits of packed rows: a 4D float mask [B, 1, L, L], 0 where
-    query i sees key j (j <= i, one document) and float32's lowest value elsewhere (eager
-    attention adds it to the scores), and the positions restarted per document."""
-    length = ids.shape[1]
+def packed_inputs(docs: np.ndarray, pos: np.ndarray) -> dict:
+    """transformers' inputs for packed rows: a 4D float mask [B, 1, L, L], 0 where query i
+    sees key j (j <= i, one document) and float32's lowest value elsewhere (eager attention
+    adds it to the scores), and the positions restarted per document."""
+    length = docs.shape[1]
     allowed = (docs[:, :, None] == docs[:, None, :]) & np.tril(np.ones((length, length), bool))
     mask = np.where(allowed, 0.0, np.finfo(np.float32).min).astype(np.float32)[:, None]
+    return dict(attention_mask=torch.from_numpy(mask), position_ids=torch.from_numpy(pos))
+
+
+def packed_oracle(model, ids: np.ndarray, docs: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """transformers' float32 logits of packed rows (`packed_inputs`)."""
     with torch.no_grad():
-        out = model(
-            input_ids=torch.from_numpy(ids),
-            attention_mask=torch.from_numpy(mask),
-            position_ids=torch.from_numpy(pos),
-            use_cache=False,
-        )
+        out = model(input_ids=torch.from_numpy(ids), use_cache=False, **packed_inputs(docs, pos))
     return out.logits.float().numpy()
 
 
@@ -183,7 +249,10 @@ def write(name: str, out: Path) -> None:
     tokenizer(model.config.vocab_size).save(str(target / "tokenizer.json"))
     ids = tokens(model.config.vocab_size)
     logits, loss = oracle(model, ids)
-    np.savez_compressed(target / "oracle.npz", tokens=ids.astype(np.int32), logits=logits)
+    arrays = dict(tokens=ids.astype(np.int32), logits=logits)
+    if experts(model):
+        arrays["router_aux"] = router_aux(model, ids)
+    np.savez_compressed(target / "oracle.npz", **arrays)
     write_packed(model, target)
     meta = {
         "loss": loss,
@@ -192,6 +261,9 @@ def write(name: str, out: Path) -> None:
         "attention": "eager",
         "seed": SEED,
     }
+    if experts(model):
+        packed = margin(model, ids[:, :LENGTH], **packed_inputs(*packed_rows()))
+        meta["router_margin"] = min(margin(model, ids), packed)
     (target / "oracle.json").write_text(json.dumps(meta, indent=1) + "\n")
     spread = float(logits.std())
     print(f"{name}: loss {loss:.6f}, logit std {spread:.3f}, files {sorted(os.listdir(target))}")

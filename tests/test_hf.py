@@ -19,7 +19,7 @@ from safetensors import safe_open
 
 from seqpipe.hf import config as hf_config
 from seqpipe.hf import weights
-from seqpipe.models import model
+from seqpipe.models import model, moe
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 MODELS = (
@@ -29,7 +29,10 @@ MODELS = (
     "mistral_gqa",
     "arcee_gelu",
     "qwen3_qk_norm",
+    "mixtral_moe",
+    "qwen3_moe",
 )
+EXPERTS = ("mixtral_moe", "qwen3_moe")
 LOGIT_ATOL = 1e-3  # max |seqpipe - transformers| over every float32 logit
 LOSS_RTOL = 1e-5
 
@@ -97,6 +100,12 @@ def _ones(params, *names):
     return dict(params, layers=layers, final_norm=np.ones_like(params["final_norm"]))
 
 
+def _experts_permuted(params):
+    """Each expert's matrices moved to the next expert's place, the router as it was."""
+    roll = {k: np.roll(params["layers"][k], 1, axis=1) for k in ("e_gate", "e_in", "e_out")}
+    return dict(params, layers=dict(params["layers"], **roll))
+
+
 def _no_bias(params):
     layers = {k: (np.zeros_like(v) if k[0] == "b" else v) for k, v in params["layers"].items()}
     return dict(params, layers=layers)
@@ -115,6 +124,11 @@ CORRUPTIONS = {
         "llama_gqa_llama3",
         lambda c, p: (c, dict(p, layers=dict(p["layers"], wk=p["layers"]["wk"][:, :, ::-1]))),
     ),
+    "experts permuted": ("mixtral_moe", lambda c, p: (c, _experts_permuted(p))),
+    "top-k renormalized (norm_topk_prob false)": (
+        "qwen3_moe",
+        lambda c, p: (dataclasses.replace(c, router_renormalize=True), p),
+    ),
 }
 
 
@@ -125,6 +139,75 @@ def test_a_broken_conversion_fails_the_check(corruption):
     error = logit_error(cfg, params, name)
     print(f"{corruption}: max |logit - transformers| {error:.2f}")
     assert error > 100 * LOGIT_ATOL
+
+
+@pytest.mark.parametrize("name", EXPERTS)
+def test_the_router_loss_of_a_row_is_transformers(monkeypatch, name):
+    """seqpipe's load-balancing loss of each layer on row 0 (`moe.router_losses` on what
+    `moe.route` gives, the layers run one by one) against transformers'
+    `load_balancing_loss_func` of that layer alone."""
+    cfg, params = weights.load(FIXTURES / name)
+    tokens = np.load(FIXTURES / name / "oracle.npz")
+    expected, row = tokens["router_aux"], tokens["tokens"][:1]
+    routed = []
+    real = moe.route
+
+    def recording(*args):
+        routed.append(real(*args))
+        return routed[-1]
+
+    monkeypatch.setattr(moe, "route", recording)
+    x = model.embed(params, row, cfg)
+    k, v = (c[0] for c in model.empty_kv(cfg, 1, 1))
+    for i in range(cfg.num_layers):
+        p = {key: w[i] for key, w in params["layers"].items()}
+        x, _, _ = model.layer(p, x, k, v, 0, cfg)
+    # One layer's loss alone, coefficient one, averaged over the row's tokens.
+    one = dataclasses.replace(
+        cfg, num_layers=1, router_tokens=row.size, moe_aux_loss=1.0, moe_z_loss=0.0
+    )
+    ours = [float(moe.router_losses(p, logits, c, one, ())) for p, logits, c, _ in routed]
+    print(f"{name}: router loss per layer {ours}, transformers {expected.tolist()}")
+    np.testing.assert_allclose(ours, expected, rtol=1e-5)
+
+
+def test_each_expert_block_is_read_alone(monkeypatch):
+    """A device holding experts [a, b) of layers [c, d), half of each expert's columns,
+    reads those tensors' halves alone, each once: no whole layer of experts is read."""
+    cfg, expected = weights.load(FIXTURES / "mixtral_moe")
+    devices = np.array(jax.devices()[:8]).reshape(2, 2, 2)
+    mesh = jax.sharding.Mesh(devices, ("layer", "expert", "column"))
+    split = {
+        "e_gate": ("layer", "expert", None, "column"),
+        "e_in": ("layer", "expert", None, "column"),
+        "e_out": ("layer", "expert", "column", None),
+    }
+
+    def abstract(path, x):
+        spec = split.get(path[-1].key, ())
+        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    reads = []
+    real = weights._finite  # sees each block read, with its tensor's name
+
+    def recording(block, name, reader):
+        reads.append((name, block.size / (cfg.d_model * cfg.expert_width)))
+        return real(block, name, reader)
+
+    monkeypatch.setattr(weights, "_finite", recording)
+    shapes = jax.tree_util.tree_map_with_path(abstract, expected)
+    params = weights.initial_params(f"hf:{FIXTURES / 'mixtral_moe'}", cfg, shapes, range(2))
+    jax.tree.map(np.testing.assert_array_equal, params, expected)
+    experts = [(name, share) for name, share in reads if ".experts." in name]
+    # 2 layers x 4 experts x 3 matrices, each read in its two halves
+    assert sorted(experts) == sorted(
+        (f"model.layers.{i}.block_sparse_moe.experts.{j}.{w}.weight", 0.5)
+        for i in range(2)
+        for j in range(4)
+        for w in ("w1", "w2", "w3")
+        for _ in range(2)
+    )
 
 
 def tensors(directory: Path) -> dict:
@@ -180,17 +263,56 @@ def test_a_gpt_model_saves_as_arcee_and_loads_back_bit_for_bit(tmp_path):
     assert np.array_equal(model.forward(params, tokens, cfg), model.forward(loaded, tokens, again))
 
 
-def test_a_model_no_hf_architecture_fits_is_refused_in_one_line(tmp_path):
+@pytest.mark.parametrize(
+    "qk_norm, renormalize, arch",
+    [("false", "true", "MixtralForCausalLM"), ("true", "false", "Qwen3MoeForCausalLM")],
+)
+def test_a_moe_model_saves_and_loads_back_bit_for_bit(tmp_path, qk_norm, renormalize, arch):
+    """seqpipe's experts are written as Mixtral's (renormalized, no q_norm) or Qwen3-MoE's
+    (q_norm, k_norm), each expert a tensor apart, and read back as the same model."""
     from seqpipe.run import config as config_lib
 
-    keys = config_lib.load("tiny", {"model.qkv_bias": "true"}).model
-    cfg = model.GPTConfig.from_config(keys)
+    keys = {
+        "model.mlp": "swiglu",
+        "model.num_experts": "4",
+        "model.expert_d_ff": "32",
+        "model.qk_norm": qk_norm,
+        "model.router_renormalize": renormalize,
+    }
+    cfg = model.GPTConfig.from_config(config_lib.load("tiny", keys).model)
+    params = model.init_params(cfg, jax.random.key(0))
+    weights.save(tmp_path, cfg, params)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == [arch]
+    assert sum(".experts.3." in name for name in tensors(tmp_path)) == 3 * cfg.num_layers
+    again, loaded = weights.load(tmp_path)
+    assert (again.num_experts, again.expert_width) == (4, 32)
+    assert again.router_renormalize == cfg.router_renormalize
+    jax.tree.map(np.testing.assert_array_equal, loaded, params)
+
+
+@pytest.mark.parametrize(
+    "keys, settings",
+    [
+        ({"model.qkv_bias": "true"}, "model.mlp=gelu with model.qkv_bias=True"),
+        (  # Mixtral always renormalizes; Qwen3-MoE, which may not, has q_norm and k_norm
+            {"model.mlp": "swiglu", "model.num_experts": "4", "model.router_renormalize": "false"},
+            "model.mlp=swiglu with model.qkv_bias=False and model.num_experts=4 and "
+            "model.router_renormalize=False",
+        ),
+    ],
+    ids=["qkv_bias", "experts not renormalized"],
+)
+def test_a_model_no_hf_architecture_fits_is_refused_in_one_line(tmp_path, keys, settings):
+    from seqpipe.run import config as config_lib
+
+    cfg = model.GPTConfig.from_config(config_lib.load("tiny", keys).model)
     with pytest.raises(hf_config.HFError) as e:
         weights.save(tmp_path, cfg, model.init_params(cfg, jax.random.key(0)))
     assert str(e.value) == (
-        "model.mlp=gelu with model.qkv_bias=True has no HuggingFace architecture seqpipe "
-        "writes (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
-        "ArceeForCausalLM)"
+        f"{settings} has no HuggingFace architecture seqpipe writes (LlamaForCausalLM, "
+        "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, ArceeForCausalLM, "
+        "MixtralForCausalLM, Qwen3MoeForCausalLM)"
     )
 
 
@@ -247,7 +369,35 @@ BAD = {
     "unsupported architecture": (
         lambda d: _edit(d, architectures=["GPT2LMHeadModel"]),
         "architecture GPT2LMHeadModel is not supported; seqpipe reads LlamaForCausalLM, "
-        "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, ArceeForCausalLM",
+        "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, ArceeForCausalLM, "
+        "MixtralForCausalLM, Qwen3MoeForCausalLM",
+    ),
+    "DeepSeek-V3": (
+        lambda d: _edit(d, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3"),
+        "architecture DeepseekV3ForCausalLM is not supported (seqpipe's model has no "
+        "multi-head latent attention); seqpipe reads",
+    ),
+    "Qwen2-MoE": (
+        lambda d: _edit(d, architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe"),
+        "(seqpipe's model has no shared experts)",
+    ),
+    "Qwen3-MoE with a dense layer": (
+        lambda d: _from(d, "qwen3_moe", mlp_only_layers=[0]),
+        "mlp_only_layers=[0] is not supported by seqpipe's model; its layers are all dense "
+        "or all mixtures of experts",
+    ),
+    "Qwen3-MoE sparse every other layer": (
+        lambda d: _from(d, "qwen3_moe", decoder_sparse_step=2),
+        "decoder_sparse_step=2 is not supported by seqpipe's model; its layers are all "
+        "dense or all mixtures of experts",
+    ),
+    "Mixtral's router noise": (
+        lambda d: _from(d, "mixtral_moe", router_jitter_noise=0.1),
+        "router_jitter_noise=0.1 is not supported by seqpipe's model; its router adds no noise",
+    ),
+    "an expert missing": (
+        lambda d: _from(d, "mixtral_moe", num_local_experts=5),
+        "has no tensor model.layers.0.block_sparse_moe.experts.4.w1.weight, which the config needs",
     ),
     # a Mixtral (or any other model) under a Llama name would run as a Llama
     "model_type disagrees": (
@@ -292,6 +442,13 @@ def _edit(directory: Path, **keys) -> None:
     config = json.loads((directory / "config.json").read_text())
     config.update(keys)
     (directory / "config.json").write_text(json.dumps(config))
+
+
+def _from(directory: Path, name: str, **keys) -> None:
+    """The fixture `name` in place of the directory's, with `keys` in its config.json."""
+    shutil.rmtree(directory)
+    shutil.copytree(FIXTURES / name, directory)
+    _edit(directory, **keys)
 
 
 def _index(directory: Path, shard: str) -> None:
@@ -365,6 +522,10 @@ def test_live_transformers_computes_the_fixtures(name):
     live_logits, live_loss = script.oracle(model_, tokens.astype(np.int64))
     np.testing.assert_allclose(live_logits, logits, atol=1e-5)
     assert abs(live_loss - loss) <= 1e-6 * loss
+    if name in EXPERTS:
+        expected = np.load(FIXTURES / name / "oracle.npz")["router_aux"]
+        live = script.router_aux(model_, tokens.astype(np.int64))
+        np.testing.assert_allclose(live, expected, rtol=1e-6)
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -137,6 +137,24 @@ def test_a_qwen3_model_equals_the_reference(mesh):
     assert r["ok"], r
 
 
+@pytest.mark.parametrize(
+    "name, mesh",
+    [("mixtral_moe", {"mesh.tensor": 2}), ("qwen3_moe", {"mesh.context": 2})],
+    ids=["mixtral-tensor-2", "qwen3_moe-context-2"],
+)
+def test_a_moe_model_equals_the_reference(name, mesh):
+    """Mixtral and Qwen3-MoE from transformers-made checkpoints (each device's experts read
+    from their own tensors), pipelined over 2 stages with tensor or context parallelism:
+    loss and every gradient, the router loss's included (HF's router_aux_loss_coef)."""
+    overrides = pipelined("seq1f1b", 2, **mesh)
+    config = config_lib.load(f"hf:{FIXTURES / name}", {k: str(v) for k, v in overrides.items()})
+    assert (config.model.num_experts, config.model.moe_aux_loss) == (4, 0.001)
+    # The configured batch (train.global_batch_size): the router losses average over it.
+    tokens = np.asarray(np.random.default_rng(0).integers(0, 96, (4, 33)), np.int32)
+    r = verify.compare(run_of(config), tokens, sharding.mesh_of(config))
+    assert r["ok"], r
+
+
 @pytest.mark.parametrize("tensor", [pytest.param(2, marks=pytest.mark.slow), 4])
 def test_verify_cli_with_init_from(tmp_path, tensor):
     """`python -m seqpipe.verify --config hf:DIR` with K/V heads split (tensor 2) and

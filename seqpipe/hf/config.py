@@ -1,5 +1,5 @@
 """A HuggingFace `config.json` as seqpipe's `model.` keys and back, for the Llama family
-(Llama, Mistral, Qwen 2 and 3, Arcee).
+(Llama, Mistral, Qwen 2 and 3, Arcee) and its mixtures of experts (Mixtral, Qwen3-MoE).
 
 seqpipe's GPT (`model.mlp=gelu`: RMSNorm, RoPE, a non-gated tanh-GELU MLP) is transformers'
 Arcee with `hidden_act: gelu_pytorch_tanh`: a Llama whose MLP is `up_proj`, `down_proj`.
@@ -18,15 +18,31 @@ from collections.abc import Mapping
 from pathlib import Path
 
 PREFIX = "hf:"
-# architecture: (model_type, whether Q, K and V carry biases, model.mlp, model.qk_norm)
+# architecture: (model_type, whether Q, K and V carry biases, model.mlp, model.qk_norm,
+# whether every layer's MLP is a mixture of experts)
 ARCHITECTURES = {
-    "LlamaForCausalLM": ("llama", False, "swiglu", False),
-    "MistralForCausalLM": ("mistral", False, "swiglu", False),
-    "Qwen2ForCausalLM": ("qwen2", True, "swiglu", False),
-    "Qwen3ForCausalLM": ("qwen3", False, "swiglu", True),
-    "ArceeForCausalLM": ("arcee", False, "gelu", False),
+    "LlamaForCausalLM": ("llama", False, "swiglu", False, False),
+    "MistralForCausalLM": ("mistral", False, "swiglu", False, False),
+    "Qwen2ForCausalLM": ("qwen2", True, "swiglu", False, False),
+    "Qwen3ForCausalLM": ("qwen3", False, "swiglu", True, False),
+    "ArceeForCausalLM": ("arcee", False, "gelu", False, False),
+    "MixtralForCausalLM": ("mixtral", False, "swiglu", False, True),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", False, "swiglu", True, True),
 }
 SUPPORTED = tuple(ARCHITECTURES)
+# The experts' settings: (each expert's width key, model.router_renormalize: True, or
+# the key that says). The expert count is num_local_experts (transformers 5 writes it for
+# both) or num_experts (Qwen's own checkpoints).
+EXPERTS = {
+    "MixtralForCausalLM": ("intermediate_size", True),
+    "Qwen3MoeForCausalLM": ("moe_intermediate_size", "norm_topk_prob"),
+}
+# model_type: what seqpipe's model lacks to run it, for models near those it reads.
+MISSING = {
+    "deepseek_v2": "multi-head latent attention",
+    "deepseek_v3": "multi-head latent attention",
+    "qwen2_moe": "shared experts",
+}
 # model.mlp: the hidden_act values that run it (the first is written), and the
 # architectures' default where config.json has none
 ACTIVATIONS = {"swiglu": ("silu",), "gelu": ("gelu_pytorch_tanh", "gelu_new")}
@@ -40,8 +56,13 @@ INTEGERS = (
     "num_key_value_heads",
     "intermediate_size",
     "head_dim",
+    "num_local_experts",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "decoder_sparse_step",
 )
-NUMBERS = ("rms_norm_eps", "rope_theta")
+NUMBERS = ("rms_norm_eps", "rope_theta", "router_aux_loss_coef", "router_jitter_noise")
 ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3", "yarn": "yarn"}
 # The rope_scaling fields each type reads (seqpipe.kernels.rope.RopeScaling's names, as HF's).
 ROPE_FIELDS = {
@@ -93,8 +114,11 @@ def architecture(hf: Mapping, where: str) -> str:
     name = names[0] if len(names) == 1 else None
     if name not in ARCHITECTURES:
         shown = ", ".join(map(str, names)) if names else "none"
+        missing = MISSING.get(hf.get("model_type"))
+        lacks = f" (seqpipe's model has no {missing})" if missing else ""
         raise HFError(
-            f"{where}: architecture {shown} is not supported; seqpipe reads {', '.join(SUPPORTED)}"
+            f"{where}: architecture {shown} is not supported{lacks}; seqpipe reads "
+            f"{', '.join(SUPPORTED)}"
         )
     model_type = ARCHITECTURES[name][0]
     if hf.get("model_type", model_type) != model_type:
@@ -123,6 +147,18 @@ def _need(hf: Mapping, key: str, where: str):
     return hf[key]
 
 
+# Where a sliding_window is used whenever set (elsewhere use_sliding_window says).
+SLIDING = ("MistralForCausalLM", "MixtralForCausalLM")
+_ALL_SPARSE = "its layers are all dense or all mixtures of experts"
+WHY = {
+    # Training-time noise (Mixtral's): refused rather than ignored, so that a run on
+    # these weights trains as they were trained or not at all.
+    "router_jitter_noise": "its router adds no noise",
+    "decoder_sparse_step": _ALL_SPARSE,
+    "mlp_only_layers": _ALL_SPARSE,
+}
+
+
 def _refuse(hf: Mapping, where: str, arch: str) -> None:
     """The settings of these architectures that seqpipe's model does not run."""
     mlp = ARCHITECTURES[arch][2]
@@ -136,12 +172,16 @@ def _refuse(hf: Mapping, where: str, arch: str) -> None:
         "attention_bias": lambda v: bool(v) and not ARCHITECTURES[arch][1],  # o_proj too
         "mlp_bias": bool,
         "use_sliding_window": bool,
-        "sliding_window": lambda v: v is not None and arch == "MistralForCausalLM",
+        "sliding_window": lambda v: v is not None and arch in SLIDING,
         "layer_types": lambda v: any(t != "full_attention" for t in v or ()),
+        "router_jitter_noise": bool,
+        "decoder_sparse_step": lambda v: v != 1,
+        "mlp_only_layers": bool,
     }
     for key, bad in unsupported.items():
         if key in hf and bad(hf[key]):
-            raise HFError(f"{where}: {key}={hf[key]!r} is not supported by seqpipe's model")
+            why = f"; {WHY[key]}" if key in WHY else ""
+            raise HFError(f"{where}: {key}={hf[key]!r} is not supported by seqpipe's model{why}")
 
 
 def rope(hf: Mapping, where: str) -> tuple[float, dict]:
@@ -182,7 +222,7 @@ def model_keys(hf: Mapping, where: str = "config.json") -> dict:
     _refuse(hf, where, arch)
     theta, scaling = rope(hf, where)
     heads, width = hf["num_attention_heads"], hf["hidden_size"]
-    return {
+    keys = {
         "vocab_size": int(hf["vocab_size"]),
         "num_layers": int(hf["num_hidden_layers"]),
         "d_model": int(hf["hidden_size"]),
@@ -197,6 +237,25 @@ def model_keys(hf: Mapping, where: str = "config.json") -> dict:
         "qk_norm": ARCHITECTURES[arch][3],
         "rope_base": theta,
         "rope_scaling": scaling,
+        "num_experts": 0,
+    }
+    if arch in EXPERTS:
+        keys.update(_experts(hf, where, arch))
+    return keys
+
+
+def _experts(hf: Mapping, where: str, arch: str) -> dict:
+    """The `model.` keys of a mixture of experts in every layer."""
+    count = hf.get("num_local_experts", hf.get("num_experts"))
+    if count is None:
+        raise HFError(f"{where} has no num_local_experts (or num_experts)")
+    width, renormalize = EXPERTS[arch]
+    return {
+        "num_experts": int(count),
+        "experts_per_token": int(_need(hf, "num_experts_per_tok", where)),
+        "expert_d_ff": int(_need(hf, width, where)),
+        "router_renormalize": renormalize is True or bool(hf.get(renormalize, False)),
+        "moe_aux_loss": float(hf.get("router_aux_loss_coef", 0.001)),  # transformers' default
     }
 
 
@@ -207,6 +266,8 @@ def _effective(key: str, value, keys: Mapping):
         return value or keys["num_heads"]
     if key == "head_dim":
         return value or keys["d_model"] // keys["num_heads"]
+    if key == "expert_d_ff":
+        return value or keys["d_ff"]
     if key == "rope_scaling":
         s = dict(value)
         return (s.get("type", "none"), *(s.get(f) for f in ROPE_FIELDS[s.get("type", "none")]))
@@ -215,13 +276,14 @@ def _effective(key: str, value, keys: Mapping):
     return value
 
 
-# What a run may set otherwise than the checkpoint: a context extension's rope.
-EXTENSIBLE = ("rope_base", "rope_scaling")
+# What a run may set otherwise than the checkpoint: a context extension's rope, and the
+# load-balancing loss's coefficient (a training choice, not the weights').
+EXTENSIBLE = ("rope_base", "rope_scaling", "moe_aux_loss")
 
 
 def mismatch(model: Mapping, spec: str) -> str | None:
-    """None if the config's `model.` keys are those of `spec`'s config.json (the rope's
-    aside, `EXTENSIBLE`), else one line naming the first key that differs and both values."""
+    """None if the config's `model.` keys are those of `spec`'s config.json (`EXTENSIBLE`
+    aside), else one line naming the first key that differs and both values."""
     path = directory(spec) / "config.json"
     theirs = model_keys(read(spec), str(path))
     for key, value in theirs.items():
@@ -261,20 +323,33 @@ def rope_change(model: Mapping, spec: str) -> str | None:
 
 def writes(model: Mapping) -> str:
     """The architecture seqpipe's `model.` keys export as; HFError where none fits."""
-    ours = (model["qkv_bias"], model["mlp"], model.get("qk_norm", False))
-    fits = [a for a, (_, *kind) in ARCHITECTURES.items() if tuple(kind) == ours]
+    experts = bool(model.get("num_experts"))
+    ours = (model["qkv_bias"], model["mlp"], model.get("qk_norm", False), experts)
+    fits = [
+        a
+        for a, (_, *kind) in ARCHITECTURES.items()
+        if tuple(kind) == ours
+        # Mixtral always renormalizes the chosen experts' weights
+        and not (experts and EXPERTS[a][1] is True and not model["router_renormalize"])
+    ]
     if not fits:
+        settings = [f"model.qkv_bias={model['qkv_bias']}"] + ["model.qk_norm=True"] * ours[2]
+        if experts:
+            settings += [
+                f"model.num_experts={model['num_experts']}",
+                f"model.router_renormalize={model['router_renormalize']}",
+            ]
         raise HFError(
-            f"model.mlp={model['mlp']} with model.qkv_bias={model['qkv_bias']}"
-            f"{' and model.qk_norm=True' * ours[2]} has no HuggingFace architecture seqpipe "
-            f"writes ({', '.join(SUPPORTED)})"
+            f"model.mlp={model['mlp']} with {' and '.join(settings)} has no HuggingFace "
+            f"architecture seqpipe writes ({', '.join(SUPPORTED)})"
         )
     return fits[0]
 
 
 def hf_config(model: Mapping, dtype: str, base: Mapping | None = None, context: int = 0) -> dict:
     """A config.json for seqpipe's `model.` keys, its tensors in `dtype`: Llama, Qwen 2
-    where Q, K and V carry biases, Arcee for GPT's MLP (or `base`'s architecture, where it
+    where Q, K and V carry biases, Qwen 3 with q_norm and k_norm, Arcee for GPT's MLP,
+    Mixtral or Qwen3-MoE (q_norm, k_norm) with experts (or `base`'s architecture, where it
     fits, whose other keys it keeps). max_position_embeddings: at least `context` (the
     longest sequence trained on)."""
     arch = writes(model)
@@ -319,6 +394,28 @@ def hf_config(model: Mapping, dtype: str, base: Mapping | None = None, context: 
         out.update(use_sliding_window=False)
     if arch == "Qwen3ForCausalLM":
         out.update(attention_bias=False)
+    if arch in EXPERTS:
+        width, renormalize = EXPERTS[arch]
+        out.update(
+            num_local_experts=model["num_experts"],
+            num_experts_per_tok=model["experts_per_token"],
+            router_aux_loss_coef=model["moe_aux_loss"],
+        )
+        out[width] = model["expert_d_ff"] or model["d_ff"]  # Mixtral's intermediate_size
+        if renormalize is not True:
+            out[renormalize] = model["router_renormalize"]
+        out.setdefault("output_router_logits", False)
+    if arch == "MixtralForCausalLM":
+        out.update(sliding_window=None, router_jitter_noise=0.0)
+    if arch == "Qwen3MoeForCausalLM":
+        # num_experts too: transformers 4.x and Qwen's own checkpoints name the count so
+        out.update(
+            num_experts=model["num_experts"],
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            use_sliding_window=False,
+            attention_bias=False,
+        )
     return out
 
 

@@ -5,11 +5,15 @@
 HF's `nn.Linear` weights are [out, in]; seqpipe's are [in, out] with the heads as their
 own axes (`seqpipe.models.model`): wq [D, H, E] is q_proj.weight [H*E, D] transposed and split.
 Both rotate the first half of each head with the second (`rotate_half`), so no row is
-permuted. Tensors are read lazily, block by block (`safe_open(...).get_slice`): a
-process reads only the slices its devices hold (`initial_params`).
+permuted. A mixture of experts stores each expert's matrices apart (Mixtral's
+`block_sparse_moe.experts.{j}.w1`, Qwen3-MoE's `mlp.experts.{j}.gate_proj`), which seqpipe
+stacks on an axis after the layers'. Tensors are read lazily, block by block
+(`safe_open(...).get_slice`): a process reads only the slices its devices hold, layers
+and experts included (`initial_params`).
 """
 
 import dataclasses
+import itertools
 import json
 import math
 from collections.abc import Callable
@@ -22,7 +26,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from seqpipe.hf.config import PREFIX, HFError, hf_config, model_keys, read
+from seqpipe.hf.config import PREFIX, HFError, architecture, hf_config, model_keys, read, writes
 from seqpipe.models import model
 from seqpipe.models.model import GPTConfig
 
@@ -37,13 +41,19 @@ IGNORED = ("rotary_emb.inv_freq",)
 
 @dataclasses.dataclass(frozen=True)
 class Tensor:
-    """How one seqpipe parameter (per layer) lies in a HF file: `name` ({} the layer),
-    whether it is stored transposed, and `groups`: how many of seqpipe's axes make up each
-    of HF's (read in seqpipe's order), so [D, H, E] is (1, 2) of [H*E, D] transposed."""
+    """How one seqpipe parameter lies in HF's files: `name` (each {} a leading axis of the
+    parameter that HF keeps as tensors apart: the layer, then the expert), whether each
+    tensor is stored transposed, and `groups`: how many of seqpipe's other axes make up
+    each of HF's (read in seqpipe's order), so [D, H, E] is (1, 2) of [H*E, D] transposed."""
 
     name: str
     transposed: bool
     groups: tuple[int, ...]
+
+    @property
+    def stacked(self) -> int:
+        """The parameter's leading axes that run over HF tensors (layers, experts)."""
+        return self.name.count("{}")
 
 
 _L = "model.layers.{}."
@@ -68,8 +78,27 @@ TENSORS = {
 }
 
 
+def _experts(block: str, gate: str, up: str, down: str) -> dict:
+    """A mixture of experts' tensors: `block`.gate is the router, `block`.experts.{j} the
+    experts' matrices."""
+    e = _L + block + ".experts.{}."
+    return {
+        "router": Tensor(_L + block + ".gate.weight", True, (1, 1)),
+        "e_gate": Tensor(e + gate + ".weight", True, (1, 1)),
+        "e_in": Tensor(e + up + ".weight", True, (1, 1)),
+        "e_out": Tensor(e + down + ".weight", True, (1, 1)),
+    }
+
+
+# architecture: its tensors besides TENSORS
+EXPERTS = {
+    "MixtralForCausalLM": _experts("block_sparse_moe", "w1", "w3", "w2"),
+    "Qwen3MoeForCausalLM": _experts("mlp", "gate_proj", "up_proj", "down_proj"),
+}
+
+
 def file_shape(t: Tensor, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """HF's shape of a tensor that is `shape` (one layer's) in seqpipe."""
+    """HF's shape of a tensor that is `shape` (one layer's, one expert's) in seqpipe."""
     view, at = [], 0
     for g in t.groups:
         view.append(math.prod(shape[at : at + g]))
@@ -78,13 +107,13 @@ def file_shape(t: Tensor, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def to_file(t: Tensor, x: np.ndarray) -> np.ndarray:
-    """One layer's seqpipe array as HF stores it."""
+    """One HF tensor's seqpipe array (one layer's, one expert's) as HF stores it."""
     view = x.reshape(file_shape(t, x.shape)[::-1] if t.transposed else file_shape(t, x.shape))
     return np.ascontiguousarray(view.T if t.transposed else view)
 
 
 def read_block(t: Tensor, tensor_slice, shape: tuple[int, ...], index: tuple) -> np.ndarray:
-    """seqpipe's array[index] of one layer (`shape`), read from HF's tensor lazily: each
+    """seqpipe's array[index] of one HF tensor (`shape`), read from it lazily: each
     HF axis over the rows its group's first axis covers, the group's other axes cut after."""
     index = [slice(*s.indices(n)) for s, n in zip(index, shape, strict=True)]
     view, blocks, at = [], [], 0
@@ -177,24 +206,27 @@ class Reader:
             )
 
 
-def _layout(cfg: GPTConfig) -> dict:
-    """{seqpipe path: (Tensor, one layer's shape, layers or None)} of every parameter."""
+def _layout(cfg: GPTConfig, arch: str) -> dict:
+    """{seqpipe path: (Tensor, one HF tensor's shape in seqpipe, the sizes of the leading
+    axes that run over HF tensors)} of every parameter, as `arch` names them."""
+    table = {**TENSORS, **EXPERTS.get(arch, {})}
     shapes = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
     out = {}
     for path, x in jax.tree_util.tree_leaves_with_path(shapes):
         keys = tuple(k.key for k in path)
-        layered = keys[0] == "layers"
-        shape = tuple(x.shape[1:] if layered else x.shape)
-        out[keys] = (TENSORS[keys[-1]], shape, x.shape[0] if layered else None)
+        if keys[-1] not in table:
+            raise HFError(f"{arch} has no tensor for seqpipe's parameter {'.'.join(keys)}")
+        t = table[keys[-1]]
+        out[keys] = (t, tuple(x.shape[t.stacked :]), tuple(x.shape[: t.stacked]))
     return out
 
 
 def _names(layout: dict) -> dict[str, tuple[int, ...]]:
     """{HF name: HF shape} of every tensor `layout` needs."""
     names = {}
-    for t, shape, layers in layout.values():
-        for i in range(layers or 1):
-            names[t.name.format(i)] = file_shape(t, shape)
+    for t, shape, lead in layout.values():
+        for at in itertools.product(*map(range, lead)):
+            names[t.name.format(*at)] = file_shape(t, shape)
     return names
 
 
@@ -211,28 +243,31 @@ def check(spec: str, cfg: GPTConfig) -> None:
 
 
 def open_reader(spec: str, cfg: GPTConfig) -> tuple[Reader, dict]:
-    layout = _layout(dataclasses.replace(cfg, tensor=1))
-    return Reader(Path(spec.removeprefix(PREFIX)), _names(layout)), layout
+    directory = Path(spec.removeprefix(PREFIX))
+    arch = architecture(read(spec), str(directory / "config.json"))
+    layout = _layout(dataclasses.replace(cfg, tensor=1), arch)
+    return Reader(directory, _names(layout)), layout
 
 
-def _read_leaf(reader, t: Tensor, shape, dtype, index, layers_at: Callable | None, layers=0):
-    """seqpipe's leaf[index]; with `layers_at`, index[0] runs over `layers` positions, each
-    the HF layer layers_at(position) or -1 (zeros: a pipeline stage's padding)."""
-    if layers_at is None:
-        block = read_block(t, reader.slices[t.name], shape, index)
-        return _finite(block, t.name, reader).astype(dtype)
-    rest = index[1:]
-    rows = []
-    for at in range(*index[0].indices(layers)):
-        layer = layers_at(at)
-        if layer < 0:
-            sizes = [len(range(*s.indices(n))) for s, n in zip(rest, shape, strict=True)]
-            rows.append(np.zeros(sizes, dtype))
-        else:
-            name = t.name.format(layer)
-            block = read_block(t, reader.slices[name], shape, rest)
-            rows.append(_finite(block, name, reader).astype(dtype))
-    return np.stack(rows)
+def _read_leaf(reader, t: Tensor, shape, dtype, index, lead, layer_at: Callable | None = None):
+    """seqpipe's leaf[index], reading only the HF tensors it covers: index's first slices
+    run over `lead` (the layers, then the experts), the others within each tensor (of
+    `shape`). With `layer_at`, layer position i is HF layer layer_at(i), or -1: zeros (a
+    pipeline stage's padding)."""
+    outer, inner = index[: len(lead)], index[len(lead) :]
+    ranges = [range(*s.indices(n)) for s, n in zip(outer, lead, strict=True)]
+    blocks = []
+    for at in itertools.product(*ranges):
+        if at and layer_at is not None:
+            at = (layer_at(at[0]), *at[1:])
+        if at and at[0] < 0:
+            sizes = [len(range(*s.indices(n))) for s, n in zip(inner, shape, strict=True)]
+            blocks.append(np.zeros(sizes, dtype))
+            continue
+        name = t.name.format(*at)
+        block = read_block(t, reader.slices[name], shape, inner)
+        blocks.append(_finite(block, name, reader).astype(dtype))
+    return np.stack(blocks).reshape(*map(len, ranges), *blocks[0].shape)
 
 
 def _finite(block: np.ndarray, name: str, reader: Reader) -> np.ndarray:
@@ -254,34 +289,35 @@ def load(path: str, dtype: str = "float32") -> tuple[GPTConfig, model.Params]:
     cfg = config_of(str(path), dtype)
     reader, layout = open_reader(str(path), cfg)
     params: dict = {}
-    for keys, (t, shape, layers) in layout.items():
-        full = (slice(0, layers),) if layers else ()
-        full += tuple(slice(0, n) for n in shape)
+    for keys, (t, shape, lead) in layout.items():
+        full = tuple(slice(0, n) for n in lead + shape)
         node = params
         for k in keys[:-1]:
             node = node.setdefault(k, {})
-        at = None if layers is None else (lambda i: i)
-        node[keys[-1]] = jnp.asarray(_read_leaf(reader, t, shape, dtype, full, at, layers or 0))
+        node[keys[-1]] = jnp.asarray(_read_leaf(reader, t, shape, dtype, full, lead))
     return cfg, params
 
 
 def initial_params(spec: str, cfg: GPTConfig, abstract: model.Params, positions) -> model.Params:
     """The parameters of hf:DIR as `abstract` (shape structs with shardings, the train
     state's) lays them out: each device's block read straight from the files, so this
-    process reads only what its devices hold. `positions[i]`: the HF layer at layer
-    position i of the state (-1: padding)."""
+    process reads only what its devices hold (their layers, experts, columns).
+    `positions[i]`: the HF layer at layer position i of the state (-1: padding)."""
     reader, layout = open_reader(spec, cfg)
+
+    def layer_at(i):
+        return int(positions[i])
 
     def leaf(path, x):
         keys = tuple(k.key for k in path)
-        t, shape, layers = layout[keys]
-        at = None if layers is None else (lambda i: int(positions[i]))
+        t, shape, _ = layout[keys]
+        lead = x.shape[: t.stacked]  # the state's layer positions, padding included
         blocks = {}  # a block several devices hold (replicated) is read once
 
         def block(index):
             key = tuple((s.start, s.stop) for s in index)
             if key not in blocks:
-                blocks[key] = _read_leaf(reader, t, shape, x.dtype, index, at, x.shape[0])
+                blocks[key] = _read_leaf(reader, t, shape, x.dtype, index, lead, layer_at)
             return blocks[key]
 
         return jax.make_array_from_callback(x.shape, x.sharding, block)
@@ -295,17 +331,18 @@ def _model_keys(cfg: GPTConfig) -> dict:
     return keys
 
 
-def tensors(cfg: GPTConfig, params: model.Params, dtype: str):
-    """(HF name, array) of every tensor, layer by layer, in `dtype`: of the parameters, or
+def tensors(cfg: GPTConfig, params: model.Params, dtype: str, arch: str | None = None):
+    """(HF name, array) of every tensor, layer by layer and expert by expert, in `dtype`,
+    named as `arch` (default: the one `cfg` exports as) names them: of the parameters, or
     of anything shaped as them (their gradients)."""
-    layout = _layout(dataclasses.replace(cfg, tensor=1))
-    for keys, (t, _, layers) in layout.items():
+    arch = arch or writes(_model_keys(cfg))
+    layout = _layout(dataclasses.replace(cfg, tensor=1), arch)
+    for keys, (t, _, lead) in layout.items():
         x = params
         for k in keys:
             x = x[k]
-        for i in range(layers or 1):
-            one = np.asarray(x[i] if layers else x).astype(dtype)
-            yield t.name.format(i), to_file(t, one)
+        for at in itertools.product(*map(range, lead)):
+            yield t.name.format(*at), to_file(t, np.asarray(x[at]).astype(dtype))
 
 
 def save(
@@ -324,7 +361,7 @@ def save(
     out.mkdir(parents=True, exist_ok=True)
     config = hf_config(_model_keys(cfg), dtype, base, context)
     shards, current, size = [], {}, 0
-    for name, array in tensors(cfg, params, dtype):
+    for name, array in tensors(cfg, params, dtype, config["architectures"][0]):
         if current and size + array.nbytes > SHARD_BYTES:
             shards.append(current)
             current, size = {}, 0
