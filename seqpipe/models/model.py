@@ -87,6 +87,10 @@ class GPTConfig:
     # (`loss`, the executor) and by the pipeline's spec, not by a config.
     router_tokens: int = 0
     router_segments: tuple[int, ...] = ()
+    # Devices the experts are split over (expert parallelism: the mesh's data replicas,
+    # set by the pipeline's spec as `tensor` is); the pipeline's functions run per device
+    # with num_experts / expert_parallel of them.
+    expert_parallel: int = 1
 
     def __post_init__(self):
         # A config section (a dict or ConfigDict) becomes the hashable dataclass.

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from seqpipe.parallel import tensor
+from seqpipe.parallel.sharding import DATA
 
 PARAMS = ("router", "e_gate", "e_in", "e_out")
 
@@ -62,7 +63,8 @@ def route(h_BxQxD, router_DxX, k: int, renormalize: bool):
 
 def experts(h_TxD, chosen_Txk, weights_Txk, e_gate, e_in, e_out):
     """sum_j weights[t, j] * expert_{chosen[t, j]}(h[t]) for every token, [T, D]: the
-    assignments sorted by expert, each expert's run through its SwiGLU by `ragged_dot`."""
+    assignments sorted by expert, each expert's run through its SwiGLU by `ragged_dot`
+    (an id past the experts is in no group: its rows give zeros)."""
     tokens, k = chosen_Txk.shape
     flat = chosen_Txk.reshape(-1)
     order = jnp.argsort(flat, stable=True)
@@ -110,12 +112,26 @@ def _with_gradient_bwd(zero, g):
 _with_gradient_of.defvjp(_with_gradient_fwd, _with_gradient_bwd)
 
 
+def local_experts(h_TxD, chosen_Txk, weights_Txk, e_gate, e_in, e_out, first):
+    """`experts` of the assignments to this device's experts alone, `first` to `first` +
+    its count (expert parallelism): the others' are sorted after every group (their count
+    falls outside the bincount), where `ragged_dot` gives zeros."""
+    local = e_gate.shape[0]
+    mine = (chosen_Txk >= first) & (chosen_Txk < first + local)
+    chosen = jnp.where(mine, chosen_Txk - first, local)
+    return experts(h_TxD, chosen, weights_Txk, e_gate, e_in, e_out)
+
+
 def mlp(p, h_BxQxD, cfg, context_axis: str | None = None):
     """The MoE MLP on this device's positions [b, Q/t, D] (normed): partial sums over the
     whole segment [b, Q, D] under tensor parallelism (the caller's reduce-scatter adds
     them), else the output; the router losses' gradients ride on it. `context_axis`: the
-    mesh axis the segment's positions are also split over (context parallelism), if any."""
-    t = cfg.tensor
+    mesh axis the segment's positions are also split over (context parallelism), if any.
+
+    With experts split over the data replicas (`cfg.expert_parallel` > 1) every replica's
+    tokens and routing are gathered over `data`, each device runs its own experts'
+    assignments, and a reduce-scatter returns each replica its tokens' sums."""
+    t, e = cfg.tensor, cfg.expert_parallel
     probs, logits, chosen, weights = route(
         h_BxQxD, p["router"], cfg.experts_per_token, cfg.router_renormalize
     )
@@ -123,14 +139,16 @@ def mlp(p, h_BxQxD, cfg, context_axis: str | None = None):
     # The chosen experts carry no gradient: a plain gather.
     gathered = chosen if t == 1 else jax.lax.all_gather(chosen, tensor.AXIS, axis=1, tiled=True)
     b, q, d = h.shape
-    y = experts(
-        h.reshape(b * q, d),
-        gathered.reshape(b * q, -1),
-        gathered_weights.reshape(b * q, -1),
-        p["e_gate"],
-        p["e_in"],
-        p["e_out"],
-    ).reshape(b, q, d)
+    h, gathered, gathered_weights = (x.reshape(b * q, -1) for x in (h, gathered, gathered_weights))
+    if e == 1:
+        y = experts(h, gathered, gathered_weights, p["e_gate"], p["e_in"], p["e_out"])
+    else:
+        h, gathered_weights = (tensor.all_gather(x, DATA, 0) for x in (h, gathered_weights))
+        gathered = jax.lax.all_gather(gathered, DATA, axis=0, tiled=True)
+        first = jax.lax.axis_index(DATA) * p["e_gate"].shape[0]
+        y = local_experts(h, gathered, gathered_weights, p["e_gate"], p["e_in"], p["e_out"], first)
+        y = tensor.reduce_scatter(y, DATA, 0)
+    y = y.reshape(b, q, d)
     if not (cfg.moe_aux_loss or cfg.moe_z_loss):
         return y
     axes = ((tensor.AXIS,) if t > 1 else ()) + ((context_axis,) if context_axis else ())

@@ -24,7 +24,7 @@ def loss_and_grads(
     (`remat.POLICIES[name].reference` for a `pipeline.remat` setting). The model runs
     whole (XLA partitions it over whatever mesh the arguments are on): a pipeline's
     `cfg.tensor` does not apply here."""
-    cfg = dataclasses.replace(cfg, tensor=1)
+    cfg = dataclasses.replace(cfg, tensor=1, expert_parallel=1)
     return jax.value_and_grad(batch_loss)(params, tokens_BxL1, cfg, checkpoint)
 
 

@@ -15,6 +15,9 @@ STAGE = "stage"
 CONTEXT = "context"  # `seqpipe.parallel.context`
 TENSOR = tensor_lib.AXIS
 AXES = (DATA, STAGE, CONTEXT, TENSOR)
+# A mixture's experts [N, X, ...] (`seqpipe.models.moe`): split over `data` on their
+# expert dimension (expert parallelism) wherever the mesh has data replicas.
+EXPERT_PARAMS = ("e_gate", "e_in", "e_out")
 
 
 def make_mesh(
@@ -107,6 +110,11 @@ def tensor_split_dim(path, shape: Sequence[int], tensor: int = 1) -> int | None:
     return tensor_lib.param_dim(name, shape, tensor)
 
 
+def is_expert(path) -> bool:
+    """Whether a parameter-shaped leaf is a mixture's experts (split over `data`)."""
+    return in_layers(path) and getattr(path[-1], "key", None) in EXPERT_PARAMS
+
+
 def data_split_dim(path, shape: Sequence[int], data: int, tensor: int = 1) -> int | None:
     """The dimension of a parameter-shaped leaf (a gradient, an Adam moment) that the
     sharded optimizer splits over `data`: the largest one `data` divides (the first of
@@ -122,16 +130,19 @@ def data_split_dim(path, shape: Sequence[int], data: int, tensor: int = 1) -> in
     return max(dims, key=lambda d: shape[d], default=None)
 
 
-def leaf_spec(path, shape: Sequence[int], data: int = 1, tensor: int = 1) -> P:
+def leaf_spec(path, shape: Sequence[int], data: int = 1, tensor: int = 1, experts: int = 1) -> P:
     """A parameter-shaped leaf's spec: layers split over `stage` by blocks of layers, with
     `tensor` > 1 the heads, MLP columns or vocabulary over `tensor` (`tensor_split_dim`),
-    and with `data` > 1 the dimension `data_split_dim` picks over `data` as well."""
+    and with `data` > 1 the dimension `data_split_dim` picks over `data` as well. With
+    `experts` > 1 (the mesh's data replicas) a mixture's experts are split over `data`
+    instead, whether or not the optimizer is."""
     parts = [STAGE if in_layers(path) else None] + [None] * (len(shape) - 1)
     tdim = tensor_split_dim(path, shape, tensor) if tensor > 1 else None
     if tdim is not None:
         parts[tdim] = TENSOR
-    dim = data_split_dim(path, shape, data, tensor)
-    if dim is not None:
+    if experts > 1 and is_expert(path):
+        parts[1] = DATA
+    elif (dim := data_split_dim(path, shape, data, tensor)) is not None:
         parts[dim] = DATA
     while parts and parts[-1] is None:  # P(STAGE), not P(STAGE, None, ...)
         parts.pop()
@@ -149,7 +160,7 @@ def state_shardings(state_shapes, mesh: Mesh, shard_optimizer: bool = False):
 
     def spec(path, x):
         split = shard_optimizer and in_optimizer(path)
-        return NamedSharding(mesh, leaf_spec(path, x.shape, data if split else 1, tensor))
+        return NamedSharding(mesh, leaf_spec(path, x.shape, data if split else 1, tensor, data))
 
     return jax.tree_util.tree_map_with_path(spec, state_shapes)
 
@@ -158,8 +169,9 @@ def gradient_shardings(params, mesh: Mesh, shard_optimizer: bool):
     """Where the step's gradients go: the moments' shardings (each replica reduces only
     its share) with the sharded optimizer, else the parameters'."""
     data = mesh.shape[DATA] if shard_optimizer else 1
+    tensor, experts = mesh.shape[TENSOR], mesh.shape[DATA]
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: NamedSharding(mesh, leaf_spec(path, x.shape, data, mesh.shape[TENSOR])),
+        lambda path, x: NamedSharding(mesh, leaf_spec(path, x.shape, data, tensor, experts)),
         params,
     )
 

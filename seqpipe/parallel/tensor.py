@@ -60,47 +60,51 @@ def param_dim(name: str, shape=None, tensor: int = 1) -> int | None:
     return dim
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _gather(x, axis: int):
-    return jax.lax.all_gather(x, AXIS, axis=axis, tiled=True)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def all_gather(x, name: str, axis: int):
+    """x's blocks of every device along mesh axis `name`, concatenated on `axis`; its
+    transpose is the reduce-scatter (each device's cotangent of the whole is partial)."""
+    return jax.lax.all_gather(x, name, axis=axis, tiled=True)
 
 
-def _gather_fwd(x, axis):
-    return _gather(x, axis), None
+def _all_gather_fwd(x, name, axis):
+    return all_gather(x, name, axis), None
 
 
-def _gather_bwd(axis, _, g):
-    return (jax.lax.psum_scatter(g, AXIS, scatter_dimension=axis, tiled=True),)
+def _all_gather_bwd(name, axis, _, g):
+    return (jax.lax.psum_scatter(g, name, scatter_dimension=axis, tiled=True),)
 
 
-_gather.defvjp(_gather_fwd, _gather_bwd)
+all_gather.defvjp(_all_gather_fwd, _all_gather_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _scatter(x, axis: int):
-    return jax.lax.psum_scatter(x, AXIS, scatter_dimension=axis, tiled=True)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def reduce_scatter(x, name: str, axis: int):
+    """This device's block along `axis` of the sum over mesh axis `name`; its transpose is
+    the all-gather."""
+    return jax.lax.psum_scatter(x, name, scatter_dimension=axis, tiled=True)
 
 
-def _scatter_fwd(x, axis):
-    return _scatter(x, axis), None
+def _reduce_scatter_fwd(x, name, axis):
+    return reduce_scatter(x, name, axis), None
 
 
-def _scatter_bwd(axis, _, g):
-    return (jax.lax.all_gather(g, AXIS, axis=axis, tiled=True),)
+def _reduce_scatter_bwd(name, axis, _, g):
+    return (jax.lax.all_gather(g, name, axis=axis, tiled=True),)
 
 
-_scatter.defvjp(_scatter_fwd, _scatter_bwd)
+reduce_scatter.defvjp(_reduce_scatter_fwd, _reduce_scatter_bwd)
 
 
 def gather(x_BxQxD: jax.Array, tensor: int) -> jax.Array:
     """This device's positions [b, Q/t, ...] -> the whole segment's [b, Q, ...]."""
-    return x_BxQxD if tensor == 1 else _gather(x_BxQxD, 1)
+    return x_BxQxD if tensor == 1 else all_gather(x_BxQxD, AXIS, 1)
 
 
 def scatter(partial_BxQxD: jax.Array, tensor: int) -> jax.Array:
     """Partial sums over the whole segment [b, Q, ...] -> this device's positions
     [b, Q/t, ...] of their total."""
-    return partial_BxQxD if tensor == 1 else _scatter(partial_BxQxD, 1)
+    return partial_BxQxD if tensor == 1 else reduce_scatter(partial_BxQxD, AXIS, 1)
 
 
 def index(tensor: int) -> jax.Array | int:

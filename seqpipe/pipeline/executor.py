@@ -464,6 +464,7 @@ def reduce(
     tensor: int = 1,
     kv_replicated: bool = False,
     context: int = 1,
+    experts: int = 1,
 ) -> tuple[jax.Array, Params, Params] | jax.Array:
     """The step's only collectives over `stage`, `context` and `data`, after the loop:
     the mean loss, and unless this was an evaluation the stage's gradients and the shared
@@ -476,7 +477,11 @@ def reduce(
     With `tensor` > 1 the gradients of the weights whole on every tensor device (norm
     gains), each of which saw only this device's positions, are summed over `tensor`; so
     are those of K/V projections held whole (`kv_replicated`), each device's holding its
-    query heads' share of its K/V head's gradient."""
+    query heads' share of its K/V head's gradient.
+
+    With `experts` > 1 (expert parallelism over `data`) each replica holds its own experts,
+    whose gradients already sum every replica's tokens (the dispatch's transposes brought
+    them): they are only divided by the replica count, for the mean."""
     summed = (CONTEXT,) if context > 1 else ()  # each device's share adds up
     loss = jax.lax.pmean(jax.lax.psum(final.loss, (STAGE, *summed)), DATA)
     if not final.grads:
@@ -491,6 +496,8 @@ def reduce(
 
     def mean(g, path, shape, lead: int):  # `shape`: as among the parameters
         axes = summed
+        if experts > 1 and sharding.is_expert(path):
+            return (jax.lax.psum(g, axes) if axes else g) / jax.lax.axis_size(DATA)
         if tensor > 1 and sharding.tensor_split_dim(path, shape, tensor) is None:
             axes += (TENSOR,)
         dim = sharding.data_split_dim(path, shape, data, tensor)
@@ -572,14 +579,16 @@ def stage_step(
         else jax.lax.axis_size(DATA) / jnp.maximum(count, 1).astype(jnp.float32),
     )
     final, _ = jax.lax.scan(lambda c, row: (tick(ctx, inp, c, row), None), init, program_rows(spec))
-    return reduce(final, scatter, spec.tensor, spec.cfg.kv_replicated, spec.context)
+    cfg = spec.cfg
+    return reduce(final, scatter, spec.tensor, cfg.kv_replicated, spec.context, cfg.expert_parallel)
 
 
-def param_specs(params: Params, tensor: int, data: int = 1) -> Params:
+def param_specs(params: Params, tensor: int, data: int = 1, experts: int = 1) -> Params:
     """Each parameter's PartitionSpec (`sharding.leaf_spec`): how the step's shard_map
-    reads the parameters, and with `data` > 1 how it returns reduce-scattered gradients."""
+    reads the parameters, and with `data` > 1 how it returns reduce-scattered gradients;
+    `experts`: the replicas a mixture's experts are split over."""
     return jax.tree_util.tree_map_with_path(
-        lambda p, x: sharding.leaf_spec(p, x.shape, data, tensor), params
+        lambda p, x: sharding.leaf_spec(p, x.shape, data, tensor, experts), params
     )
 
 
@@ -593,9 +602,12 @@ def _on_stages(params: Params, batch, spec: PipelineSpec, mesh, out_specs, scatt
     spec = spec.packed_as(batch)
     if mesh.shape[TENSOR] != spec.tensor:
         raise ValueError(f"the mesh has tensor={mesh.shape[TENSOR]}, the spec {spec.tensor}")
+    experts = spec.cfg.expert_parallel
+    if spec.cfg.num_experts and mesh.shape[DATA] != experts:
+        raise ValueError(f"the mesh has data={mesh.shape[DATA]}, the spec's experts {experts}")
     V, n = spec.virtual, spec.chunk_layers
     shared = {k: v for k, v in params.items() if k != "layers"}
-    specs = param_specs(params, spec.tensor)
+    specs = param_specs(params, spec.tensor, 1, experts)
 
     platform = mesh.devices.flat[0].platform
 
@@ -663,7 +675,9 @@ def loss_and_grads(
 
     With `scatter` (the sharded optimizer) the gradients come back in the optimizer
     moments' shardings (`sharding.gradient_shardings`): reduce-scattered over `data`."""
-    specs = param_specs(params, spec.tensor, mesh.shape[DATA] if scatter else 1)
+    specs = param_specs(
+        params, spec.tensor, mesh.shape[DATA] if scatter else 1, spec.cfg.expert_parallel
+    )
     shared_specs = {k: v for k, v in specs.items() if k != "layers"}
     loss, grads_layers, grads_shared = _on_stages(
         params, tokens_BxL1, spec, mesh, (P(), specs["layers"], shared_specs), scatter

@@ -160,8 +160,9 @@ def make_spec(config, seq_len: int | None = None) -> PipelineSpec:
         multiple=partition.segment_multiple(config),
         **partition.model_dims(cfg),
     )
-    if cfg.num_experts:  # the router losses are taken per segment (`seqpipe.models.moe`)
-        cfg = dataclasses.replace(cfg, router_segments=tuple(lengths))
+    if cfg.num_experts:  # router losses per segment, experts over the data replicas
+        experts = max(config.mesh.data, 1)
+        cfg = dataclasses.replace(cfg, router_segments=tuple(lengths), expert_parallel=experts)
     # The train state's placement, whatever `seq_len` says: the step must read the layers
     # where the state holds them.
     layers = layout.of_config(config).layers_per_chunk
