@@ -190,16 +190,18 @@ def init_params(cfg: GPTConfig, key: jax.Array) -> Params:
 
 
 def param_shapes(cfg: GPTConfig) -> Params:
-    """ShapeDtypeStructs of the parameters as one tensor device holds them (all of them
-    with cfg.tensor = 1)."""
+    """ShapeDtypeStructs of the parameters as one device of a stage holds them: its tensor
+    share, its experts (all of them with cfg.tensor = cfg.expert_parallel = 1)."""
     shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
 
     def local(path, x):
-        dim = tensor.param_dim(getattr(path[-1], "key", ""), x.shape, cfg.tensor)
-        if dim is None or cfg.tensor == 1:
-            return x
+        name = getattr(path[-1], "key", "")
         shape = list(x.shape)
-        shape[dim] //= cfg.tensor
+        dim = tensor.param_dim(name, x.shape, cfg.tensor)
+        if dim is not None and cfg.tensor > 1:
+            shape[dim] //= cfg.tensor
+        if name in moe.EXPERTS:  # [N, X, ...]: this device's experts
+            shape[1] //= cfg.expert_parallel
         return jax.ShapeDtypeStruct(tuple(shape), x.dtype)
 
     return jax.tree_util.tree_map_with_path(local, shapes)

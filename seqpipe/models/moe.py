@@ -36,6 +36,7 @@ from seqpipe.parallel import tensor
 from seqpipe.parallel.sharding import DATA
 
 PARAMS = ("router", "e_gate", "e_in", "e_out")
+EXPERTS = PARAMS[1:]  # [N, X, ...]: split over the data replicas (expert parallelism)
 
 
 def init(cfg, normal, n: int, std: float, out_std: float) -> dict:

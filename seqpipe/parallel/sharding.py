@@ -17,7 +17,7 @@ TENSOR = tensor_lib.AXIS
 AXES = (DATA, STAGE, CONTEXT, TENSOR)
 # A mixture's experts [N, X, ...] (`seqpipe.models.moe`): split over `data` on their
 # expert dimension (expert parallelism) wherever the mesh has data replicas.
-EXPERT_PARAMS = ("e_gate", "e_in", "e_out")
+EXPERT_PARAMS = ("e_gate", "e_in", "e_out")  # as `seqpipe.models.moe.EXPERTS`
 
 
 def make_mesh(
@@ -58,13 +58,20 @@ def mesh_of(config, devices: Sequence[jax.Device] | None = None) -> Mesh:
     return make_mesh(m.data, m.stage, devices, m.get("tensor", 1), m.get("context", 1))
 
 
-def bound(fn, tensor: int = 1, context: int = 1, devices: Sequence[jax.Device] | None = None):
-    """`fn`, traceable where the tensor and context axes are not bound (a shape probe
-    outside the step, from the tools): under an abstract mesh of those axes, inputs and
-    outputs whole. With `devices`, a mesh of the first of them instead, so that `fn`
-    compiles (a unit compiled alone for its memory, FLOPs or time: each device's program
-    is the one a device of the step runs)."""
-    sizes = {CONTEXT: context, TENSOR: tensor}  # in the mesh's order
+def bound(
+    fn,
+    tensor: int = 1,
+    context: int = 1,
+    devices: Sequence[jax.Device] | None = None,
+    data: int = 1,
+):
+    """`fn`, traceable where the tensor and context axes (and `data`, over which a
+    mixture's experts are split) are not bound (a shape probe outside the step, from the
+    tools): under an abstract mesh of those axes, inputs and outputs whole. With
+    `devices`, a mesh of the first of them instead, so that `fn` compiles (a unit
+    compiled alone for its memory, FLOPs or time: each device's program is the one a
+    device of the step runs)."""
+    sizes = {DATA: data, CONTEXT: context, TENSOR: tensor}  # in the mesh's order
     names = jax.sharding.get_abstract_mesh().axis_names
     axes = [a for a, size in sizes.items() if size > 1 and a not in names]
     if not axes:

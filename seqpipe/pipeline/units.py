@@ -514,7 +514,14 @@ def _probe_layer_layout(unit: SegmentUnit, rows: int, words: tuple) -> ResidualL
     index = sds((), jnp.int32)
     packing = unit.packing_avals(rows)
     jax.eval_shape(
-        sharding.bound(probe, spec.tensor, spec.context), p, x, words, words, index, index, packing
+        sharding.bound(probe, spec.tensor, spec.context, data=spec.cfg.expert_parallel),
+        p,
+        x,
+        words,
+        words,
+        index,
+        index,
+        packing,
     )
     return found[0]
 

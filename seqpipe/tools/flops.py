@@ -171,7 +171,7 @@ def compiled_unit(
     key = unit_key(spec, rows, seg, first, last, backward, keep)
     if key not in _COMPILED:
         fn, args = unit_program(spec, rows, seg, first, last, backward, keep)
-        fn = sharding.bound(fn, spec.tensor, spec.context, jax.devices())
+        fn = sharding.bound(fn, spec.tensor, spec.context, jax.devices(), spec.cfg.expert_parallel)
         _COMPILED[key] = (jax.jit(fn).lower(*args).compile(), args)
     return _COMPILED[key]
 
@@ -472,7 +472,7 @@ def breakdown(spec, rows: int, replicas: int = 1) -> dict:
         # W runs on the whole padded chunk (`chunk_terms`).
         n = spec.chunk_layers if backward == 2 else n or spec.chunk_layers
         fns = unit_functions(spec, seg, first, last, rows, n)
-        fn = sharding.bound(fns[backward], spec.tensor, spec.context)
+        fn = sharding.bound(fns[backward], spec.tensor, spec.context, data=spec.cfg.expert_parallel)
         c = jaxpr_flops(fn, unit_args(spec, rows, seg, n, backward, (first, last)))
         for k, v in c.items():
             total[k] += v * count * replicas * spec.context * spec.tensor  # each device's share

@@ -173,7 +173,7 @@ def unit_temp_bytes(spec, rows: int, seg: int) -> int:
     args = (unit.saved_avals(rows), chunk, shared, prefix, prefix, tok, flag, x_in, own, own)
 
     def compiled(fn, a):  # on a stage's tensor and context devices: its collectives bound
-        fn = sharding.bound(fn, spec.tensor, spec.context, jax.devices())
+        fn = sharding.bound(fn, spec.tensor, spec.context, jax.devices(), spec.cfg.expert_parallel)
         return jax.jit(fn).lower(*a).compile()
 
     return max(
