@@ -100,9 +100,10 @@ def make_manager(workdir: str | Path, config: ConfigDict) -> ocp.CheckpointManag
     return ocp.CheckpointManager(directory(workdir), options=options, item_names=ITEMS)
 
 
-# Model keys no parameter depends on: how the step computes, not what it learns. A
-# checkpoint goes on under other values (blockwise on GPUs, splash on a TPU), said in a line.
-NO_PARAMETER = ("attention", "loss_chunk", "dtype")
+# Model keys no parameter depends on: how the step computes, and the router losses' weights
+# in its objective. A checkpoint goes on under other values (blockwise on GPUs, splash on a
+# TPU), said in a line.
+NO_PARAMETER = ("attention", "loss_chunk", "dtype", "moe_aux_loss", "moe_z_loss")
 # The optimizer's settings: a resumed run may change them, and is told in a line.
 OPTIMIZER = (
     "learning_rate",
