@@ -10,12 +10,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import PIPELINED, tiny_config
 from test_context import check, context_config
 from test_flops import _spec
 
 from seqpipe.models import model, moe
 from seqpipe.run import config as config_lib
 from seqpipe.tools import flops
+from seqpipe.train import trainer
 
 CFG = model.GPTConfig(
     vocab_size=64,
@@ -181,17 +183,19 @@ def test_the_router_losses_are_switch_transformers_per_row():
         assert float(got) == pytest.approx(want, rel=1e-5)
 
 
-# (schedule, (data, stage, context, tensor), segments, remat, routing, rows): the default
-# run takes the first two, `make test-all` the rest too.
+# (schedule, (data, stage, context, tensor), segments, remat, routing, rows); data 2 splits
+# the experts over two devices. The default run takes SAMPLE, `make test-all` MORE too.
 SAMPLE = [
-    ("seq1f1b", (1, 2, 1, 2), 2, "full", "mixtral", "plain"),
+    ("seq1f1b", (2, 2, 1, 2), 2, "full", "mixtral", "plain"),
+    ("seq_zb_h1", (2, 2, 1, 2), 2, "none", "qwen", "packed"),
     ("seq_zb_h1", (1, 2, 2, 1), 4, "dots", "qwen", "packed"),
 ]
 MORE = [
-    ("seq_zb_h1", (1, 2, 1, 2), 2, "none", "qwen", "packed"),
-    ("seq1f1b_interleaved", (2, 2, 1, 1), 2, "full_layer", "qwen", "plain"),
+    ("seq1f1b", (1, 2, 1, 2), 2, "full", "mixtral", "plain"),
+    ("seq1f1b_interleaved", (2, 2, 2, 1), 2, "full_layer", "qwen", "packed"),
     ("1f1b", (2, 2, 1, 1), 1, "layer", "mixtral", "plain"),
     ("gpipe", (1, 2, 2, 2), 2, "full", "mixtral", "packed"),
+    ("seq1f1b", (2, 2, 1, 2), 2, "dots", "mixtral", "plain"),
 ]
 
 
@@ -219,6 +223,67 @@ def test_the_pipeline_matches_the_reference(case):
     check(c, rows == "packed", "llama")
 
 
+def _moe_config(mesh, schedule="seq1f1b"):
+    c = context_config(schedule, mesh, 2, "full", "llama")
+    c.model.update(num_experts=4, experts_per_token=2, expert_d_ff=16, moe_aux_loss=0.1)
+    return c
+
+
+def test_a_device_running_another_devices_experts_is_caught(monkeypatch):
+    """Expert parallelism with every device's assignments offset as device 0's: the
+    tokens meet the wrong experts, and the pipeline no longer equals the reference."""
+    local = moe.local_experts
+    monkeypatch.setattr(
+        moe, "local_experts", lambda h, c, w, g, i, o, first: local(h, c, w, g, i, o, 0)
+    )
+    with pytest.raises(AssertionError):
+        check(_moe_config((2, 2, 1, 1)), False, "llama")
+
+
+def test_a_run_resumes_across_expert_splits(tmp_path):
+    """Saved with the experts over 2 replicas (and the optimizer sharded over them),
+    resumed over 4 and then over none: the losses of a straight run."""
+    moe_keys = {
+        **PIPELINED,
+        "model.mlp": "swiglu",
+        "model.num_experts": "4",
+        "model.expert_d_ff": "32",
+        "model.moe_aux_loss": "0.01",
+    }
+    meshes = {
+        "2x2x2": {"mesh.data": "2", "mesh.stage": "2", "mesh.tensor": "2"},
+        "4x2x1": {"mesh.data": "4", "mesh.stage": "2", "mesh.tensor": "1"},
+        "1x4x2": {"mesh.data": "1", "mesh.stage": "4", "mesh.tensor": "2"},
+    }
+
+    def config(mesh, stop):
+        return tiny_config(**{**moe_keys, **meshes[mesh], "train.stop_at": str(stop)})
+
+    straight = trainer.run(config("2x2x2", 3), str(tmp_path / "a"))
+    run = str(tmp_path / "b")
+    resumed = trainer.run(config("2x2x2", 1), run)
+    resumed += trainer.run(config("4x2x1", 2), run)
+    resumed += trainer.run(config("1x4x2", 3), run)
+    assert [r["step"] for r in resumed] == [1, 2, 3]
+    np.testing.assert_allclose(
+        [r["loss"] for r in resumed], [r["loss"] for r in straight], rtol=1e-5
+    )
+
+
+def test_each_device_holds_its_experts_alone():
+    """The train state over 2 data replicas: each device's block of an expert weight (and
+    of its Adam moments) holds 2 of the 4 experts; the router stays whole."""
+    from seqpipe.parallel import sharding
+
+    c = tiny_config(**{**PIPELINED, "model.mlp": "swiglu", "model.num_experts": "4"})
+    mesh = sharding.mesh_of(c)
+    shapes = {"layers": {"e_in": jax.ShapeDtypeStruct((4, 4, 32, 64), jnp.float32)}}
+    shapes["layers"]["router"] = jax.ShapeDtypeStruct((4, 32, 4), jnp.float32)
+    placed = sharding.state_shardings({"params": shapes}, mesh)["params"]["layers"]
+    assert placed["e_in"].shard_shape((4, 4, 32, 64)) == (1, 2, 32, 64)
+    assert placed["router"].shard_shape((4, 32, 4)) == (1, 32, 4)
+
+
 def test_flops_count_the_active_experts():
     """remat none: the jaxpr's matmuls of the whole step equal the analytic count, which
     counts each token's chosen experts (and the router), not all of them."""
@@ -241,6 +306,11 @@ def test_flops_count_the_active_experts():
             {"model.num_experts": "4", "model.expert_d_ff": "6", "mesh.tensor": "4"},
             "each expert's width 6 (model.expert_d_ff, or model.d_ff) is not divisible by "
             "mesh.tensor=4",
+        ),
+        (
+            {"model.num_experts": "6", "mesh.data": "4"},
+            "model.num_experts=6 is not divisible by mesh.data=4, over which the experts are "
+            "split; set mesh.data to a divisor of it (e.g. 3)",
         ),
     ],
 )

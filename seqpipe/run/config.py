@@ -526,6 +526,13 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     # An axis still at -1 skips the checks that need its size.
     sizes = mesh_sizes(mesh, num_devices)
     data, stage = sizes["data"], sizes["stage"]
+    if m.num_experts and data > 1:
+        fits = max(n for n in range(1, data + 1) if m.num_experts % n == 0)
+        _require(
+            m.num_experts % data == 0,
+            f"model.num_experts={m.num_experts} is not divisible by mesh.data={data}, over "
+            f"which the experts are split; set mesh.data to a divisor of it (e.g. {fits})",
+        )
     context = mesh.get("context", 1)
     _require(
         p.schedule != "none" or context == 1,
