@@ -139,21 +139,35 @@ def test_a_qwen3_model_equals_the_reference(mesh):
 
 @pytest.mark.parametrize(
     "name, mesh",
-    [("mixtral_moe", {"mesh.tensor": 2}), ("qwen3_moe", {"mesh.context": 2})],
-    ids=["mixtral-tensor-2", "qwen3_moe-context-2"],
+    [
+        ("mixtral_moe", {"mesh.data": 2, "mesh.tensor": 2, "train.global_batch_size": 8}),
+        ("qwen3_moe", {"mesh.context": 2}),
+    ],
+    ids=["mixtral-experts-2-tensor-2", "qwen3_moe-context-2"],
 )
 def test_a_moe_model_equals_the_reference(name, mesh):
     """Mixtral and Qwen3-MoE from transformers-made checkpoints (each device's experts read
-    from their own tensors), pipelined over 2 stages with tensor or context parallelism:
-    loss and every gradient, the router loss's included (HF's router_aux_loss_coef)."""
+    from their own tensors), pipelined over 2 stages with the experts split over 2 data
+    replicas and tensor parallelism, or with context parallelism: loss and every gradient,
+    the router loss's included (HF's router_aux_loss_coef)."""
     overrides = pipelined("seq1f1b", 2, **mesh)
     config = config_lib.load(f"hf:{FIXTURES / name}", {k: str(v) for k, v in overrides.items()})
     assert (config.model.num_experts, config.model.moe_aux_loss) == (4, 0.001)
-    # Fewer rows than train.global_batch_size: the router losses average over those given.
-    assert config.train.global_batch_size == 4
-    tokens = np.asarray(np.random.default_rng(0).integers(0, 96, (2, 33)), np.int32)
+    # Half the rows of train.global_batch_size: the router losses average over those given.
+    rows = config.train.global_batch_size // 2
+    tokens = np.asarray(np.random.default_rng(0).integers(0, 96, (rows, 33)), np.int32)
     r = verify.compare(run_of(config), tokens, sharding.mesh_of(config))
     assert r["ok"], r
+
+
+def test_verify_cli_on_a_mixture_with_its_experts_over_two_devices(tmp_path):
+    """`python -m seqpipe.verify --config hf:DIR` on a transformers-made Qwen3-MoE at 2
+    stages, its experts split over 2 data replicas."""
+    overrides = {**pipelined("seq1f1b", 2), "mesh.data": 2, "train.global_batch_size": 8}
+    spec = f"hf:{FIXTURES / 'qwen3_moe'}"
+    result = run(["--config", spec, *run_args(tmp_path, **overrides)], "seqpipe.verify")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().endswith("OK"), result.stdout
 
 
 @pytest.mark.parametrize("tensor", [pytest.param(2, marks=pytest.mark.slow), 4])
