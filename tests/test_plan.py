@@ -305,6 +305,10 @@ def _plan(*args):
         # 0 is refused with what was typed, not read as "the config's"
         (["--config", "tiny", "--topology", "v5p-8", "--global-batch", "0"], "--global-batch 0:"),
         (["--config", "tiny", "--topology", "v5p-8", "--seq-len", "0"], "--seq-len 0:"),
+        (
+            ["--config", "qwen3_30b_a3b", "--topology", "h200-8"],
+            "model.num_experts=128: the planner's memory and time models do not price experts",
+        ),
     ],
 )
 def test_bad_input_is_one_line(args, message):
