@@ -21,8 +21,13 @@ GiB = 2**30
 LINUX = sys.platform == "linux" and platform.machine() in ("x86_64", "aarch64")
 
 
+# A default row whose compile takes longest (90 s on 2 cores): under make test-all.
+SLOW_ROWS = ("tpu-seq1f1b-whole-tiles",)
+
+
 def param(row: dict):
-    marks = [pytest.mark.slow] if row["suite"] == "paper" else []
+    slow = row["suite"] == "paper" or row["name"] in SLOW_ROWS
+    marks = [pytest.mark.slow] if slow else []
     if row["target"] != "cpu":
         marks.append(pytest.mark.skipif(not LINUX, reason="TPU and GPU compilers: Linux only"))
     return pytest.param(row, id=row["name"], marks=marks)

@@ -47,15 +47,15 @@ def _losses(workdir) -> dict[int, float]:
 # context group across the hosts, each holding two of its devices' tensor pairs.
 @pytest.mark.parametrize(
     "data_size, stages, tensor, context",
-    # 1 x 8 and 2 x 4 only under make test-all: 4 x 2 (replicas across processes),
-    # 1 x 4 x 2 (stages and tensor devices across them) and the context group cover what
-    # crosses processes.
+    # 1 x 8, 2 x 4 and the context group only under make test-all: 4 x 2 (replicas
+    # across processes) and 1 x 4 x 2 (stages and tensor devices across them) cover what
+    # crosses processes in the default run.
     [
         pytest.param(1, 8, 1, 1, marks=pytest.mark.slow),
         pytest.param(2, 4, 1, 1, marks=pytest.mark.slow),
         (4, 2, 1, 1),
         (1, 4, 2, 1),
-        (1, 1, 2, 4),
+        pytest.param(1, 1, 2, 4, marks=pytest.mark.slow),
     ],
     ids=["1x8", "2x4", "4x2", "1x4x2", "1x1x4x2"],
 )
@@ -202,7 +202,11 @@ def _overwrite_8_bytes(f):
         fh.write(b"\xa5" * 8)
 
 
-@pytest.mark.parametrize("damage", [_truncate, _overwrite_8_bytes], ids=["truncated", "8-bytes"])
+@pytest.mark.parametrize(
+    "damage",
+    [_truncate, pytest.param(_overwrite_8_bytes, marks=pytest.mark.slow)],
+    ids=["truncated", "8-bytes"],
+)
 def test_a_damaged_checkpoint_makes_both_processes_fall_back_to_the_same_step(
     trained_two_processes, tmp_path, damage
 ):

@@ -17,6 +17,7 @@ TINY = [*accel.QUICK, "--config.model.num_layers=4"]
 
 
 @needs_plugin
+@pytest.mark.slow  # compiles every unit for an H200: 100 s on 2 cores
 def test_units_estimated_for_an_h200_predict_each_table(tmp_path):
     out = tmp_path / "prediction.json"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
