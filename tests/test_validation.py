@@ -36,6 +36,7 @@ CORRUPTIONS = {
     "train.global_batch_size": [0, 7],
     "train.learning_rate": [-1.0, float("nan"), float("inf")],
     "train.steps": [0],
+    "model.experts_per_token": [0, 9],
 }
 
 
@@ -58,6 +59,9 @@ def configs(draw):
         num_heads=draw(st.sampled_from([2, 4])),
         d_ff=16,
     )
+    experts = draw(st.sampled_from([0, 0, 4, 6]))  # 6 experts on 4 or 8 replicas: refused
+    if experts:
+        c.model.update(mlp="swiglu", num_experts=experts, experts_per_token=2)
     c.pipeline.update(
         schedule=schedule,
         microbatches=microbatches,
