@@ -13,9 +13,11 @@ import pytest
 from helpers import PIPELINED, tiny_config
 from test_context import check, context_config
 from test_flops import _spec
+from test_topology import needs_libtpu
 
 from seqpipe.models import model, moe
 from seqpipe.run import config as config_lib
+from seqpipe.targets import topology
 from seqpipe.tools import flops
 from seqpipe.train import trainer
 
@@ -292,6 +294,35 @@ def test_flops_count_the_active_experts():
     assert flops.breakdown(spec, rows=1)["matmul"] == pytest.approx(1.0, rel=1e-9)
     dense = dataclasses.replace(spec.cfg, num_experts=0, d_ff=2 * 32)
     assert model.layer_matmul_params(spec.cfg) == model.layer_matmul_params(dense) + 64 * 4
+
+
+@needs_libtpu
+def test_a_tpu_compile_executes_the_active_experts_alone(monkeypatch):
+    """XLA's count of a layer's grouped experts, compiled for a TPU v5p (its grouped-matmul
+    kernel), is the analytic count of the chosen experts: 1/X of the dense form's, which
+    XLA's CPU lowering executes (every expert, the others' rows masked)."""
+    for key, value in [
+        ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1"),
+        ("TPU_ACCELERATOR_TYPE", "v5p-8"),
+        ("TPU_WORKER_HOSTNAMES", "localhost"),
+    ]:
+        monkeypatch.setenv(key, value)
+    device = topology.devices(topology.parse("v5p-8"))[0]
+    tokens, k, d, f, x = 512, 2, 128, 256, 16
+    where = jax.sharding.SingleDeviceSharding(device)
+    args = [
+        jax.ShapeDtypeStruct((tokens, d), jnp.bfloat16, sharding=where),
+        jax.ShapeDtypeStruct((tokens, k), jnp.int32, sharding=where),
+        jax.ShapeDtypeStruct((tokens, k), jnp.float32, sharding=where),
+        jax.ShapeDtypeStruct((x, d, f), jnp.bfloat16, sharding=where),
+        jax.ShapeDtypeStruct((x, d, f), jnp.bfloat16, sharding=where),
+        jax.ShapeDtypeStruct((x, f, d), jnp.bfloat16, sharding=where),
+    ]
+    compiled = jax.jit(moe.experts).lower(*args).compile()
+    active = 3 * 2 * tokens * k * d * f  # the three matrices of each chosen expert
+    assert compiled.cost_analysis()["flops"] == pytest.approx(active, rel=0.02)
+    cpu = jax.jit(moe.experts).lower(*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args))
+    assert cpu.compile().cost_analysis()["flops"] > 0.9 * x * active
 
 
 @pytest.mark.parametrize(
