@@ -82,17 +82,17 @@ def test_a_broken_sequence_split_is_caught():
     """The oracle can fail: a reduce-scatter whose transpose repeats this device's
     cotangent instead of all-gathering the devices' breaks the gradients."""
     case = ("seq1f1b", (1, 2, 2), 2, "full")
-    original = tensor._scatter_bwd
+    original = tensor._reduce_scatter_bwd
 
-    def repeated(axis, _, g):
+    def repeated(name, axis, _, g):
         return (jax.numpy.concatenate([g, g], axis=axis),)
 
-    tensor._scatter.defvjp(tensor._scatter_fwd, repeated)
+    tensor.reduce_scatter.defvjp(tensor._reduce_scatter_fwd, repeated)
     try:
         with pytest.raises(AssertionError, match="gradient"):
             check_against_reference(case, tensor_config(*case))
     finally:
-        tensor._scatter.defvjp(tensor._scatter_fwd, original)
+        tensor.reduce_scatter.defvjp(tensor._reduce_scatter_fwd, original)
 
 
 def _compiled_text(config) -> str:
