@@ -175,16 +175,16 @@ def _positions_off_by_one():
 def _sequence_split_repeated():
     """The sequence-parallel reduce-scatter's transpose repeats this device's cotangent
     instead of all-gathering the devices' (`test_tensor`)."""
-    original = tensor._scatter_bwd
+    original = tensor._reduce_scatter_bwd
 
-    def repeated(axis, _, g):
+    def repeated(name, axis, _, g):
         return (jnp.concatenate([g] * 2, axis=axis),)
 
-    tensor._scatter.defvjp(tensor._scatter_fwd, repeated)
+    tensor.reduce_scatter.defvjp(tensor._reduce_scatter_fwd, repeated)
     try:
         yield
     finally:
-        tensor._scatter.defvjp(tensor._scatter_fwd, original)
+        tensor.reduce_scatter.defvjp(tensor._reduce_scatter_fwd, original)
 
 
 BROKEN = {  # name: (the break, the mesh tensor size it needs)
