@@ -189,7 +189,7 @@ def test_the_router_losses_are_switch_transformers_per_row():
 # the experts over two devices. The default run takes SAMPLE, `make test-all` MORE too.
 SAMPLE = [
     ("seq1f1b", (2, 2, 1, 2), 2, "full", "mixtral", "plain"),
-    ("seq_zb_h1", (2, 2, 1, 2), 2, "none", "qwen", "packed"),
+    ("seq_zb_h1", (2, 2, 1, 2), 2, "none", "qwen2", "packed"),
     ("seq_zb_h1", (1, 2, 2, 1), 4, "dots", "qwen", "packed"),
 ]
 MORE = [
@@ -198,6 +198,7 @@ MORE = [
     ("1f1b", (2, 2, 1, 1), 1, "layer", "mixtral", "plain"),
     ("gpipe", (1, 2, 2, 2), 2, "full", "mixtral", "packed"),
     ("seq1f1b", (2, 2, 1, 2), 2, "dots", "mixtral", "plain"),
+    ("seq1f1b", (1, 2, 2, 2), 2, "full_layer", "qwen2", "plain"),
 ]
 
 
@@ -211,13 +212,14 @@ def _id(case):
 def test_the_pipeline_matches_the_reference(case):
     """Loss and every gradient, router and experts included, with both router losses on:
     tensor-split experts, packed rows, context, the split backward (experts' gradients in
-    B), segments the router losses are taken over."""
+    B), segments the router losses are taken over; `qwen2`: a gated shared expert."""
     schedule, mesh, segments, remat, routing, rows = case
     c = context_config(schedule, mesh, segments, remat, "llama")
     c.model.update(
         num_experts=4,
         experts_per_token=2,
         expert_d_ff=16,
+        shared_expert_d_ff=24 if routing == "qwen2" else 0,
         moe_aux_loss=0.1,
         moe_z_loss=0.01,
         router_renormalize=routing == "mixtral",
@@ -294,6 +296,8 @@ def test_flops_count_the_active_experts():
     assert flops.breakdown(spec, rows=1)["matmul"] == pytest.approx(1.0, rel=1e-9)
     dense = dataclasses.replace(spec.cfg, num_experts=0, d_ff=2 * 32)
     assert model.layer_matmul_params(spec.cfg) == model.layer_matmul_params(dense) + 64 * 4
+    shared = _spec(segments=2, remat="none", arch={**arch, "shared_expert_d_ff": 16})
+    assert flops.breakdown(shared, rows=1)["matmul"] == pytest.approx(1.0, rel=1e-9)
 
 
 @needs_libtpu

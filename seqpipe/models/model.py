@@ -79,6 +79,7 @@ class GPTConfig:
     num_experts: int = 0  # 0: a dense MLP
     experts_per_token: int = 2
     expert_d_ff: int = 0  # each expert's hidden width; 0: d_ff
+    shared_expert_d_ff: int = 0  # a gated expert every token goes through (Qwen 2 MoE); 0: none
     router_renormalize: bool = True  # the chosen experts' weights sum to one (Mixtral)
     moe_aux_loss: float = 0.0  # the load-balancing loss's coefficient
     moe_z_loss: float = 0.0  # the router z-loss's coefficient
@@ -178,7 +179,7 @@ def init_params(cfg: GPTConfig, key: jax.Array) -> Params:
     if cfg.qk_norm:
         params["layers"].update(q_norm=jnp.ones((n, e), dt), k_norm=jnp.ones((n, e), dt))
     if cfg.num_experts:  # the experts take the dense MLP's place, drawn from keys of their own
-        draws = iter(jax.random.split(jax.random.fold_in(key, 9), len(moe.PARAMS)))
+        draws = iter(jax.random.split(jax.random.fold_in(key, 9), len(moe.PARAMS + moe.SHARED)))
         for name in ("w_gate", "w_in", "w_out"):
             params["layers"].pop(name, None)
         params["layers"].update(
@@ -796,6 +797,7 @@ def layer_matmul_params(cfg: GPTConfig) -> int:
     attention = 2 * d * cfg.q_width + 2 * d * kv_width
     if cfg.num_experts:
         experts = cfg.experts_per_token * 3 * d * cfg.expert_width
-        return attention + d * cfg.num_experts + experts
+        shared = (3 * cfg.shared_expert_d_ff + 1) * d if cfg.shared_expert_d_ff else 0
+        return attention + d * cfg.num_experts + experts + shared
     mlp = 3 if cfg.mlp == "swiglu" else 2
     return attention + mlp * d * cfg.d_ff

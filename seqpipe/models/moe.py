@@ -24,7 +24,10 @@ Parameters, per layer (HF Mixtral / Qwen3-MoE names in brackets, transposed):
   e_gate  [N, X, D, F]  (experts.j.w1 / gate_proj)
   e_in    [N, X, D, F]  (experts.j.w3 / up_proj)
   e_out   [N, X, F, D]  (experts.j.w2 / down_proj)
-F = `expert_d_ff`. Under tensor parallelism each expert's F columns are split as a dense
+F = `expert_d_ff`. With `shared_expert_d_ff` (Qwen 2 MoE's shared expert and its gate):
+  s_gate, s_in [N, D, S], s_out [N, S, D]  (shared_expert.gate/up/down_proj)
+  s_router [N, D]                         (shared_expert_gate, [1, D])
+Under tensor parallelism each expert's F columns are split as a dense
 MLP's: each device routes its own positions, gathers the segment's tokens and routing,
 runs its columns of every chosen expert, and leaves partial sums for the reduce-scatter.
 """
@@ -37,17 +40,26 @@ from seqpipe.parallel.sharding import DATA
 
 PARAMS = ("router", "e_gate", "e_in", "e_out")
 EXPERTS = PARAMS[1:]  # [N, X, ...]: split over the data replicas (expert parallelism)
+SHARED = ("s_gate", "s_in", "s_out", "s_router")  # the shared expert and its gate
 
 
 def init(cfg, normal, n: int, std: float, out_std: float) -> dict:
     """A stack of n layers' MoE parameters, drawn by `normal(shape, std)`."""
-    d, x, f = cfg.d_model, cfg.num_experts, cfg.expert_width
-    return {
+    d, x, f, s = cfg.d_model, cfg.num_experts, cfg.expert_width, cfg.shared_expert_d_ff
+    params = {
         "router": normal((n, d, x), std),
         "e_gate": normal((n, x, d, f), std),
         "e_in": normal((n, x, d, f), std),
         "e_out": normal((n, x, f, d), out_std),
     }
+    if s:
+        params.update(
+            s_gate=normal((n, d, s), std),
+            s_in=normal((n, d, s), std),
+            s_out=normal((n, s, d), out_std),
+            s_router=normal((n, d), std),
+        )
+    return params
 
 
 def route(h_BxQxD, router_DxX, k: int, renormalize: bool):
@@ -123,6 +135,20 @@ def local_experts(h_TxD, chosen_Txk, weights_Txk, e_gate, e_in, e_out, first):
     return experts(h_TxD, chosen, weights_Txk, e_gate, e_in, e_out)
 
 
+def shared_expert(p, h_BxQxD, segment_BxQxD, t: int):
+    """Qwen 2 MoE's shared expert, which every token goes through: a SwiGLU MLP scaled by
+    sigmoid(h . s_router). Under tensor parallelism its columns split as a dense MLP's
+    (partial sums over the segment), and each device gates its own positions (a gate
+    computed from the gathered segment on every device would add t copies of its
+    gradient) and gathers the gates."""
+    gate = jnp.einsum("bqd,d->bq", h_BxQxD, p["s_router"]).astype(jnp.float32)
+    gate = tensor.gather(jax.nn.sigmoid(gate)[..., None], t)
+    up = jnp.einsum("bqd,df->bqf", segment_BxQxD, p["s_in"])
+    act = jax.nn.silu(jnp.einsum("bqd,df->bqf", segment_BxQxD, p["s_gate"]).astype(jnp.float32))
+    y = jnp.einsum("bqf,fd->bqd", (act * up.astype(jnp.float32)).astype(up.dtype), p["s_out"])
+    return (gate * y.astype(jnp.float32)).astype(y.dtype)
+
+
 def mlp(p, h_BxQxD, cfg, context_axis: str | None = None):
     """The MoE MLP on this device's positions [b, Q/t, D] (normed): partial sums over the
     whole segment [b, Q, D] under tensor parallelism (the caller's reduce-scatter adds
@@ -136,11 +162,13 @@ def mlp(p, h_BxQxD, cfg, context_axis: str | None = None):
     probs, logits, chosen, weights = route(
         h_BxQxD, p["router"], cfg.experts_per_token, cfg.router_renormalize
     )
-    h, gathered_weights = tensor.gather(h_BxQxD, t), tensor.gather(weights, t)
+    segment, gathered_weights = tensor.gather(h_BxQxD, t), tensor.gather(weights, t)
     # The chosen experts carry no gradient: a plain gather.
     gathered = chosen if t == 1 else jax.lax.all_gather(chosen, tensor.AXIS, axis=1, tiled=True)
-    b, q, d = h.shape
-    h, gathered, gathered_weights = (x.reshape(b * q, -1) for x in (h, gathered, gathered_weights))
+    b, q, d = segment.shape
+    h, gathered, gathered_weights = (
+        x.reshape(b * q, -1) for x in (segment, gathered, gathered_weights)
+    )
     if e == 1:
         y = experts(h, gathered, gathered_weights, p["e_gate"], p["e_in"], p["e_out"])
     else:
@@ -150,6 +178,8 @@ def mlp(p, h_BxQxD, cfg, context_axis: str | None = None):
         y = local_experts(h, gathered, gathered_weights, p["e_gate"], p["e_in"], p["e_out"], first)
         y = tensor.reduce_scatter(y, DATA, 0)
     y = y.reshape(b, q, d)
+    if cfg.shared_expert_d_ff:
+        y = y + shared_expert(p, h_BxQxD, segment, t)
     if not (cfg.moe_aux_loss or cfg.moe_z_loss):
         return y
     axes = ((tensor.AXIS,) if t > 1 else ()) + ((context_axis,) if context_axis else ())

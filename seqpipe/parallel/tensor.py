@@ -44,6 +44,9 @@ DIMS = {
     "e_gate": 3,  # experts [X, D, F]: each expert's columns, as a dense MLP's
     "e_in": 3,
     "e_out": 2,
+    "s_gate": 2,  # the shared expert [D, F]: as a dense MLP's
+    "s_in": 2,
+    "s_out": 1,
     "embed": 0,
     "head": 1,
 }

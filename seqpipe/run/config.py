@@ -121,6 +121,7 @@ SCHEMA = {
     "model.num_experts": _COUNT,
     "model.experts_per_token": _POSITIVE_INT,
     "model.expert_d_ff": _COUNT,
+    "model.shared_expert_d_ff": _COUNT,
     "model.router_renormalize": Key(bool),
     "model.moe_aux_loss": _RATE,
     "model.moe_z_loss": _RATE,
@@ -245,12 +246,14 @@ def _model_defaults() -> dict:
         head_dim=0,
         qk_norm=False,
         # A mixture of experts in every layer's MLP (`seqpipe.models.moe`; 0: dense):
-        # experts, how many each token goes to, each one's width (0: d_ff), whether the
-        # chosen experts' weights are renormalized to one (Mixtral; Qwen3-MoE's
-        # norm_topk_prob), the load-balancing and router z-loss coefficients.
+        # experts, how many each token goes to, each one's width (0: d_ff), a gated shared
+        # expert's width (Qwen 2 MoE; 0: none), whether the chosen experts' weights are
+        # renormalized to one (Mixtral; Qwen3-MoE's norm_topk_prob), the load-balancing
+        # and router z-loss coefficients.
         num_experts=0,
         experts_per_token=2,
         expert_d_ff=0,
+        shared_expert_d_ff=0,
         router_renormalize=True,
         moe_aux_loss=0.0,
         moe_z_loss=0.0,
@@ -492,6 +495,11 @@ def _validate_experts(m, tensor: int) -> None:
         width % tensor == 0,
         f"each expert's width {width} (model.expert_d_ff, or model.d_ff) is not divisible by "
         f"mesh.tensor={tensor}, which splits it; change one of them",
+    )
+    _require(
+        m.shared_expert_d_ff % tensor == 0,
+        f"model.shared_expert_d_ff={m.shared_expert_d_ff} is not divisible by mesh.tensor="
+        f"{tensor}, which splits it; change one of them",
     )
 
 
