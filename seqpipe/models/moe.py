@@ -27,9 +27,10 @@ Parameters, per layer (HF Mixtral / Qwen3-MoE names in brackets, transposed):
 F = `expert_d_ff`. With `shared_expert_d_ff` (Qwen 2 MoE's shared expert and its gate):
   s_gate, s_in [N, D, S], s_out [N, S, D]  (shared_expert.gate/up/down_proj)
   s_router [N, D]                         (shared_expert_gate, [1, D])
-Under tensor parallelism each expert's F columns are split as a dense
-MLP's: each device routes its own positions, gathers the segment's tokens and routing,
-runs its columns of every chosen expert, and leaves partial sums for the reduce-scatter.
+Under tensor parallelism each expert's F columns are split as a dense MLP's: each device
+routes its own positions, gathers the segment's tokens and routing, runs its columns of
+every chosen expert, and leaves partial sums for the reduce-scatter. Over data replicas
+the experts themselves are split (`mlp`: expert parallelism).
 """
 
 import jax
