@@ -133,6 +133,23 @@ MODELS = {
         ),
         {},
     ),
+    # Qwen 2 MoE: Qwen 2's attention (Q, K, V biases) with 4 experts 24 wide, the top 2 not
+    # renormalized, and a shared expert 40 wide that every token goes through, scaled by
+    # its sigmoid gate (shared_expert_gate).
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        dict(
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=40,
+            norm_topk_prob=False,
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+        ),
+        {},
+    ),
 }
 
 
@@ -181,7 +198,9 @@ def router_logits(model, ids: np.ndarray, **inputs) -> list[np.ndarray]:
 def router_aux(model, ids: np.ndarray) -> np.ndarray:
     """[layers]: transformers' load-balancing loss of each layer alone on row 0."""
     balance = sys.modules[type(model).__module__].load_balancing_loss_func
-    x, k = model.config.num_local_experts, model.config.num_experts_per_tok
+    config = model.config  # Qwen 2 MoE's config names the count num_experts alone
+    x = getattr(config, "num_local_experts", None) or config.num_experts
+    k = config.num_experts_per_tok
     length = ids.shape[1]
     return np.array(
         [

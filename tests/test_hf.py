@@ -31,8 +31,9 @@ MODELS = (
     "qwen3_qk_norm",
     "mixtral_moe",
     "qwen3_moe",
+    "qwen2_moe",
 )
-EXPERTS = ("mixtral_moe", "qwen3_moe")
+EXPERTS = ("mixtral_moe", "qwen3_moe", "qwen2_moe")
 LOGIT_ATOL = 1e-3  # max |seqpipe - transformers| over every float32 logit
 LOSS_RTOL = 1e-5
 
@@ -106,6 +107,12 @@ def _experts_permuted(params):
     return dict(params, layers=dict(params["layers"], **roll))
 
 
+def _shared_gate_dropped(params):
+    """The shared expert's gate (shared_expert_gate) left at zeros: sigmoid 1/2 for all."""
+    s_router = np.zeros_like(params["layers"]["s_router"])
+    return dict(params, layers=dict(params["layers"], s_router=s_router))
+
+
 def _no_bias(params):
     layers = {k: (np.zeros_like(v) if k[0] == "b" else v) for k, v in params["layers"].items()}
     return dict(params, layers=layers)
@@ -129,6 +136,7 @@ CORRUPTIONS = {
         "qwen3_moe",
         lambda c, p: (dataclasses.replace(c, router_renormalize=True), p),
     ),
+    "shared expert's gate dropped": ("qwen2_moe", lambda c, p: (c, _shared_gate_dropped(p))),
 }
 
 
@@ -264,30 +272,37 @@ def test_a_gpt_model_saves_as_arcee_and_loads_back_bit_for_bit(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "qk_norm, renormalize, arch",
-    [("false", "true", "MixtralForCausalLM"), ("true", "false", "Qwen3MoeForCausalLM")],
+    "keys, arch",
+    [
+        ({"model.router_renormalize": "true"}, "MixtralForCausalLM"),
+        ({"model.qk_norm": "true", "model.router_renormalize": "false"}, "Qwen3MoeForCausalLM"),
+        (
+            {"model.qkv_bias": "true", "model.shared_expert_d_ff": "48"},
+            "Qwen2MoeForCausalLM",
+        ),
+    ],
+    ids=["mixtral", "qwen3_moe", "qwen2_moe"],
 )
-def test_a_moe_model_saves_and_loads_back_bit_for_bit(tmp_path, qk_norm, renormalize, arch):
-    """seqpipe's experts are written as Mixtral's (renormalized, no q_norm) or Qwen3-MoE's
-    (q_norm, k_norm), each expert a tensor apart, and read back as the same model."""
+def test_a_moe_model_saves_and_loads_back_bit_for_bit(tmp_path, keys, arch):
+    """seqpipe's experts are written as Mixtral's (renormalized, no q_norm), Qwen3-MoE's
+    (q_norm, k_norm) or Qwen 2 MoE's (Q/K/V biases, a shared expert), each expert a tensor
+    apart, and read back as the same model."""
     from seqpipe.run import config as config_lib
 
-    keys = {
-        "model.mlp": "swiglu",
-        "model.num_experts": "4",
-        "model.expert_d_ff": "32",
-        "model.qk_norm": qk_norm,
-        "model.router_renormalize": renormalize,
-    }
+    keys = {"model.mlp": "swiglu", "model.num_experts": "4", "model.expert_d_ff": "32", **keys}
     cfg = model.GPTConfig.from_config(config_lib.load("tiny", keys).model)
     params = model.init_params(cfg, jax.random.key(0))
     weights.save(tmp_path, cfg, params)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["architectures"] == [arch]
-    assert sum(".experts.3." in name for name in tensors(tmp_path)) == 3 * cfg.num_layers
+    names = tensors(tmp_path)
+    shared = 4 * cfg.num_layers if cfg.shared_expert_d_ff else 0  # 3 matrices and the gate
+    assert sum(".experts.3." in name for name in names) == 3 * cfg.num_layers
+    assert sum(".shared_expert" in name for name in names) == shared
     again, loaded = weights.load(tmp_path)
     assert (again.num_experts, again.expert_width) == (4, 32)
     assert again.router_renormalize == cfg.router_renormalize
+    assert again.shared_expert_d_ff == cfg.shared_expert_d_ff
     jax.tree.map(np.testing.assert_array_equal, loaded, params)
 
 
@@ -300,8 +315,13 @@ def test_a_moe_model_saves_and_loads_back_bit_for_bit(tmp_path, qk_norm, renorma
             "model.mlp=swiglu with model.qkv_bias=False and model.num_experts=4 and "
             "model.router_renormalize=False",
         ),
+        (  # Mixtral has no shared expert; Qwen 2 MoE, which has, carries Q/K/V biases
+            {"model.mlp": "swiglu", "model.num_experts": "4", "model.shared_expert_d_ff": "16"},
+            "model.mlp=swiglu with model.qkv_bias=False and model.num_experts=4 and "
+            "model.router_renormalize=True and model.shared_expert_d_ff=16",
+        ),
     ],
-    ids=["qkv_bias", "experts not renormalized"],
+    ids=["qkv_bias", "experts not renormalized", "a shared expert"],
 )
 def test_a_model_no_hf_architecture_fits_is_refused_in_one_line(tmp_path, keys, settings):
     from seqpipe.run import config as config_lib
@@ -312,7 +332,7 @@ def test_a_model_no_hf_architecture_fits_is_refused_in_one_line(tmp_path, keys, 
     assert str(e.value) == (
         f"{settings} has no HuggingFace architecture seqpipe writes (LlamaForCausalLM, "
         "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, ArceeForCausalLM, "
-        "MixtralForCausalLM, Qwen3MoeForCausalLM)"
+        "MixtralForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM)"
     )
 
 
@@ -370,16 +390,22 @@ BAD = {
         lambda d: _edit(d, architectures=["GPT2LMHeadModel"]),
         "architecture GPT2LMHeadModel is not supported; seqpipe reads LlamaForCausalLM, "
         "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, ArceeForCausalLM, "
-        "MixtralForCausalLM, Qwen3MoeForCausalLM",
+        "MixtralForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM",
     ),
     "DeepSeek-V3": (
         lambda d: _edit(d, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3"),
         "architecture DeepseekV3ForCausalLM is not supported (seqpipe's model has no "
         "multi-head latent attention); seqpipe reads",
     ),
-    "Qwen2-MoE": (
-        lambda d: _edit(d, architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe"),
-        "(seqpipe's model has no shared experts)",
+    "Qwen 2 MoE with a dense layer": (
+        lambda d: _from(d, "qwen2_moe", mlp_only_layers=[0]),
+        "mlp_only_layers=[0] is not supported by seqpipe's model; its layers are all dense "
+        "or all mixtures of experts",
+    ),
+    "Qwen 2 MoE without Q/K/V biases": (
+        lambda d: _from(d, "qwen2_moe", qkv_bias=False),
+        "qkv_bias=False is not supported by seqpipe's model; seqpipe reads Qwen 2 MoE with Q, "
+        "K and V biases",
     ),
     "Qwen3-MoE with a dense layer": (
         lambda d: _from(d, "qwen3_moe", mlp_only_layers=[0]),

@@ -142,17 +142,20 @@ def test_a_qwen3_model_equals_the_reference(mesh):
     [
         ("mixtral_moe", {"mesh.data": 2, "mesh.tensor": 2, "train.global_batch_size": 8}),
         ("qwen3_moe", {"mesh.context": 2}),
+        ("qwen2_moe", {"mesh.data": 2, "mesh.tensor": 2, "train.global_batch_size": 8}),
     ],
-    ids=["mixtral-experts-2-tensor-2", "qwen3_moe-context-2"],
+    ids=["mixtral-experts-2-tensor-2", "qwen3_moe-context-2", "qwen2_moe-experts-2-tensor-2"],
 )
 def test_a_moe_model_equals_the_reference(name, mesh):
-    """Mixtral and Qwen3-MoE from transformers-made checkpoints (each device's experts read
-    from their own tensors), pipelined over 2 stages with the experts split over 2 data
-    replicas and tensor parallelism, or with context parallelism: loss and every gradient,
-    the router loss's included (HF's router_aux_loss_coef)."""
+    """Mixtral, Qwen3-MoE and Qwen 2 MoE (its shared expert's columns over tensor) from
+    transformers-made checkpoints (each device's experts read from their own tensors),
+    pipelined over 2 stages with the experts split over 2 data replicas and tensor
+    parallelism, or with context parallelism: loss and every gradient, the router loss's
+    included (HF's router_aux_loss_coef)."""
     overrides = pipelined("seq1f1b", 2, **mesh)
     config = config_lib.load(f"hf:{FIXTURES / name}", {k: str(v) for k, v in overrides.items()})
     assert (config.model.num_experts, config.model.moe_aux_loss) == (4, 0.001)
+    assert config.model.shared_expert_d_ff == (40 if name == "qwen2_moe" else 0)
     # Half the rows of train.global_batch_size: the router losses average over those given.
     rows = config.train.global_batch_size // 2
     tokens = np.asarray(np.random.default_rng(0).integers(0, 96, (rows, 33)), np.int32)

@@ -1,5 +1,6 @@
 """A HuggingFace `config.json` as seqpipe's `model.` keys and back, for the Llama family
-(Llama, Mistral, Qwen 2 and 3, Arcee) and its mixtures of experts (Mixtral, Qwen3-MoE).
+(Llama, Mistral, Qwen 2 and 3, Arcee) and its mixtures of experts (Mixtral, Qwen3-MoE,
+Qwen 2 MoE with its shared expert).
 
 seqpipe's GPT (`model.mlp=gelu`: RMSNorm, RoPE, a non-gated tanh-GELU MLP) is transformers'
 Arcee with `hidden_act: gelu_pytorch_tanh`: a Llama whose MLP is `up_proj`, `down_proj`.
@@ -19,29 +20,32 @@ from pathlib import Path
 
 PREFIX = "hf:"
 # architecture: (model_type, whether Q, K and V carry biases, model.mlp, model.qk_norm,
-# whether every layer's MLP is a mixture of experts)
+# whether every layer's MLP is a mixture of experts, whether it has a shared expert)
 ARCHITECTURES = {
-    "LlamaForCausalLM": ("llama", False, "swiglu", False, False),
-    "MistralForCausalLM": ("mistral", False, "swiglu", False, False),
-    "Qwen2ForCausalLM": ("qwen2", True, "swiglu", False, False),
-    "Qwen3ForCausalLM": ("qwen3", False, "swiglu", True, False),
-    "ArceeForCausalLM": ("arcee", False, "gelu", False, False),
-    "MixtralForCausalLM": ("mixtral", False, "swiglu", False, True),
-    "Qwen3MoeForCausalLM": ("qwen3_moe", False, "swiglu", True, True),
+    "LlamaForCausalLM": ("llama", False, "swiglu", False, False, False),
+    "MistralForCausalLM": ("mistral", False, "swiglu", False, False, False),
+    "Qwen2ForCausalLM": ("qwen2", True, "swiglu", False, False, False),
+    "Qwen3ForCausalLM": ("qwen3", False, "swiglu", True, False, False),
+    "ArceeForCausalLM": ("arcee", False, "gelu", False, False, False),
+    "MixtralForCausalLM": ("mixtral", False, "swiglu", False, True, False),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", False, "swiglu", True, True, False),
+    "Qwen2MoeForCausalLM": ("qwen2_moe", True, "swiglu", False, True, True),
 }
 SUPPORTED = tuple(ARCHITECTURES)
 # The experts' settings: (each expert's width key, model.router_renormalize: True, or
 # the key that says). The expert count is num_local_experts (transformers 5 writes it for
-# both) or num_experts (Qwen's own checkpoints).
+# Mixtral and Qwen3-MoE) or num_experts (Qwen's own checkpoints, Qwen 2 MoE's).
 EXPERTS = {
     "MixtralForCausalLM": ("intermediate_size", True),
     "Qwen3MoeForCausalLM": ("moe_intermediate_size", "norm_topk_prob"),
+    "Qwen2MoeForCausalLM": ("moe_intermediate_size", "norm_topk_prob"),
 }
+# The shared expert's width key (model.shared_expert_d_ff), where there is one.
+SHARED = {"Qwen2MoeForCausalLM": "shared_expert_intermediate_size"}
 # model_type: what seqpipe's model lacks to run it, for models near those it reads.
 MISSING = {
     "deepseek_v2": "multi-head latent attention",
     "deepseek_v3": "multi-head latent attention",
-    "qwen2_moe": "shared experts",
 }
 # model.mlp: the hidden_act values that run it (the first is written), and the
 # architectures' default where config.json has none
@@ -60,6 +64,7 @@ INTEGERS = (
     "num_experts",
     "num_experts_per_tok",
     "moe_intermediate_size",
+    "shared_expert_intermediate_size",
     "decoder_sparse_step",
 )
 NUMBERS = ("rms_norm_eps", "rope_theta", "router_aux_loss_coef", "router_jitter_noise")
@@ -156,6 +161,8 @@ WHY = {
     "router_jitter_noise": "its router adds no noise",
     "decoder_sparse_step": _ALL_SPARSE,
     "mlp_only_layers": _ALL_SPARSE,
+    "qkv_bias": "seqpipe reads Qwen 2 MoE with Q, K and V biases",
+    "shared_expert_intermediate_size": "its shared expert is at least 1 wide",
 }
 
 
@@ -177,6 +184,8 @@ def _refuse(hf: Mapping, where: str, arch: str) -> None:
         "router_jitter_noise": bool,
         "decoder_sparse_step": lambda v: v != 1,
         "mlp_only_layers": bool,
+        "qkv_bias": lambda v: not v and ARCHITECTURES[arch][1],  # Qwen 2 MoE's key
+        "shared_expert_intermediate_size": lambda v: v is not None and v < 1,
     }
     for key, bad in unsupported.items():
         if key in hf and bad(hf[key]):
@@ -238,6 +247,7 @@ def model_keys(hf: Mapping, where: str = "config.json") -> dict:
         "rope_base": theta,
         "rope_scaling": scaling,
         "num_experts": 0,
+        "shared_expert_d_ff": 0,
     }
     if arch in EXPERTS:
         keys.update(_experts(hf, where, arch))
@@ -250,13 +260,16 @@ def _experts(hf: Mapping, where: str, arch: str) -> dict:
     if count is None:
         raise HFError(f"{where} has no num_local_experts (or num_experts)")
     width, renormalize = EXPERTS[arch]
-    return {
+    keys = {
         "num_experts": int(count),
         "experts_per_token": int(_need(hf, "num_experts_per_tok", where)),
         "expert_d_ff": int(_need(hf, width, where)),
         "router_renormalize": renormalize is True or bool(hf.get(renormalize, False)),
         "moe_aux_loss": float(hf.get("router_aux_loss_coef", 0.001)),  # transformers' default
     }
+    if arch in SHARED:
+        keys["shared_expert_d_ff"] = int(_need(hf, SHARED[arch], where))
+    return keys
 
 
 def _effective(key: str, value, keys: Mapping):
@@ -324,7 +337,8 @@ def rope_change(model: Mapping, spec: str) -> str | None:
 def writes(model: Mapping) -> str:
     """The architecture seqpipe's `model.` keys export as; HFError where none fits."""
     experts = bool(model.get("num_experts"))
-    ours = (model["qkv_bias"], model["mlp"], model.get("qk_norm", False), experts)
+    shared = experts and bool(model.get("shared_expert_d_ff"))  # dense: no experts to share
+    ours = (model["qkv_bias"], model["mlp"], model.get("qk_norm", False), experts, shared)
     fits = [
         a
         for a, (_, *kind) in ARCHITECTURES.items()
@@ -339,6 +353,8 @@ def writes(model: Mapping) -> str:
                 f"model.num_experts={model['num_experts']}",
                 f"model.router_renormalize={model['router_renormalize']}",
             ]
+        if shared:
+            settings.append(f"model.shared_expert_d_ff={model['shared_expert_d_ff']}")
         raise HFError(
             f"model.mlp={model['mlp']} with {' and '.join(settings)} has no HuggingFace "
             f"architecture seqpipe writes ({', '.join(SUPPORTED)})"
@@ -349,9 +365,9 @@ def writes(model: Mapping) -> str:
 def hf_config(model: Mapping, dtype: str, base: Mapping | None = None, context: int = 0) -> dict:
     """A config.json for seqpipe's `model.` keys, its tensors in `dtype`: Llama, Qwen 2
     where Q, K and V carry biases, Qwen 3 with q_norm and k_norm, Arcee for GPT's MLP,
-    Mixtral or Qwen3-MoE (q_norm, k_norm) with experts (or `base`'s architecture, where it
-    fits, whose other keys it keeps). max_position_embeddings: at least `context` (the
-    longest sequence trained on)."""
+    Mixtral, Qwen3-MoE (q_norm, k_norm) or Qwen 2 MoE (biases, a shared expert) with
+    experts (or `base`'s architecture, where it fits, whose other keys it keeps).
+    max_position_embeddings: at least `context` (the longest sequence trained on)."""
     arch = writes(model)
     if base and base.get("architectures") and ARCHITECTURES.get(base["architectures"][0]):
         if ARCHITECTURES[base["architectures"][0]][1:] == ARCHITECTURES[arch][1:]:
@@ -415,6 +431,17 @@ def hf_config(model: Mapping, dtype: str, base: Mapping | None = None, context: 
             mlp_only_layers=[],
             use_sliding_window=False,
             attention_bias=False,
+        )
+    if arch == "Qwen2MoeForCausalLM":
+        # its config names the count num_experts alone (no num_local_experts attribute)
+        del out["num_local_experts"]
+        out.update(
+            num_experts=model["num_experts"],
+            shared_expert_intermediate_size=model["shared_expert_d_ff"],
+            qkv_bias=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            use_sliding_window=False,
         )
     return out
 

@@ -6,10 +6,11 @@ HF's `nn.Linear` weights are [out, in]; seqpipe's are [in, out] with the heads a
 own axes (`seqpipe.models.model`): wq [D, H, E] is q_proj.weight [H*E, D] transposed and split.
 Both rotate the first half of each head with the second (`rotate_half`), so no row is
 permuted. A mixture of experts stores each expert's matrices apart (Mixtral's
-`block_sparse_moe.experts.{j}.w1`, Qwen3-MoE's `mlp.experts.{j}.gate_proj`), which seqpipe
-stacks on an axis after the layers'. Tensors are read lazily, block by block
-(`safe_open(...).get_slice`): a process reads only the slices its devices hold, layers
-and experts included (`initial_params`).
+`block_sparse_moe.experts.{j}.w1`, Qwen3-MoE's and Qwen 2 MoE's `mlp.experts.{j}.gate_proj`),
+which seqpipe stacks on an axis after the layers'; Qwen 2 MoE's shared expert is one per
+layer (`mlp.shared_expert.gate_proj`, its gate `mlp.shared_expert_gate` [1, D]). Tensors
+are read lazily, block by block (`safe_open(...).get_slice`): a process reads only the
+slices its devices hold, layers and experts included (`initial_params`).
 """
 
 import dataclasses
@@ -44,7 +45,8 @@ class Tensor:
     """How one seqpipe parameter lies in HF's files: `name` (each {} a leading axis of the
     parameter that HF keeps as tensors apart: the layer, then the expert), whether each
     tensor is stored transposed, and `groups`: how many of seqpipe's other axes make up
-    each of HF's (read in seqpipe's order), so [D, H, E] is (1, 2) of [H*E, D] transposed."""
+    each of HF's (read in seqpipe's order), so [D, H, E] is (1, 2) of [H*E, D] transposed;
+    a group of 0 is an axis of one that HF has and seqpipe not ([D] is (0, 1) of [1, D])."""
 
     name: str
     transposed: bool
@@ -90,10 +92,19 @@ def _experts(block: str, gate: str, up: str, down: str) -> dict:
     }
 
 
+# Qwen 2 MoE's shared expert, one per layer, and its sigmoid gate
+SHARED = {
+    "s_gate": Tensor(_L + "mlp.shared_expert.gate_proj.weight", True, (1, 1)),
+    "s_in": Tensor(_L + "mlp.shared_expert.up_proj.weight", True, (1, 1)),
+    "s_out": Tensor(_L + "mlp.shared_expert.down_proj.weight", True, (1, 1)),
+    "s_router": Tensor(_L + "mlp.shared_expert_gate.weight", False, (0, 1)),
+}
+
 # architecture: its tensors besides TENSORS
 EXPERTS = {
     "MixtralForCausalLM": _experts("block_sparse_moe", "w1", "w3", "w2"),
     "Qwen3MoeForCausalLM": _experts("mlp", "gate_proj", "up_proj", "down_proj"),
+    "Qwen2MoeForCausalLM": {**_experts("mlp", "gate_proj", "up_proj", "down_proj"), **SHARED},
 }
 
 
@@ -118,6 +129,9 @@ def read_block(t: Tensor, tensor_slice, shape: tuple[int, ...], index: tuple) ->
     index = [slice(*s.indices(n)) for s, n in zip(index, shape, strict=True)]
     view, blocks, at = [], [], 0
     for g in t.groups:
+        if g == 0:  # HF's axis of one, which seqpipe's array lacks
+            view.append(slice(0, 1))
+            continue
         first, inner = index[at], shape[at + 1 : at + g]
         size = math.prod(inner)
         view.append(slice(first.start * size, first.stop * size))
@@ -128,7 +142,7 @@ def read_block(t: Tensor, tensor_slice, shape: tuple[int, ...], index: tuple) ->
     block = block.reshape(tuple(n for b in blocks for n in b))
     cut, at = [], 0
     for g in t.groups:
-        cut += [slice(None)] + index[at + 1 : at + g]
+        cut += [slice(None)] + index[at + 1 : at + g] if g else []
         at += g
     return block[tuple(cut)]
 
