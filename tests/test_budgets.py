@@ -21,8 +21,8 @@ GiB = 2**30
 LINUX = sys.platform == "linux" and platform.machine() in ("x86_64", "aarch64")
 
 
-# A default row whose compile takes longest (90 s on 2 cores): under make test-all.
-SLOW_ROWS = ("tpu-seq1f1b-whole-tiles",)
+# The default rows whose compiles take longest (40-90 s on 2 cores): under make test-all.
+SLOW_ROWS = ("tpu-seq1f1b-whole-tiles", "tpu-seq1f1b-tensor")
 
 
 def param(row: dict):

@@ -153,8 +153,10 @@ def test_without_a_pipeline_the_pallas_gpu_kernel_runs_on_each_data_shards_rows(
 
 
 @needs_plugin
-# seq_zb_h1 carries every buffer seq1f1b does and the B-to-W ones: seq1f1b under test-all.
-@pytest.mark.parametrize("schedule", [pytest.param("seq1f1b", marks=pytest.mark.slow), "seq_zb_h1"])
+# seq_zb_h1 carries every buffer seq1f1b does and the B-to-W ones; both under test-all
+# (100 s on 2 cores).
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["seq1f1b", "seq_zb_h1"])
 def test_a_gpu_tick_copies_and_transposes_no_buffer_it_carries(tmp_path, schedule):
     """On a GPU a conditional's results never share its operands' memory, and loops that
     choose their own layouts for one buffer need transposes between them: either way
@@ -190,6 +192,7 @@ def test_a_gpu_tick_copies_and_transposes_no_buffer_it_carries(tmp_path, schedul
 
 
 @needs_plugin
+@pytest.mark.slow  # the TPU's DOES NOT FIT path runs by default (test_topology)
 def test_a_step_larger_than_the_gpu_says_so_and_exits_1(tmp_path):
     """Float32 logits of 8 x 4096 tokens over a vocabulary of 2^21, whole: 256 GiB (a short
     sequence compiles in a third of the time 32768 tokens took)."""

@@ -183,6 +183,7 @@ def test_unit_working_set_shrinks_with_segments():
     assert memory.unit_temp_bytes(spec4, 2, 3) < memory.unit_temp_bytes(spec1, 2, 0)
 
 
+@pytest.mark.slow  # 70 s on 2 cores; test_context checks each device's share of residuals
 def test_context_devices_keep_half_the_positions_and_the_whole_state():
     """With mesh.context=2 each device's carry holds half of every segment's positions
     (stash, messages, K/V; the jaxpr's carry is still the analytic one, byte for byte),

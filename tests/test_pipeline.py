@@ -190,18 +190,25 @@ def test_pipeline_keeping_every_residual_matches_reference(case):
 # Uneven layer splits (`pipeline.layers_per_stage`): a stage with fewer layers than the
 # deepest pads its block with zero layers and skips them (a lax.cond per layer), under
 # every remat policy; with several segments, so the skipped layers' K/V and cotangents
-# are in play. (schedule, mesh, segments, layers, split, remat)
+# are in play. (schedule, mesh, segments, layers, split, remat); the last three under
+# make test-all (each remat policy but `layer` is in the first three).
 UNEVEN_CASES = [
     ("seq_zb_h1", (1, 2), 2, 3, "2,1", "none"),
+    ("seq_zb_h1", (1, 2), 3, 3, "2,1", "full_layer"),  # padding layers in the layer loop
+    ("seq1f1b", (1, 4), 4, 9, "flops", "dots"),
+]
+UNEVEN_MORE = [
     ("seq1f1b", (2, 4), 3, 7, "2,2,2,1", "full"),
     ("1f1b", (1, 4), 1, 6, "1,2,2,1", "layer"),
-    ("seq1f1b", (1, 4), 4, 9, "flops", "dots"),
     ("gpipe", (2, 2), 2, 5, "3,2", "none"),
-    ("seq_zb_h1", (1, 2), 3, 3, "2,1", "full_layer"),  # padding layers in the layer loop
 ]
 
 
-@pytest.mark.parametrize("case", UNEVEN_CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize(
+    "case",
+    UNEVEN_CASES + [pytest.param(c, marks=pytest.mark.slow) for c in UNEVEN_MORE],
+    ids=lambda c: "-".join(map(str, c)),
+)
 def test_uneven_layer_split_matches_reference(case):
     schedule, mesh, segments, layers, split, policy = case
     base = (schedule, mesh, segments, "uniform", "more", 1)
