@@ -47,9 +47,9 @@ def _losses(workdir) -> dict[int, float]:
 # context group across the hosts, each holding two of its devices' tensor pairs.
 @pytest.mark.parametrize(
     "data_size, stages, tensor, context",
-    # The default run takes 4 x 2 (replicas and stages across processes, the gradient
-    # reduction and the stage messages crossing them); the others, each 90-260 s on 2
-    # cores, run under make test-all.
+    # The default run takes 4 x 2 (data replicas across processes: the gradient reduction
+    # and the checkpoint cross them); the others, each 90-260 s on 2 cores, run under
+    # make test-all.
     [
         pytest.param(1, 8, 1, 1, marks=pytest.mark.slow),
         pytest.param(2, 4, 1, 1, marks=pytest.mark.slow),
