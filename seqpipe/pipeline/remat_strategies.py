@@ -121,15 +121,18 @@ class LayerwiseRecompute(RecomputeInput):
         )
         outputs = (unit.padded(y), k, v)
         per_layer = (index, inputs.chunk, layer_in, *prefix, *cotangents[1:])
-        (dx0, into), (d_chunk, pack, dk, dv) = jax.lax.scan(
+        # Each layer's gradients go into the accumulator at the layer, in place: stacked
+        # as the scan's output, the chunk's gradients would be a second copy of it.
+        acc = unit.grads_of(grads, inputs.chunk)
+        (dx0, into, acc), (pack, dk, dv) = jax.lax.scan(
             lambda carry, per: _layer_backward(unit, inputs, *carry, *per),
-            (cotangents[0][:, : unit.spec.local_length(unit.seg)], into),
+            (cotangents[0][:, : unit.spec.local_length(unit.seg)], into, acc),
             per_layer,
             reverse=True,
         )
         d_shared, dx = start_vjp(dx0)
         kept = (into,) if into is not None else (dk, dv)
-        d_chunk = d_chunk if grads is None else grads.add(d_chunk)
+        d_chunk = acc if grads is not None else acc.of_chunk()
         return outputs, (d_chunk, d_shared, dx, *kept, *((pack,) if unit.split else ()))
 
 
@@ -164,9 +167,10 @@ def _layer_forward(unit, inputs, x, i, p, k_prefix=None, v_prefix=None):
     return y, (x, k, v)
 
 
-def _layer_backward(unit, inputs, dx, into, *per):
-    """One step of `LayerwiseRecompute`'s backward, last layer first: ((dx, into), (d p,
-    what W reads, dK prefix, dV prefix)), the prefix's added into `into` when given."""
+def _layer_backward(unit, inputs, dx, into, acc, *per):
+    """One step of `LayerwiseRecompute`'s backward, last layer first: ((dx, into, acc),
+    (what W reads, dK prefix, dV prefix)), the layer's parameter gradients added into
+    `acc` (a `units.LayerGrads`) and the prefix's into `into` when given."""
     # As jax.checkpoint does: XLA must not merge this forward with the one above (it
     # would, in a one-layer chunk, whose loops it unrolls).
     i, p, x, k_prefix, v_prefix, dk, dv = jax.lax.optimization_barrier(per)
@@ -178,9 +182,10 @@ def _layer_backward(unit, inputs, dx, into, *per):
     prefix = _layer_prefix(unit, inputs, x.shape[0], k_prefix, v_prefix)
     args = (i, p, x, *prefix, (dx, dk, dv))
     d_p, dx, dkp, dvp, pack = _alive(inputs.depth, i, layer_vjp, _passed(layer_vjp, at=1), *args)
+    acc = acc.add_layer(i, d_p)
     if into is None:
-        return (dx, into), (d_p, pack, dkp, dvp)
-    return (dx, into.add_layer(i, dkp, dvp)), (d_p, pack, None, None)
+        return (dx, into, acc), (pack, dkp, dvp)
+    return (dx, into.add_layer(i, dkp, dvp), acc), (pack, None, None)
 
 
 class KeepLayerResiduals(Strategy):
