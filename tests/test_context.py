@@ -68,6 +68,7 @@ def check(config, packed: bool = False, arch: str = "gpt"):
     params = model.init_params(spec.cfg, jax.random.key(0))
     if arch == "llama":
         params = randomized_gains(params)
+    params = model.metered(params, spec.cfg)  # a mixture's router losses, per layer
     rows = config.train.global_batch_size
     if packed:
         batch = packed_batch(rows, SEQ_LEN, spec.cfg.vocab_size)

@@ -150,33 +150,21 @@ def test_a_broken_conversion_fails_the_check(corruption):
 
 
 @pytest.mark.parametrize("name", EXPERTS)
-def test_the_router_loss_of_a_row_is_transformers(monkeypatch, name):
-    """seqpipe's load-balancing loss of each layer on row 0 (`moe.router_losses` on what
-    `moe.route` gives, the layers run one by one) against transformers'
+def test_the_router_loss_of_a_row_is_transformers(name):
+    """seqpipe's load-balancing loss of each layer on row 0, as the router meter reports it
+    (`model.metered`: the gradient of a zero parameter), against transformers'
     `load_balancing_loss_func` of that layer alone."""
     cfg, params = weights.load(FIXTURES / name)
     tokens = np.load(FIXTURES / name / "oracle.npz")
     expected, row = tokens["router_aux"], tokens["tokens"][:1]
-    routed = []
-    real = moe.route
-
-    def recording(*args):
-        routed.append(real(*args))
-        return routed[-1]
-
-    monkeypatch.setattr(moe, "route", recording)
-    x = model.embed(params, row, cfg)
-    k, v = (c[0] for c in model.empty_kv(cfg, 1, 1))
-    for i in range(cfg.num_layers):
-        p = {key: w[i] for key, w in params["layers"].items()}
-        x, _, _ = model.layer(p, x, k, v, 0, cfg)
-    # One layer's loss alone, coefficient one, averaged over the row's tokens.
-    one = dataclasses.replace(
-        cfg, num_layers=1, router_tokens=row.size, moe_aux_loss=1.0, moe_z_loss=0.0
-    )
-    ours = [float(moe.router_losses(p, logits, c, one, ())) for p, logits, c, _ in routed]
-    print(f"{name}: router loss per layer {ours}, transformers {expected.tolist()}")
+    window = np.concatenate([row, row[:, :1]], axis=1)  # the last target is never routed
+    grads = jax.grad(model.loss)(model.metered(params, cfg), window, cfg)
+    # Each layer's meter holds 1/N of its loss (the objective averages the layers).
+    ours = cfg.num_layers * np.asarray(grads["layers"][moe.METER][:, 0])
+    print(f"{name}: router loss per layer {ours.tolist()}, transformers {expected.tolist()}")
     np.testing.assert_allclose(ours, expected, rtol=1e-5)
+    _, reported = model.router_losses(grads)
+    np.testing.assert_allclose(reported["aux_loss"], np.mean(expected), rtol=1e-5)
 
 
 def test_each_expert_block_is_read_alone(monkeypatch):

@@ -10,16 +10,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import PIPELINED, tiny_config
-from test_context import check, context_config
+from helpers import PIPELINED, run_of, tiny_config
+from test_context import SEQ_LEN, check, context_config
 from test_flops import _spec
 from test_topology import needs_libtpu
 
 from seqpipe.models import model, moe
+from seqpipe.parallel import layout, sharding
 from seqpipe.run import config as config_lib
 from seqpipe.targets import topology
 from seqpipe.tools import flops
-from seqpipe.train import trainer
+from seqpipe.train import step, trainer
 
 CFG = model.GPTConfig(
     vocab_size=64,
@@ -120,7 +121,14 @@ def test_routing_is_softmax_then_top_k(renormalize):
 
 def _explicit_objective(params, tokens, cfg, segments):
     """The language model's mean loss plus every layer's router losses as values (not
-    through `moe`'s gradient hook): layer by layer, segment by segment."""
+    through `moe`'s gradient hook)."""
+    lm, aux, z = _explicit_losses(params, tokens, cfg, segments)
+    return lm + cfg.moe_aux_loss * aux + cfg.moe_z_loss * z
+
+
+def _explicit_losses(params, tokens, cfg, segments):
+    """(the language model's mean loss, the load-balancing loss, the z-loss), the router
+    losses summed from each layer's values: layer by layer, segment by segment."""
     losses = []
     plain = dataclasses.replace(cfg, moe_aux_loss=0.0, moe_z_loss=0.0)
     rows, length = tokens[:, :-1].shape
@@ -147,7 +155,8 @@ def _explicit_objective(params, tokens, cfg, segments):
         offset += seg
     y = jnp.concatenate(x_all, 1)
     lm = model.head_loss_sum(params, y, tokens[:, 1:], cfg) / tokens[:, 1:].size
-    return lm + sum(losses)
+    aux, z = sum(losses)
+    return lm, aux, z
 
 
 @pytest.mark.parametrize("segments", [(4, 8)])
@@ -175,14 +184,12 @@ def test_the_router_losses_are_switch_transformers_per_row():
     logits = rng.normal(size=(2, 6, 4)).astype(np.float32)
     probs = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
     chosen = np.argsort(-probs, -1)[..., :2]
-    cfg = dataclasses.replace(CFG, num_layers=1, router_tokens=12, moe_aux_loss=1.0)
+    cfg = dataclasses.replace(CFG, num_layers=1, router_tokens=12)
     f = np.stack([np.bincount(c.ravel(), minlength=4) / 6 for c in chosen])
     aux = np.mean([4 * np.sum(f[r] * probs[r].mean(0)) for r in range(2)])
     lse = np.log(np.exp(logits).sum(-1))
-    for z, want in ((0.0, aux), (1.0, aux + np.mean(lse**2))):
-        c = dataclasses.replace(cfg, moe_z_loss=z)
-        got = moe.router_losses(jnp.asarray(probs), jnp.asarray(logits), chosen, c, ())
-        assert float(got) == pytest.approx(want, rel=1e-5)
+    got = moe.router_losses(jnp.asarray(probs), jnp.asarray(logits), chosen, cfg, ())
+    np.testing.assert_allclose(got, [aux, np.mean(lse**2)], rtol=1e-5)
 
 
 # (schedule, (data, stage, context, tensor), segments, remat, routing, rows); data 2 splits
@@ -231,6 +238,25 @@ def _moe_config(mesh, schedule="seq1f1b"):
     c = context_config(schedule, mesh, 2, "full", "llama")
     c.model.update(num_experts=4, experts_per_token=2, expert_d_ff=16, moe_aux_loss=0.1)
     return c
+
+
+def test_the_step_reports_the_router_losses_each_layer_computes():
+    """The training step's `aux_loss` and `z_loss` metrics, metered through a pipeline with
+    the experts over 2 replicas and tensor 2, equal the sums of each layer's losses."""
+    c = _moe_config((2, 2, 1, 2))
+    c.model.update(moe_z_loss=0.01)
+    run, mesh = run_of(c), sharding.mesh_of(c)
+    params = model.init_params(run.model, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (c.train.global_batch_size, SEQ_LEN + 1), 0, 64)
+    grad_fn = step.make_grad_fn(run, mesh)
+    staged = layout.to_stage_order(params, run.placement)
+    _, grads = jax.jit(grad_fn)(staged, jax.device_put(tokens, sharding.batch_sharding(mesh)))
+    _, reported = model.router_losses(grads)
+    segments = run.spec.cfg.router_segments
+    _, aux, z = _explicit_losses(params, tokens, dataclasses.replace(run.model, tensor=1), segments)
+    assert len(segments) == 2
+    np.testing.assert_allclose(reported["aux_loss"], aux, rtol=1e-5)
+    np.testing.assert_allclose(reported["z_loss"], z, rtol=1e-5)
 
 
 def test_a_device_running_another_devices_experts_is_caught(monkeypatch):

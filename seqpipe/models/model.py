@@ -88,6 +88,9 @@ class GPTConfig:
     # (`loss`, the executor) and by the pipeline's spec, not by a config.
     router_tokens: int = 0
     router_segments: tuple[int, ...] = ()
+    # Whether the layers carry the router meter (`metered`): set by the executor from the
+    # parameters it is given.
+    router_meter: bool = False
     # Devices the experts are split over (expert parallelism: the mesh's data replicas,
     # set by the pipeline's spec as `tensor` is); the pipeline's functions run per device
     # with num_experts / expert_parallel of them.
@@ -205,7 +208,47 @@ def param_shapes(cfg: GPTConfig) -> Params:
             shape[1] //= cfg.expert_parallel
         return jax.ShapeDtypeStruct(tuple(shape), x.dtype)
 
-    return jax.tree_util.tree_map_with_path(local, shapes)
+    shapes = jax.tree_util.tree_map_with_path(local, shapes)
+    if cfg.router_meter:
+        meter = jax.ShapeDtypeStruct((cfg.num_layers, 2), jnp.float32)
+        shapes["layers"] = {**shapes["layers"], moe.METER: meter}
+    return shapes
+
+
+def metered(params: Params, cfg: GPTConfig) -> Params:
+    """`params` with a mixture's router meter, zeros [N, 2] among the layers, whose
+    gradient is its router losses' values (`seqpipe.models.moe`); dense models' as they are."""
+    if not cfg.num_experts:
+        return params
+    meter = jnp.zeros((params["layers"]["router"].shape[0], 2), jnp.float32)
+    return {**params, "layers": {**params["layers"], moe.METER: meter}}
+
+
+def router_losses(grads: Params) -> tuple[Params, dict[str, jax.Array]]:
+    """The gradients of `metered` parameters without the meter, and the router losses it
+    metered, unscaled: {"aux_loss": load balancing, "z_loss": z} summed over the layers
+    (each layer's is already 1/N of its own); ({} for a dense model's)."""
+    if moe.METER not in grads["layers"]:
+        return grads, {}
+    layers = dict(grads["layers"])
+    aux, z = jnp.sum(layers.pop(moe.METER), axis=0)
+    return {**grads, "layers": layers}, {"aux_loss": aux, "z_loss": z}
+
+
+def in_compute_dtype(weights: Params, dtype) -> Params:
+    """The weights (arrays or their ShapeDtypeStructs) in the compute dtype, a router meter
+    kept in float32 (its gradient is a value, reported to the last digit)."""
+
+    def cast(path, w):
+        if getattr(path[-1], "key", "") == moe.METER:
+            return w
+        return (
+            jax.ShapeDtypeStruct(w.shape, dtype)
+            if isinstance(w, jax.ShapeDtypeStruct)
+            else w.astype(dtype)
+        )
+
+    return jax.tree_util.tree_map_with_path(cast, weights)
 
 
 def num_params(params: Params) -> int:
@@ -327,7 +370,7 @@ def layer(
 
     `packing` (a `document_mask.Packing`, the whole segment's): the document ids the attention
     masks by and the positions RoPE reads; None: a plain causal row."""
-    p = _own_kv_head(jax.tree.map(lambda w: w.astype(cfg.dtype), p), cfg)
+    p = _own_kv_head(in_compute_dtype(p, cfg.dtype), cfg)
     mm = _Matmuls(p, taps, cfg.tensor)
     attn_out, k_seg, v_seg = _self_attention(
         mm, x_BxQxD, k_prefix_BxPxHxE, v_prefix_BxPxHxE, offset, cfg, cache, packing

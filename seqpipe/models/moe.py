@@ -14,10 +14,16 @@ one sequence: X * sum_e f_e * P_e, f_e the share of the segment's assignments th
 expert e (k per token, so f sums to k), P_e its mean router probability. The z-loss is
 the mean of logsumexp(router logits)^2. Each is averaged over the layers and over the
 batch's tokens (a segment weighs as its share of the row), and enters the training
-objective with its coefficient through its gradient alone (`_with_gradient_of`): the
+objective with its coefficient through its gradient alone (`_with_router_losses`): the
 executor's backward runs a unit's vjp, and this adds the router losses' gradients to it
 wherever the layer is differentiated, with no output of its own. The loss the trainer
 reports is the language model's.
+
+Their values come out the same way, as the gradient of a meter: a zero parameter
+`router_meter` [N, 2] (`model.metered`) whose cotangent is each unit's (load-balancing,
+z) values, unscaled. Its gradient is then every layer's router losses, summed by the same
+accumulators and reductions as every other gradient, over units, stages, tensor and
+context devices, and averaged over data replicas (`model.router_losses` reads it).
 
 Parameters, per layer (HF Mixtral / Qwen3-MoE names in brackets, transposed):
   router  [N, D, X]     (block_sparse_moe.gate / mlp.gate)
@@ -33,6 +39,8 @@ every chosen expert, and leaves partial sums for the reduce-scatter. Over data r
 the experts themselves are split (`mlp`: expert parallelism).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -40,6 +48,7 @@ from seqpipe.parallel import tensor
 from seqpipe.parallel.sharding import DATA
 
 PARAMS = ("router", "e_gate", "e_in", "e_out")
+METER = "router_meter"  # [N, 2]: its gradient is each layer's (load-balancing, z) losses
 EXPERTS = PARAMS[1:]  # [N, X, ...]: split over the data replicas (expert parallelism)
 SHARED = ("s_gate", "s_in", "s_out", "s_router")  # the shared expert and its gate
 
@@ -94,9 +103,9 @@ def experts(h_TxD, chosen_Txk, weights_Txk, e_gate, e_in, e_out):
 
 
 def router_losses(probs, logits, chosen, cfg, axes: tuple[str, ...]):
-    """This device's share of the layer's router losses, scaled by their coefficients and
+    """This device's share of the layer's (load-balancing, z) losses [2], unscaled and
     normalized as the module docstring says: summed over the devices of `axes` (tensor,
-    context: those that split the segment's positions) it is the layer's term."""
+    context: those that split the segment's positions) it is the layer's."""
     count = jnp.sum(jax.nn.one_hot(chosen, cfg.num_experts, dtype=jnp.float32), axis=(1, 2))
     if axes:
         count = jax.lax.psum(count, axes)
@@ -105,25 +114,26 @@ def router_losses(probs, logits, chosen, cfg, axes: tuple[str, ...]):
     norm = cfg.num_layers * cfg.router_tokens
     aux = cfg.num_experts * jnp.sum(count / segment * jnp.sum(probs, axis=1)) / norm
     z = jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2) / norm
-    return cfg.moe_aux_loss * aux + cfg.moe_z_loss * z
+    return jnp.stack([aux, z])
 
 
-@jax.custom_vjp
-def _with_gradient_of(x, loss):
-    """x; its backward also gives `loss` a cotangent of one, so the loss's gradient joins
-    whatever gradient flows through x."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _with_router_losses(x, losses, coefficients, meter):
+    """x; its backward also gives `losses` their `coefficients` as cotangent (their
+    gradients join whatever flows through x) and `meter` their values."""
     return x
 
 
-def _with_gradient_fwd(x, loss):
-    return x, jnp.zeros((), loss.dtype)
+def _with_router_losses_fwd(x, losses, coefficients, meter):
+    return x, (jax.lax.stop_gradient(losses), jnp.zeros((0,), meter.dtype))
 
 
-def _with_gradient_bwd(zero, g):
-    return g, jnp.ones_like(zero)
+def _with_router_losses_bwd(coefficients, saved, g):
+    values, meter_like = saved
+    return g, jnp.asarray(coefficients, values.dtype), values.astype(meter_like.dtype)
 
 
-_with_gradient_of.defvjp(_with_gradient_fwd, _with_gradient_bwd)
+_with_router_losses.defvjp(_with_router_losses_fwd, _with_router_losses_bwd)
 
 
 def local_experts(h_TxD, chosen_Txk, weights_Txk, e_gate, e_in, e_out, first):
@@ -181,7 +191,10 @@ def mlp(p, h_BxQxD, cfg, context_axis: str | None = None):
     y = y.reshape(b, q, d)
     if cfg.shared_expert_d_ff:
         y = y + shared_expert(p, h_BxQxD, segment, t)
-    if not (cfg.moe_aux_loss or cfg.moe_z_loss):
+    meter = p.get(METER)
+    if not (cfg.moe_aux_loss or cfg.moe_z_loss or meter is not None):
         return y
     axes = ((tensor.AXIS,) if t > 1 else ()) + ((context_axis,) if context_axis else ())
-    return _with_gradient_of(y, router_losses(probs, logits, chosen, cfg, axes))
+    losses = router_losses(probs, logits, chosen, cfg, axes)
+    meter = jnp.zeros(2, jnp.float32) if meter is None else meter
+    return _with_router_losses(y, losses, (cfg.moe_aux_loss, cfg.moe_z_loss), meter)

@@ -29,7 +29,7 @@ from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 from jax.sharding import PartitionSpec as P
 
 from seqpipe.kernels import kv_cache
-from seqpipe.models import document_mask
+from seqpipe.models import document_mask, model, moe
 from seqpipe.models.model import Params
 from seqpipe.parallel import context, sharding
 from seqpipe.parallel.sharding import CONTEXT, DATA, STAGE, TENSOR
@@ -554,7 +554,7 @@ def stage_step(
         # twice the weight bytes, in every unit: 96 layer-stack passes a step for seq1f1b
         # M=8 K=4).
         act = jnp.dtype(spec.cfg.dtype)
-        layers_VxN, shared = jax.tree.map(lambda w: w.astype(act), (layers_VxN, shared))
+        layers_VxN, shared = model.in_compute_dtype((layers_VxN, shared), act)
 
     def micro(x_BxL):  # [B, L] -> this context device's local rows, [M, b, L / context]
         if x_BxL is None:
@@ -613,7 +613,7 @@ def _on_stages(params: Params, batch, spec: PipelineSpec, mesh, out_specs, scatt
 
     def local(layers, sh, tok, *packed):  # this stage's [V * n] layers, as V chunks and back
         chunks = jax.tree.map(lambda w: w.reshape(V, n, *w.shape[1:]), layers)
-        step = _routed_over(spec, tok)
+        step = _routed_over(spec, tok, moe.METER in layers)
         with kv_cache.layouts_for(platform):
             if step.forward_only:
                 return stage_step(step, chunks, sh, tok, packed=packed)
@@ -639,13 +639,14 @@ def _on_stages(params: Params, batch, spec: PipelineSpec, mesh, out_specs, scatt
     return body(params["layers"], shared, tokens_BxL1, *packed)
 
 
-def _routed_over(spec: PipelineSpec, tokens_BxL1) -> PipelineSpec:
+def _routed_over(spec: PipelineSpec, tokens_BxL1, metered: bool) -> PipelineSpec:
     """The spec whose router losses average over the tokens of this data replica's rows
-    (`seqpipe.models.moe`), as the reference's do over its batch."""
+    (`seqpipe.models.moe`), as the reference's do over its batch, and are metered where
+    the layers carry the meter (`model.metered`)."""
     if not spec.cfg.num_experts:
         return spec
     rows, window = tokens_BxL1.shape
-    cfg = dataclasses.replace(spec.cfg, router_tokens=rows * (window - 1))
+    cfg = dataclasses.replace(spec.cfg, router_tokens=rows * (window - 1), router_meter=metered)
     return dataclasses.replace(spec, cfg=cfg)
 
 

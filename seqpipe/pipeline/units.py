@@ -436,7 +436,7 @@ class SegmentUnit:
         act = jnp.dtype(cfg.dtype)
         shapes = model.param_shapes(cfg)
         if spec.policy.keeps_residuals:
-            shapes = jax.tree.map(lambda x: sds(x.shape, act), shapes)
+            shapes = model.in_compute_dtype(shapes, act)
         chunk = jax.tree.map(lambda x: sds((self.n,) + x.shape[1:], x.dtype), shapes["layers"])
         shared = {k: x for k, x in shapes.items() if k != "layers"}
         x_in = sds((rows, spec.msg_len, cfg.d_model), act)

@@ -40,14 +40,19 @@ def compare(run, tokens_BxL1, mesh) -> dict:
         params = weights.load(run.train.init_from.removeprefix("hf:"))[1]
     else:
         params = model.init_params(spec.cfg, jax.random.key(run.train.seed))
+    # A mixture's router losses, metered, are compared as its gradients are.
+    params = model.metered(params, spec.cfg)
     ref = jax.jit(reference.loss_and_grads, static_argnums=2)(params, tokens_BxL1, spec.cfg)
     result = jax.jit(lambda p, t: canonical_loss_and_grads(p, t, spec, mesh))(params, tokens_BxL1)
     truth = noise.float64_reference(params, tokens_BxL1, spec.cfg)
     verdict = noise.judge(result, ref, truth)
+    router = {k: float(v) for k, v in model.router_losses(result[1])[1].items()}
     return {
         "loss": float(result[0]),
         "reference_loss": float(ref[0]),
         "float64_loss": truth[0],
+        **{f"router_{k}": v for k, v in router.items()},
+        **{f"reference_{k}": float(v) for k, v in model.router_losses(ref[1])[1].items()},
         "noise_ratio": verdict.ratio,
         "worst": verdict.worst,
         "verdict": verdict.line(),
@@ -82,9 +87,16 @@ def main(argv: list[str]) -> int:
         return 2
     r = cli.run_or_exit(lambda: verify(config))
     packed = " on packed rows" if r["packed"] else ""
+    router, checked = "", "loss and gradients"
+    if "router_aux_loss" in r:  # a mixture's, compared with its gradients
+        router = (
+            f"  aux_loss {r['router_aux_loss']:.6f} (reference {r['reference_aux_loss']:.6f})"
+            f"  z_loss {r['router_z_loss']:.6f} (reference {r['reference_z_loss']:.6f})"
+        )
+        checked = "loss, router losses and gradients"
     print(
         f"schedule {config.pipeline.schedule}{packed}  loss {r['loss']:.6f} (reference "
-        f"{r['reference_loss']:.6f}, float64 {r['float64_loss']:.6f})  loss and gradients "
+        f"{r['reference_loss']:.6f}, float64 {r['float64_loss']:.6f}){router}  {checked} "
         f"{r['verdict']}  {'OK' if r['ok'] else 'MISMATCH'}"
     )
     return 0 if r["ok"] else 1

@@ -166,6 +166,8 @@ def format_line(record: dict, total_steps: int) -> str:
     for key, fmt in (
         ("loss", "loss {:.4f}"),
         ("eval_loss", "eval_loss {:.4f}"),
+        ("aux_loss", "aux_loss {:.4f}"),
+        ("z_loss", "z_loss {:.3f}"),
         ("learning_rate", "lr {:.2e}"),
         ("grad_norm", "grad_norm {:.3f}"),
         ("tokens_per_s", "tok/s {:,.0f}"),

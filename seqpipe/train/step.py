@@ -20,13 +20,19 @@ GradFn = Callable[[model.Params, jax.Array], tuple[jax.Array, model.Params]]
 
 
 def make_grad_fn(run: RunConfig, mesh: jax.sharding.Mesh) -> GradFn:
-    """Loss and gradients of a [B, L+1] batch under the run's schedule."""
+    """Loss and gradients of a [B, L+1] batch under the run's schedule; a mixture's
+    gradients also hold its router meter's (`model.metered`)."""
+    cfg = run.model
     if not run.pipelined:
-        cfg, checkpoint = run.model, remat.POLICIES[run.remat].reference
+        checkpoint = remat.POLICIES[run.remat].reference
         grad_fn = lambda params, tokens: reference.loss_and_grads(params, tokens, cfg, checkpoint)
-        return reference.unpipelined(grad_fn, cfg, mesh)
-    spec, scatter = run.spec, run.shard_optimizer
-    return lambda params, tokens: executor.loss_and_grads(params, tokens, spec, mesh, scatter)
+        grad_fn = reference.unpipelined(grad_fn, cfg, mesh)
+    else:
+        spec, scatter = run.spec, run.shard_optimizer
+        grad_fn = lambda params, tokens: executor.loss_and_grads(
+            params, tokens, spec, mesh, scatter
+        )
+    return lambda params, tokens: grad_fn(model.metered(params, cfg), tokens)
 
 
 def _init_fn(run: RunConfig, tx: optax.GradientTransformation) -> Callable:
@@ -92,6 +98,7 @@ def make_train_step(
     def train_step(state: State, tokens: jax.Array) -> tuple[State, dict]:
         shardings = sharding.state_shardings(state, mesh, shard_optimizer)
         loss, grads = grad_fn(state["params"], tokens)
+        grads, router = model.router_losses(grads)  # a mixture's, as metrics
         # The pipeline already returns them so; without one, XLA reduce-scatters here.
         grads = jax.lax.with_sharding_constraint(
             grads, sharding.gradient_shardings(grads, mesh, shard_optimizer)
@@ -119,6 +126,7 @@ def make_train_step(
             # which a skipped step does not advance (the train state's step does).
             "learning_rate": lr_fn(optim.schedule_count(state["opt_state"])),
             "skipped": (~finite).astype(jnp.int32),
+            **router,
         }
         return new_state, metrics
 
