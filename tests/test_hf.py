@@ -163,7 +163,7 @@ def test_the_router_loss_of_a_row_is_transformers(name):
     ours = cfg.num_layers * np.asarray(grads["layers"][moe.METER][:, 0])
     print(f"{name}: router loss per layer {ours.tolist()}, transformers {expected.tolist()}")
     np.testing.assert_allclose(ours, expected, rtol=1e-5)
-    _, reported = model.router_losses(grads)
+    _, reported = model.router_metrics(grads)
     np.testing.assert_allclose(reported["aux_loss"], np.mean(expected), rtol=1e-5)
 
 

@@ -17,6 +17,7 @@ from test_topology import needs_libtpu
 
 from seqpipe.models import model, moe
 from seqpipe.parallel import layout, sharding
+from seqpipe.pipeline import executor
 from seqpipe.run import config as config_lib
 from seqpipe.targets import topology
 from seqpipe.tools import flops
@@ -155,7 +156,7 @@ def _explicit_losses(params, tokens, cfg, segments):
         offset += seg
     y = jnp.concatenate(x_all, 1)
     lm = model.head_loss_sum(params, y, tokens[:, 1:], cfg) / tokens[:, 1:].size
-    aux, z = sum(losses)
+    aux, z, _ = sum(losses)
     return lm, aux, z
 
 
@@ -189,7 +190,7 @@ def test_the_router_losses_are_switch_transformers_per_row():
     aux = np.mean([4 * np.sum(f[r] * probs[r].mean(0)) for r in range(2)])
     lse = np.log(np.exp(logits).sum(-1))
     got = moe.router_losses(jnp.asarray(probs), jnp.asarray(logits), chosen, cfg, ())
-    np.testing.assert_allclose(got, [aux, np.mean(lse**2)], rtol=1e-5)
+    np.testing.assert_allclose(got, [aux, np.mean(lse**2), 0.0], rtol=1e-5)
 
 
 # (schedule, (data, stage, context, tensor), segments, remat, routing, rows); data 2 splits
@@ -251,12 +252,49 @@ def test_the_step_reports_the_router_losses_each_layer_computes():
     grad_fn = step.make_grad_fn(run, mesh)
     staged = layout.to_stage_order(params, run.placement)
     _, grads = jax.jit(grad_fn)(staged, jax.device_put(tokens, sharding.batch_sharding(mesh)))
-    _, reported = model.router_losses(grads)
+    _, reported = model.router_metrics(grads)
     segments = run.spec.cfg.router_segments
     _, aux, z = _explicit_losses(params, tokens, dataclasses.replace(run.model, tensor=1), segments)
     assert len(segments) == 2
     np.testing.assert_allclose(reported["aux_loss"], aux, rtol=1e-5)
     np.testing.assert_allclose(reported["z_loss"], z, rtol=1e-5)
+
+
+def test_a_capacity_keeps_each_experts_highest_weights():
+    """Per row, each expert keeps its ceil(factor x L x k / X) assignments of the highest
+    weights, against numpy; the others go to no expert, weight zero."""
+    rng = np.random.default_rng(0)
+    chosen = np.stack([rng.permutation(4)[:2] for _ in range(3 * 10)]).reshape(3, 10, 2)
+    weights = rng.uniform(size=(3, 10, 2)).astype(np.float32)
+    cfg = dataclasses.replace(CFG, moe_capacity_factor=1.0)  # ceil(1.0 * 20 / 4) = 5
+    kept, kept_weights, dropped = moe.capped(jnp.asarray(chosen), jnp.asarray(weights), cfg, ())
+    want = np.array(chosen)
+    for r in range(3):
+        for e in range(4):
+            at = np.argwhere(chosen[r] == e)
+            lowest = at[np.argsort(-weights[r][tuple(at.T)])][5:]
+            want[r][tuple(lowest.T)] = 4
+    np.testing.assert_array_equal(kept, want)
+    np.testing.assert_array_equal(kept_weights, np.where(want < 4, weights, 0))
+    np.testing.assert_array_equal(dropped, np.sum(want == 4, axis=(1, 2)))
+    assert 0 < np.sum(dropped) < chosen.size
+
+
+@pytest.mark.parametrize(
+    "schedule, mesh", [("seq1f1b", (2, 2, 1, 2)), ("seq_zb_h1", (1, 2, 2, 1))], ids=str
+)
+def test_a_capacity_drops_what_the_reference_drops(schedule, mesh):
+    """With a capacity factor the pipeline (experts over 2 replicas and tensor 2, or
+    context 2) equals the reference, loss, gradients and each layer's dropped share."""
+    c = _moe_config(mesh, schedule)
+    c.model.update(moe_capacity_factor=1.0)
+    check(c, False, "llama")
+    # And the reference does drop assignments, a share of them the step reports.
+    cfg = dataclasses.replace(executor.make_spec(c).cfg, tensor=1, expert_parallel=1)
+    params = model.metered(model.init_params(cfg, jax.random.key(0)), cfg)
+    tokens = jax.random.randint(jax.random.key(1), (4, SEQ_LEN + 1), 0, 64)
+    _, dropped = model.router_metrics(jax.grad(model.loss)(params, tokens, cfg))
+    assert 0.01 < float(dropped["dropped"]) < 0.5, dropped
 
 
 def test_a_device_running_another_devices_experts_is_caught(monkeypatch):
@@ -374,6 +412,10 @@ def test_a_tpu_compile_executes_the_active_experts_alone(monkeypatch):
             {"model.num_experts": "6", "mesh.data": "4"},
             "model.num_experts=6 is not divisible by mesh.data=4, over which the experts are "
             "split; set mesh.data to a divisor of it (e.g. 3)",
+        ),
+        (
+            {"model.moe_capacity_factor": "1.5"},
+            "model.moe_capacity_factor=1.5 caps a mixture's experts, and model.num_experts=0",
         ),
     ],
 )

@@ -83,6 +83,9 @@ class GPTConfig:
     router_renormalize: bool = True  # the chosen experts' weights sum to one (Mixtral)
     moe_aux_loss: float = 0.0  # the load-balancing loss's coefficient
     moe_z_loss: float = 0.0  # the router z-loss's coefficient
+    # Each expert takes at most ceil(factor x tokens x k / X) of a row's segment's
+    # assignments, those of the highest routing weights; 0: dropless.
+    moe_capacity_factor: float = 0.0
     # The tokens of one data replica's batch, which the router losses average over, and
     # the segments of a row they are taken over (() the whole row): set from the batch
     # (`loss`, the executor) and by the pipeline's spec, not by a config.
@@ -210,29 +213,31 @@ def param_shapes(cfg: GPTConfig) -> Params:
 
     shapes = jax.tree_util.tree_map_with_path(local, shapes)
     if cfg.router_meter:
-        meter = jax.ShapeDtypeStruct((cfg.num_layers, 2), jnp.float32)
+        meter = jax.ShapeDtypeStruct((cfg.num_layers, len(moe.METERED)), jnp.float32)
         shapes["layers"] = {**shapes["layers"], moe.METER: meter}
     return shapes
 
 
 def metered(params: Params, cfg: GPTConfig) -> Params:
-    """`params` with a mixture's router meter, zeros [N, 2] among the layers, whose
-    gradient is its router losses' values (`seqpipe.models.moe`); dense models' as they are."""
+    """`params` with a mixture's router meter among the layers, zeros [N, len(moe.METERED)]
+    whose gradient is what its routers metered (`seqpipe.models.moe`); dense models' as
+    they are."""
     if not cfg.num_experts:
         return params
-    meter = jnp.zeros((params["layers"]["router"].shape[0], 2), jnp.float32)
+    meter = jnp.zeros((params["layers"]["router"].shape[0], len(moe.METERED)), jnp.float32)
     return {**params, "layers": {**params["layers"], moe.METER: meter}}
 
 
-def router_losses(grads: Params) -> tuple[Params, dict[str, jax.Array]]:
-    """The gradients of `metered` parameters without the meter, and the router losses it
-    metered, unscaled: {"aux_loss": load balancing, "z_loss": z} summed over the layers
-    (each layer's is already 1/N of its own); ({} for a dense model's)."""
+def router_metrics(grads: Params) -> tuple[Params, dict[str, jax.Array]]:
+    """The gradients of `metered` parameters without the meter, and what it metered,
+    summed over the layers (each layer's is already 1/N of its own): the router losses,
+    unscaled ("aux_loss", "z_loss"), and the share of assignments a capacity dropped
+    ("dropped"); ({} for a dense model's)."""
     if moe.METER not in grads["layers"]:
         return grads, {}
     layers = dict(grads["layers"])
-    aux, z = jnp.sum(layers.pop(moe.METER), axis=0)
-    return {**grads, "layers": layers}, {"aux_loss": aux, "z_loss": z}
+    values = jnp.sum(layers.pop(moe.METER), axis=0)
+    return {**grads, "layers": layers}, dict(zip(moe.METERED, values, strict=True))
 
 
 def in_compute_dtype(weights: Params, dtype) -> Params:

@@ -20,10 +20,17 @@ wherever the layer is differentiated, with no output of its own. The loss the tr
 reports is the language model's.
 
 Their values come out the same way, as the gradient of a meter: a zero parameter
-`router_meter` [N, 2] (`model.metered`) whose cotangent is each unit's (load-balancing,
-z) values, unscaled. Its gradient is then every layer's router losses, summed by the same
-accumulators and reductions as every other gradient, over units, stages, tensor and
-context devices, and averaged over data replicas (`model.router_losses` reads it).
+`router_meter` [N, 3] (`model.metered`) whose cotangent is each unit's (load-balancing,
+z) values, unscaled, and the share of its assignments a capacity dropped. Its gradient is
+then every layer's, summed by the same accumulators and reductions as every other
+gradient, over units, stages, tensor and context devices, and averaged over data
+replicas (`model.router_metrics` reads it).
+
+With a capacity factor (`moe_capacity_factor` > 0) each expert takes at most
+ceil(factor x L x k / X) of the assignments of a row's segment of L tokens, those with
+the highest routing weights (Megatron-LM's "probs" drop policy: it needs no order of
+the positions, which context parallelism permutes); a dropped assignment adds nothing
+to its token's output.
 
 Parameters, per layer (HF Mixtral / Qwen3-MoE names in brackets, transposed):
   router  [N, D, X]     (block_sparse_moe.gate / mlp.gate)
@@ -40,6 +47,7 @@ the experts themselves are split (`mlp`: expert parallelism).
 """
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +56,8 @@ from seqpipe.parallel import tensor
 from seqpipe.parallel.sharding import DATA
 
 PARAMS = ("router", "e_gate", "e_in", "e_out")
-METER = "router_meter"  # [N, 2]: its gradient is each layer's (load-balancing, z) losses
+METER = "router_meter"  # [N, len(METERED)]: its gradient is each layer's METERED values
+METERED = ("aux_loss", "z_loss", "dropped")
 EXPERTS = PARAMS[1:]  # [N, X, ...]: split over the data replicas (expert parallelism)
 SHARED = ("s_gate", "s_in", "s_out", "s_router")  # the shared expert and its gate
 
@@ -102,10 +111,33 @@ def experts(h_TxD, chosen_Txk, weights_Txk, e_gate, e_in, e_out):
     return unsorted.reshape(tokens, k, -1).sum(axis=1)
 
 
-def router_losses(probs, logits, chosen, cfg, axes: tuple[str, ...]):
-    """This device's share of the layer's (load-balancing, z) losses [2], unscaled and
-    normalized as the module docstring says: summed over the devices of `axes` (tensor,
-    context: those that split the segment's positions) it is the layer's."""
+def capped(chosen_BxQxk, weights_BxQxk, cfg, axes: tuple[str, ...]):
+    """(chosen, weights, assignments dropped [b]) under the capacity factor: of a row's
+    segment, whose positions are split over the devices of `axes`, each expert keeps the
+    ceil(factor x L x k / X) assignments of the highest weights; the others go to no
+    expert (id X) with weight zero. Ties between equal weights fall to the gathered order."""
+    b, q, k = chosen_BxQxk.shape
+    x = cfg.num_experts
+    gather = (lambda a: jax.lax.all_gather(a, axes, axis=1, tiled=True)) if axes else (lambda a: a)
+    every, weights = gather(chosen_BxQxk).reshape(b, -1), gather(weights_BxQxk).reshape(b, -1)
+    capacity = math.ceil(cfg.moe_capacity_factor * every.shape[1] / x)  # L x k assignments
+    order = jnp.lexsort((-weights, every), axis=-1)  # by expert, the highest weights first
+    by_expert = jnp.take_along_axis(every, order, axis=-1)
+    counts = jnp.sum(jax.nn.one_hot(every, x, dtype=jnp.int32), axis=1)  # [b, X]
+    starts = jnp.cumsum(counts, axis=-1) - counts
+    rank = jnp.arange(every.shape[1]) - jnp.take_along_axis(starts, by_expert, axis=-1)
+    keep = jnp.zeros_like(rank, bool).at[jnp.arange(b)[:, None], order].set(rank < capacity)
+    mine = jax.lax.axis_index(axes) if axes else 0
+    keep = jax.lax.dynamic_slice_in_dim(keep.reshape(b, -1, q, k), mine, 1, axis=1)[:, 0]
+    dropped = jnp.sum(~keep, axis=(1, 2)).astype(jnp.float32)
+    return jnp.where(keep, chosen_BxQxk, x), jnp.where(keep, weights_BxQxk, 0), dropped
+
+
+def router_losses(probs, logits, chosen, cfg, axes: tuple[str, ...], dropped=None):
+    """This device's share of the layer's METERED values [3]: its (load-balancing, z)
+    losses, unscaled and normalized as the module docstring says, and the share of its
+    assignments dropped (`dropped` [b], None: none); summed over the devices of `axes`
+    (tensor, context: those that split the segment's positions) they are the layer's."""
     count = jnp.sum(jax.nn.one_hot(chosen, cfg.num_experts, dtype=jnp.float32), axis=(1, 2))
     if axes:
         count = jax.lax.psum(count, axes)
@@ -114,7 +146,8 @@ def router_losses(probs, logits, chosen, cfg, axes: tuple[str, ...]):
     norm = cfg.num_layers * cfg.router_tokens
     aux = cfg.num_experts * jnp.sum(count / segment * jnp.sum(probs, axis=1)) / norm
     z = jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2) / norm
-    return jnp.stack([aux, z])
+    share = 0.0 if dropped is None else jnp.sum(dropped) / (norm * cfg.experts_per_token)
+    return jnp.stack([aux, z, share])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -173,9 +206,14 @@ def mlp(p, h_BxQxD, cfg, context_axis: str | None = None):
     probs, logits, chosen, weights = route(
         h_BxQxD, p["router"], cfg.experts_per_token, cfg.router_renormalize
     )
+    # The devices that split the segment's positions.
+    axes = ((tensor.AXIS,) if t > 1 else ()) + ((context_axis,) if context_axis else ())
+    kept, dropped = chosen, None
+    if cfg.moe_capacity_factor:
+        kept, weights, dropped = capped(chosen, weights, cfg, axes)
     segment, gathered_weights = tensor.gather(h_BxQxD, t), tensor.gather(weights, t)
     # The chosen experts carry no gradient: a plain gather.
-    gathered = chosen if t == 1 else jax.lax.all_gather(chosen, tensor.AXIS, axis=1, tiled=True)
+    gathered = kept if t == 1 else jax.lax.all_gather(kept, tensor.AXIS, axis=1, tiled=True)
     b, q, d = segment.shape
     h, gathered, gathered_weights = (
         x.reshape(b * q, -1) for x in (segment, gathered, gathered_weights)
@@ -194,7 +232,6 @@ def mlp(p, h_BxQxD, cfg, context_axis: str | None = None):
     meter = p.get(METER)
     if not (cfg.moe_aux_loss or cfg.moe_z_loss or meter is not None):
         return y
-    axes = ((tensor.AXIS,) if t > 1 else ()) + ((context_axis,) if context_axis else ())
-    losses = router_losses(probs, logits, chosen, cfg, axes)
-    meter = jnp.zeros(2, jnp.float32) if meter is None else meter
-    return _with_router_losses(y, losses, (cfg.moe_aux_loss, cfg.moe_z_loss), meter)
+    losses = router_losses(probs, logits, chosen, cfg, axes, dropped)
+    meter = jnp.zeros(len(METERED), jnp.float32) if meter is None else meter
+    return _with_router_losses(y, losses, (cfg.moe_aux_loss, cfg.moe_z_loss, 0.0), meter)

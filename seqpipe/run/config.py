@@ -125,6 +125,7 @@ SCHEMA = {
     "model.router_renormalize": Key(bool),
     "model.moe_aux_loss": _RATE,
     "model.moe_z_loss": _RATE,
+    "model.moe_capacity_factor": _RATE,
     "model.document_mask": Key(bool),
     "model.rope_scaling.type": Key(str, choices=ROPE_SCALINGS),
     "model.rope_scaling.factor": _POSITIVE,
@@ -249,7 +250,8 @@ def _model_defaults() -> dict:
         # experts, how many each token goes to, each one's width (0: d_ff), a gated shared
         # expert's width (Qwen 2 MoE; 0: none), whether the chosen experts' weights are
         # renormalized to one (Mixtral; Qwen3-MoE's norm_topk_prob), the load-balancing
-        # and router z-loss coefficients.
+        # and router z-loss coefficients; a capacity factor (0: dropless) bounds each
+        # expert's assignments in a row's segment to ceil(factor x tokens x k / experts).
         num_experts=0,
         experts_per_token=2,
         expert_d_ff=0,
@@ -257,6 +259,7 @@ def _model_defaults() -> dict:
         router_renormalize=True,
         moe_aux_loss=0.0,
         moe_z_loss=0.0,
+        moe_capacity_factor=0.0,
         # On packed rows (data.packing concat or best_fit), each token attends only within
         # its document (`seqpipe.data.packing`); unpacked rows have no documents to mask by.
         document_mask=True,
@@ -480,6 +483,11 @@ def _require(ok: bool, message: str) -> None:
 
 def _validate_experts(m, tensor: int) -> None:
     if not m.num_experts:
+        _require(
+            not m.moe_capacity_factor,
+            f"model.moe_capacity_factor={m.moe_capacity_factor} caps a mixture's experts, "
+            "and model.num_experts=0; set model.num_experts or leave the factor at 0",
+        )
         return
     _require(
         m.experts_per_token <= m.num_experts,

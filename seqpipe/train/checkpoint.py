@@ -103,7 +103,14 @@ def make_manager(workdir: str | Path, config: ConfigDict) -> ocp.CheckpointManag
 # Model keys no parameter depends on: how the step computes, and the router losses' weights
 # in its objective. A checkpoint goes on under other values (blockwise on GPUs, splash on a
 # TPU), said in a line.
-NO_PARAMETER = ("attention", "loss_chunk", "dtype", "moe_aux_loss", "moe_z_loss")
+NO_PARAMETER = (
+    "attention",
+    "loss_chunk",
+    "dtype",
+    "moe_aux_loss",
+    "moe_z_loss",
+    "moe_capacity_factor",
+)
 # The optimizer's settings: a resumed run may change them, and is told in a line.
 OPTIMIZER = (
     "learning_rate",

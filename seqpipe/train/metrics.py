@@ -168,6 +168,7 @@ def format_line(record: dict, total_steps: int) -> str:
         ("eval_loss", "eval_loss {:.4f}"),
         ("aux_loss", "aux_loss {:.4f}"),
         ("z_loss", "z_loss {:.3f}"),
+        ("dropped", "dropped {:.2%}"),
         ("learning_rate", "lr {:.2e}"),
         ("grad_norm", "grad_norm {:.3f}"),
         ("tokens_per_s", "tok/s {:,.0f}"),
@@ -179,6 +180,8 @@ def format_line(record: dict, total_steps: int) -> str:
     ):
         if key == "flops_per_s" and "mfu" in record:
             continue  # MFU says it where the peak is known
+        if key == "dropped" and not record[key]:
+            continue  # a mixture's capacity dropped nothing (or it has none)
         if key in record:
             value = record[key]
             parts.append(fmt.format(_bytes(value) if key == "peak_memory_bytes" else value))

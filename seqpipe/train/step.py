@@ -98,7 +98,7 @@ def make_train_step(
     def train_step(state: State, tokens: jax.Array) -> tuple[State, dict]:
         shardings = sharding.state_shardings(state, mesh, shard_optimizer)
         loss, grads = grad_fn(state["params"], tokens)
-        grads, router = model.router_losses(grads)  # a mixture's, as metrics
+        grads, router = model.router_metrics(grads)  # a mixture's, as metrics
         # The pipeline already returns them so; without one, XLA reduce-scatters here.
         grads = jax.lax.with_sharding_constraint(
             grads, sharding.gradient_shardings(grads, mesh, shard_optimizer)
