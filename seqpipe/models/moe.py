@@ -118,15 +118,20 @@ def capped(chosen_BxQxk, weights_BxQxk, cfg, axes: tuple[str, ...]):
     expert (id X) with weight zero. Ties between equal weights fall to the gathered order."""
     b, q, k = chosen_BxQxk.shape
     x = cfg.num_experts
-    gather = (lambda a: jax.lax.all_gather(a, axes, axis=1, tiled=True)) if axes else (lambda a: a)
-    every, weights = gather(chosen_BxQxk).reshape(b, -1), gather(weights_BxQxk).reshape(b, -1)
+    rows = jnp.arange(b)[:, None]
+
+    def gather(a):  # the row's segment's assignments, [b, L x k]: only their order is used
+        a = jax.lax.stop_gradient(a)
+        return (jax.lax.all_gather(a, axes, axis=1, tiled=True) if axes else a).reshape(b, -1)
+
+    every, weights = gather(chosen_BxQxk), gather(weights_BxQxk)
     capacity = math.ceil(cfg.moe_capacity_factor * every.shape[1] / x)  # L x k assignments
     order = jnp.lexsort((-weights, every), axis=-1)  # by expert, the highest weights first
     by_expert = jnp.take_along_axis(every, order, axis=-1)
-    counts = jnp.sum(jax.nn.one_hot(every, x, dtype=jnp.int32), axis=1)  # [b, X]
+    counts = jnp.zeros((b, x), jnp.int32).at[rows, every].add(1)
     starts = jnp.cumsum(counts, axis=-1) - counts
     rank = jnp.arange(every.shape[1]) - jnp.take_along_axis(starts, by_expert, axis=-1)
-    keep = jnp.zeros_like(rank, bool).at[jnp.arange(b)[:, None], order].set(rank < capacity)
+    keep = jnp.zeros_like(rank, bool).at[rows, order].set(rank < capacity)
     mine = jax.lax.axis_index(axes) if axes else 0
     keep = jax.lax.dynamic_slice_in_dim(keep.reshape(b, -1, q, k), mine, 1, axis=1)[:, 0]
     dropped = jnp.sum(~keep, axis=(1, 2)).astype(jnp.float32)
