@@ -180,7 +180,7 @@ def format_line(record: dict, total_steps: int) -> str:
     ):
         if key == "flops_per_s" and "mfu" in record:
             continue  # MFU says it where the peak is known
-        if key == "dropped" and not record[key]:
+        if key == "dropped" and not record.get(key):
             continue  # a mixture's capacity dropped nothing (or it has none)
         if key in record:
             value = record[key]
