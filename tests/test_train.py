@@ -89,6 +89,11 @@ def test_peak_flops_table_and_formatting():
     )
     assert "mfu 41.0%" in line and "FLOP/s" not in line and "mem 3.0 GiB" in line
     assert "2e+12 FLOP/s" in metrics.format_line({"step": 1, "flops_per_s": 2e12}, 10)
+    # A mixture's router metrics; what a capacity dropped only where it dropped some.
+    moe = {"step": 1, "loss": 2.5, "aux_loss": 2.0312, "z_loss": 3.1, "dropped": 0.031}
+    line = metrics.format_line(moe, 10)
+    assert "aux_loss 2.0312  z_loss 3.100  dropped 3.10%" in line
+    assert "dropped" not in metrics.format_line({**moe, "dropped": 0.0}, 10)
 
 
 def test_progress_bar_text():
