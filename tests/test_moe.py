@@ -1,8 +1,9 @@
 """The mixture-of-experts MLP (`seqpipe.models.moe`): the grouped experts against every
 expert on every token, the routing against numpy, the router losses' gradients against
 autodiff of the explicit objective, every schedule against the un-pipelined reference
-(loss and every gradient, router included), broken variants caught, FLOPs of the active
-parameters, and bad input."""
+(loss and every gradient, router included, and each layer's metered router losses),
+the step's router metrics, a capacity against numpy and through the pipeline, broken
+variants caught, FLOPs of the active parameters, and bad input."""
 
 import dataclasses
 
