@@ -506,6 +506,17 @@ def test_a_residual_the_probe_saw_constant_is_rebuilt_from_the_probe():
     np.testing.assert_array_equal(forward_then_backward(jnp.zeros(4)), table)
 
 
+def _step_jaxpr(config):
+    """(abstract parameters, the jaxpr of the pipelined loss and gradients) of a config
+    on a 1 x 2 mesh."""
+    spec = executor.make_spec(config)
+    mesh = sharding.make_mesh(1, 2)
+    params = jax.eval_shape(lambda: model.init_params(spec.cfg, jax.random.key(0)))
+    tokens = jax.ShapeDtypeStruct((config.train.global_batch_size, SEQ_LEN + 1), np.int32)
+    jaxpr = jax.make_jaxpr(lambda p, t: executor.loss_and_grads(p, t, spec, mesh))(params, tokens)
+    return params, jaxpr
+
+
 @pytest.mark.parametrize("policy", ["full", "full_layer", "none"])
 def test_weights_are_cast_once_a_step_where_the_policy_says_so(policy):
     """bf16 compute: the stage's float32 weights are cast once, before the tick loop (no
@@ -513,11 +524,7 @@ def test_weights_are_cast_once_a_step_where_the_policy_says_so(policy):
     config = make_config("seq1f1b", (1, 2), 2, "uniform", "equal", 1)
     config.model.dtype = "bfloat16"
     config.pipeline.remat = policy
-    spec = executor.make_spec(config)
-    mesh = sharding.make_mesh(1, 2)
-    params = jax.eval_shape(lambda: model.init_params(spec.cfg, jax.random.key(0)))
-    tokens = jax.ShapeDtypeStruct((config.train.global_batch_size, SEQ_LEN + 1), np.int32)
-    jaxpr = jax.make_jaxpr(lambda p, t: executor.loss_and_grads(p, t, spec, mesh))(params, tokens)
+    params, jaxpr = _step_jaxpr(config)
     (body,) = [e.params["jaxpr"] for e in jaxpr.eqns if e.primitive.name == "shard_map"]
     casts = [
         e
@@ -550,11 +557,7 @@ def test_layer_loops_add_gradients_in_place(policy):
     config = make_config("seq1f1b", (1, 2), 2, "uniform", "equal", 1)
     config.model.update(num_layers=4, d_ff=40, num_heads=4)  # no weight [n, b, L, D]-shaped
     config.pipeline.remat = policy
-    spec = executor.make_spec(config)
-    mesh = sharding.make_mesh(1, 2)
-    params = jax.eval_shape(lambda: model.init_params(spec.cfg, jax.random.key(0)))
-    tokens = jax.ShapeDtypeStruct((config.train.global_batch_size, SEQ_LEN + 1), np.int32)
-    jaxpr = jax.make_jaxpr(lambda p, t: executor.loss_and_grads(p, t, spec, mesh))(params, tokens)
+    params, jaxpr = _step_jaxpr(config)
     # A chunk's gradients, [n, ...] (the accumulator is [V, n, ...]).
     chunk = {(2, *leaf.shape[1:]) for leaf in jax.tree.leaves(params["layers"])}
     stacked = [v.aval.shape for v in _scan_outputs(jaxpr.jaxpr) if v.aval.dtype == np.float32]
