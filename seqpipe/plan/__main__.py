@@ -110,12 +110,6 @@ def _plan(argv: list[str]) -> int:
         cli.fail(str(e))
     if args.top < 1 or args.compile < 1:
         cli.fail(f"--top {args.top} --compile {args.compile}: each must be at least 1")
-    if config.model.num_experts:
-        cli.fail(
-            f"model.num_experts={config.model.num_experts}: the planner's memory and time "
-            "models do not price experts yet; compile candidate meshes with train.py "
-            "--compile_only --topology instead"
-        )
     seq_len, batch = _sizes(args, config)
     # Here: jax loads with the planner and the trainer, after `_target` set the slice's
     # environment.

@@ -4,7 +4,8 @@
 
 - state: parameters (param dtype) and the two AdamW moments (float32) this device holds,
   from each leaf's sharding (`sharding.leaf_spec`'s rules: layers over `stage`, the
-  tensor dimension over `tensor`, moments over `data` when the optimizer is sharded);
+  tensor dimension over `tensor`, moments over `data` when the optimizer is sharded, a
+  mixture's experts and their moments over `data`);
 - carry: the executor's scan carry, exactly (`carry.breakdown`: stash or
   residuals, head, messages, K/V, dK/dV, B-to-W buffers, the stage's float32 gradients);
 - cast: the stage's weights in the compute dtype, cast once a step (`remat.Policy.casts_once`);
@@ -40,10 +41,12 @@ from seqpipe.pipeline import remat as remat_lib
 from seqpipe.pipeline.spec import PipelineSpec
 
 
-def _leaf_bytes(path, x, data: int, tensor: int, moments: bool) -> int:
+def _leaf_bytes(path, x, data: int, tensor: int, moments: bool, experts: bool = False) -> int:
     n = math.prod(x.shape)
     tdim = sharding.tensor_split_dim(path, x.shape, tensor) if tensor > 1 else None
     n //= tensor if tdim is not None else 1
+    if experts and sharding.is_expert(path):  # split over the replicas, moments and all
+        return n // data
     if moments and sharding.data_split_dim(path, x.shape, data, tensor) is not None:
         n //= data
     return n
@@ -65,10 +68,11 @@ def state_bytes(cfg, stage_layers: int, data: int, shard_optimizer: bool) -> dic
     for path, x in jax.tree_util.tree_flatten_with_path(shapes)[0]:
         shape = ((stage_layers,) + x.shape[1:]) if sharding.in_layers(path) else x.shape
         leaf = jax.ShapeDtypeStruct(shape, x.dtype)
-        local = _leaf_bytes(path, leaf, data, cfg.tensor, False)
+        experts = bool(cfg.num_experts)
+        local = _leaf_bytes(path, leaf, data, cfg.tensor, False, experts)
         params += local * itemsize
         stage += local * itemsize
-        moments += 2 * 4 * _leaf_bytes(path, leaf, data, cfg.tensor, shard_optimizer)
+        moments += 2 * 4 * _leaf_bytes(path, leaf, data, cfg.tensor, shard_optimizer, experts)
     return {"params": params, "moments": moments, "stage": stage, "count": stage // itemsize}
 
 

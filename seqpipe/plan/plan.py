@@ -26,6 +26,7 @@ def problem_of(config, target, seq_len: int, batch: int) -> space.Problem:
         global_batch=batch,
         devices_per_host=min(per_host, 8),
         partition_multiple=config.pipeline.partition_multiple,
+        num_experts=m.get("num_experts", 0),
     )
 
 

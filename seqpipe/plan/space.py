@@ -91,6 +91,7 @@ class Problem:
     global_batch: int
     devices_per_host: int = 8  # tensor and context parallelism stay in a host's fast links
     partition_multiple: int = 1
+    num_experts: int = 0  # a mixture's experts split over the data replicas
 
 
 def divisors(n: int) -> list[int]:
@@ -101,7 +102,7 @@ def meshes(p: Problem) -> list[tuple[int, int, int, int]]:
     """(data, stage, context, tensor), in the mesh's order: tensor divides the heads;
     tensor and context together stay in a host (a tensor group's collectives run at every
     matmul, a context group's K/V gathers at every layer); two or more stages dividing
-    the layers; data divides the global batch."""
+    the layers; data divides the global batch (and a mixture's experts, split over it)."""
     out = []
     kv = p.num_kv_heads or p.num_heads
     for t, c in itertools.product(TENSOR, CONTEXT):
@@ -109,7 +110,8 @@ def meshes(p: Problem) -> list[tuple[int, int, int, int]]:
             continue
         for s in divisors(p.devices // (t * c)):
             d = p.devices // (t * c * s)
-            if s >= 2 and p.num_layers % s == 0 and p.global_batch % d == 0:
+            experts_split = not p.num_experts or p.num_experts % d == 0
+            if s >= 2 and p.num_layers % s == 0 and p.global_batch % d == 0 and experts_split:
                 out.append((d, s, c, t))
     return out
 
