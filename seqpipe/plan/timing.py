@@ -6,7 +6,9 @@ C a device runs 1/C of every segment's positions: its matmuls' FLOPs and its byt
 by 1/C, its attention is 1/C of the segment's causal work (the zigzag split,
 `seqpipe.parallel.context`), and every layer all-gathers the other devices' K/V of the
 prefix and the segment over the same link (a backward gathers them again and
-reduce-scatters their cotangents). The schedule's
+reduce-scatters their cotangents). A mixture's experts split over the data replicas add
+their dispatch, an all-gather and a reduce-scatter per MoE layer over the data link. The
+schedule's
 tick model (`schedule.stats`: a tick lasts as long as its busiest stage, each segment
 its FLOP share, the head on the last stage) turns the mean unit's forward and backward
 into the pipeline's time; after the loop come the gradients' reduction over `data` and
@@ -130,12 +132,28 @@ def unit_cost(spec, rows: int, rates: Rates) -> dict:
     # sequence); the backward gathers again and reduce-scatters as much, a recompute again.
     kv = 2 * cfg.local_kv_heads * cfg.head_dim * act
     ctx = 0.0 if c == 1 else n * rows * whole * (k + 1) / (2 * k) * (c - 1) / c * kv
+    ep = expert_dispatch_bytes(cfg, n, tokens, act)
     # In sequence, as the roofline per kernel adds up: the matmuls are compute-bound, the
     # rest (most of the bytes) memory-bound.
     f = fwd_flops / rates.flops + fwd_bytes / rates.bytes + (message + tp + ctx) / rates.link
+    f += ep / rates.data_link
     b = bwd_flops / rates.flops + bwd_bytes / rates.bytes
     b += (message + 2 * tp + (2 + recompute) * ctx) / rates.link
+    b += (1 + recompute) * ep / rates.data_link  # the transposes, and each recompute's
     return {"F": f, "B": b, "flops": fwd_flops + bwd_flops, "bytes": fwd_bytes + bwd_bytes}
+
+
+def expert_dispatch_bytes(cfg, layers: int, tokens: float, act: int) -> float:
+    """Bytes one device receives in a forward of `layers` MoE layers over `tokens` (the
+    segment's, gathered over tensor) with the experts split over d = `cfg.expert_parallel`
+    data replicas (`seqpipe.models.moe.mlp`): the all-gather of the others' tokens,
+    routing weights and choices, (d - 1) T (act D + 8 k), and the reduce-scatter of their
+    outputs, (d - 1) T act D. A backward moves as much (the transposes), and again for
+    each forward it re-runs."""
+    d = cfg.expert_parallel
+    if not cfg.num_experts or d == 1:
+        return 0.0
+    return layers * (d - 1) * tokens * (2 * act * cfg.d_model + 8 * cfg.experts_per_token)
 
 
 _STATS: dict = {}
