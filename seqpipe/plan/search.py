@@ -39,18 +39,19 @@ def config_of(base, c: Candidate, seq_len: int, global_batch: int, validate: boo
 def spec_of(config, c: Candidate):
     """The candidate's spec with remat `full`: the table, its lowering and the segments,
     built once for candidates that differ only in remat."""
-    key = dataclasses.replace(c, remat="full")
+    # Under `full` whatever the candidate's policy: the spec is shared by the policies
+    # (built from the first candidate's, every other policy was priced as that one). The
+    # whole config is in the key: another model or sequence is another spec.
+    full = config.copy_and_resolve_references()
+    with full.unlocked():
+        full.pipeline.remat = "full"
+    key = (dataclasses.replace(c, remat="full"), full.to_json())
     if key not in _TABLES:
-        # Under `full` whatever the candidate's policy: the spec is shared by the policies
-        # (built from the first candidate's, every other policy was priced as that one).
-        full = config.copy_and_resolve_references()
-        with full.unlocked():
-            full.pipeline.remat = "full"
         _TABLES[key] = spec.make_spec(full)
     return _TABLES[key]
 
 
-_TABLES: dict = {}  # a candidate with remat "full" -> its spec
+_TABLES: dict = {}  # (a candidate with remat "full", its config) -> its spec
 
 
 def evaluate(
