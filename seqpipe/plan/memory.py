@@ -65,10 +65,10 @@ def state_bytes(cfg, stage_layers: int, data: int, shard_optimizer: bool) -> dic
     shapes = _global_shapes(cfg)
     itemsize = np.dtype(cfg.param_dtype).itemsize
     params = moments = stage = 0
+    experts = bool(cfg.num_experts)
     for path, x in jax.tree_util.tree_flatten_with_path(shapes)[0]:
         shape = ((stage_layers,) + x.shape[1:]) if sharding.in_layers(path) else x.shape
         leaf = jax.ShapeDtypeStruct(shape, x.dtype)
-        experts = bool(cfg.num_experts)
         local = _leaf_bytes(path, leaf, data, cfg.tensor, False, experts)
         params += local * itemsize
         stage += local * itemsize
