@@ -236,6 +236,16 @@ def test_background_errors_are_one_console_line_each_and_their_tracebacks_in_the
     text = (tmp_path / "train.log").read_text()
     assert "in writer" in text and "in callback" in text, text
     assert "RuntimeError: Event loop is closed" in text, text
+    # After the run (a refused one exits while orbax's callbacks still run): the same
+    # complaint reaches neither the hooks the run found nor the console; others do.
+    import types
+
+    seen = []
+    for hook in logs._unless_closed_loop(seen.append), sys.unraisablehook:
+        hook(types.SimpleNamespace(exc_value=RuntimeError("Event loop is closed")))
+    logs._unless_closed_loop(seen.append)(types.SimpleNamespace(exc_value=ValueError("x")))
+    assert [str(a.exc_value) for a in seen] == ["x"]
+    assert capsys.readouterr().err == ""
 
 
 def test_python_warnings_are_one_line_and_a_donation_warning_goes_to_the_file_only(

@@ -148,7 +148,9 @@ class Capture:
         level, verbosity = self._saved
         root.setLevel(level)
         self._absl.set_verbosity(verbosity)
-        threading.excepthook, sys.unraisablehook = self._hooks
+        # orbax's asyncio callbacks may still find their loop closed as the process exits,
+        # after the run said how it ended: their complaint stays off the console.
+        threading.excepthook, sys.unraisablehook = (_unless_closed_loop(h) for h in self._hooks)
         logging.captureWarnings(False)
         logging.getLogger("py.warnings").removeFilter(_donation_as_info)
 
@@ -176,12 +178,27 @@ def _log_thread_exception(args) -> None:
     )
 
 
+def _closed_loop(exc) -> bool:
+    """asyncio's complaint that a callback found its event loop closed."""
+    return isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
+
+
+def _unless_closed_loop(hook):
+    """`hook` (threading's or sys.unraisablehook) for every exception but `_closed_loop`'s."""
+
+    def quiet(args) -> None:
+        if not _closed_loop(args.exc_value):
+            hook(args)
+
+    return quiet
+
+
 def _log_unraisable(unraisable) -> None:
     """sys.unraisablehook: an exception Python cannot raise anywhere, as a log record. An
     asyncio callback that finds its event loop closed (orbax's, dozens of them after a
     failed save or restore, which the run reports itself) goes to the file only."""
     exc = unraisable.exc_value
-    closed = isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
+    closed = _closed_loop(exc)
     logging.getLogger("unraisable").log(
         logging.INFO if closed else logging.ERROR,
         "%s %r: %s: %s",
