@@ -46,13 +46,16 @@ def compare(run, tokens_BxL1, mesh) -> dict:
     result = jax.jit(lambda p, t: canonical_loss_and_grads(p, t, spec, mesh))(params, tokens_BxL1)
     truth = noise.float64_reference(params, tokens_BxL1, spec.cfg)
     verdict = noise.judge(result, ref, truth)
-    router = {k: float(v) for k, v in model.router_metrics(result[1])[1].items()}
+    router = {  # a mixture's metered router losses, the pipeline's and the reference's
+        f"{who}_{k}": float(v)
+        for who, (_, grads) in (("router", result), ("reference", ref))
+        for k, v in model.router_metrics(grads)[1].items()
+    }
     return {
         "loss": float(result[0]),
         "reference_loss": float(ref[0]),
         "float64_loss": truth[0],
-        **{f"router_{k}": v for k, v in router.items()},
-        **{f"reference_{k}": float(v) for k, v in model.router_metrics(ref[1])[1].items()},
+        **router,
         "noise_ratio": verdict.ratio,
         "worst": verdict.worst,
         "verdict": verdict.line(),
