@@ -133,6 +133,27 @@ MODELS = {
         ),
         {},
     ),
+    # Qwen3-MoE mixing dense and sparse layers: six layers, every second sparse
+    # (decoder_sparse_step 2: layers 1, 3, 5) but layer 3 (mlp_only_layers), so that
+    # each of two stages holds both kinds; dense layers are intermediate_size (48) wide,
+    # experts 24; the top 2 renormalized (norm_topk_prob).
+    "qwen3_moe_mixed": (
+        "Qwen3MoeConfig",
+        dict(
+            num_hidden_layers=6,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=24,
+            norm_topk_prob=True,
+            decoder_sparse_step=2,
+            mlp_only_layers=[3],
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+        ),
+        {},
+    ),
     # Qwen 2 MoE: Qwen 2's attention (Q, K, V biases) with 4 experts 24 wide, the top 2 not
     # renormalized, and a shared expert 40 wide that every token goes through, scaled by
     # its sigmoid gate (shared_expert_gate).

@@ -32,8 +32,9 @@ MODELS = (
     "mixtral_moe",
     "qwen3_moe",
     "qwen2_moe",
+    "qwen3_moe_mixed",
 )
-EXPERTS = ("mixtral_moe", "qwen3_moe", "qwen2_moe")
+EXPERTS = ("mixtral_moe", "qwen3_moe", "qwen2_moe", "qwen3_moe_mixed")
 LOGIT_ATOL = 1e-3  # max |seqpipe - transformers| over every float32 logit
 LOSS_RTOL = 1e-5
 
@@ -137,6 +138,14 @@ CORRUPTIONS = {
         lambda c, p: (dataclasses.replace(c, router_renormalize=True), p),
     ),
     "shared expert's gate dropped": ("qwen2_moe", lambda c, p: (c, _shared_gate_dropped(p))),
+    "decoder_sparse_step ignored (every layer sparse)": (
+        "qwen3_moe_mixed",
+        lambda c, p: (dataclasses.replace(c, dense_layers=()), p),
+    ),
+    "mlp_only_layers ignored": (
+        "qwen3_moe_mixed",
+        lambda c, p: (dataclasses.replace(c, dense_layers=(0, 2, 4)), p),
+    ),
 }
 
 
@@ -159,10 +168,13 @@ def test_the_router_loss_of_a_row_is_transformers(name):
     expected, row = tokens["router_aux"], tokens["tokens"][:1]
     window = np.concatenate([row, row[:, :1]], axis=1)  # the last target is never routed
     grads = jax.grad(model.loss)(model.metered(params, cfg), window, cfg)
-    # Each layer's meter holds 1/N of its loss (the objective averages the layers).
-    ours = cfg.num_layers * np.asarray(grads["layers"][moe.METER][:, 0])
+    # Each sparse layer's meter holds 1/N of its loss (the objective averages the N
+    # sparse layers, those transformers reports); a dense layer's holds nothing.
+    meter, sparse = np.asarray(grads["layers"][moe.METER][:, 0]), list(cfg.sparse_layers)
+    ours = len(sparse) * meter[sparse]
     print(f"{name}: router loss per layer {ours.tolist()}, transformers {expected.tolist()}")
     np.testing.assert_allclose(ours, expected, rtol=1e-5)
+    assert not np.any(np.delete(meter, sparse))
     _, reported = model.router_metrics(grads)
     np.testing.assert_allclose(reported["aux_loss"], np.mean(expected), rtol=1e-5)
 
@@ -385,25 +397,28 @@ BAD = {
         "architecture DeepseekV3ForCausalLM is not supported (seqpipe's model has no "
         "multi-head latent attention); seqpipe reads",
     ),
-    "Qwen 2 MoE with a dense layer": (
-        lambda d: _from(d, "qwen2_moe", mlp_only_layers=[0]),
-        "mlp_only_layers=[0] is not supported by seqpipe's model; its layers are all dense "
-        "or all mixtures of experts",
-    ),
     "Qwen 2 MoE without Q/K/V biases": (
         lambda d: _from(d, "qwen2_moe", qkv_bias=False),
         "qkv_bias=False is not supported by seqpipe's model; seqpipe reads Qwen 2 MoE with Q, "
         "K and V biases",
     ),
-    "Qwen3-MoE with a dense layer": (
+    "a dense layer's MLP missing": (
         lambda d: _from(d, "qwen3_moe", mlp_only_layers=[0]),
-        "mlp_only_layers=[0] is not supported by seqpipe's model; its layers are all dense "
-        "or all mixtures of experts",
+        "has no tensor model.layers.0.mlp.gate_proj.weight, which the config needs",
     ),
-    "Qwen3-MoE sparse every other layer": (
-        lambda d: _from(d, "qwen3_moe", decoder_sparse_step=2),
-        "decoder_sparse_step=2 is not supported by seqpipe's model; its layers are all "
-        "dense or all mixtures of experts",
+    "every layer dense": (
+        lambda d: _from(d, "qwen2_moe", mlp_only_layers=[0, 1]),
+        "mlp_only_layers=[0, 1] and decoder_sparse_step=1 make every layer dense: a model "
+        "without experts, which seqpipe reads only as a dense architecture",
+    ),
+    "decoder_sparse_step 0": (
+        lambda d: _from(d, "qwen3_moe", decoder_sparse_step=0),
+        "decoder_sparse_step=0 is not supported by seqpipe's model; every n-th layer is "
+        "sparse, n at least 1",
+    ),
+    "mlp_only_layers not a list": (
+        lambda d: _from(d, "qwen3_moe", mlp_only_layers="0"),
+        "mlp_only_layers='0' is not a list of layer numbers",
     ),
     "Mixtral's router noise": (
         lambda d: _from(d, "mixtral_moe", router_jitter_noise=0.1),

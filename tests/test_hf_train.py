@@ -142,12 +142,14 @@ def test_a_qwen3_model_equals_the_reference(mesh):
     [
         ("qwen3_moe", {"mesh.context": 2}),
         ("qwen2_moe", {"mesh.data": 2, "mesh.tensor": 2, "train.global_batch_size": 8}),
+        ("qwen3_moe_mixed", {"mesh.data": 2, "mesh.tensor": 2, "train.global_batch_size": 8}),
     ],
-    ids=["qwen3_moe-context-2", "qwen2_moe-experts-2-tensor-2"],
+    ids=["qwen3_moe-context-2", "qwen2_moe-experts-2-tensor-2", "qwen3_moe_mixed-experts-2"],
 )
 def test_a_moe_model_equals_the_reference(name, mesh):
-    """Mixtral, Qwen3-MoE and Qwen 2 MoE (its shared expert's columns over tensor) from
-    transformers-made checkpoints (each device's experts read from their own tensors),
+    """Mixtral, Qwen3-MoE and Qwen 2 MoE (its shared expert's columns over tensor), and a
+    Qwen3-MoE whose dense and sparse layers alternate (decoder_sparse_step, mlp_only_layers)
+    from transformers-made checkpoints (each device's experts read from their own tensors),
     pipelined over 2 stages with the experts split over 2 data replicas and tensor
     parallelism, or with context parallelism: loss and every gradient, the router loss's
     included (HF's router_aux_loss_coef)."""

@@ -236,6 +236,74 @@ def test_the_pipeline_matches_the_reference(case):
     check(c, rows == "packed", "llama")
 
 
+# (schedule, (data, stage, context, tensor), segments, remat, rows) for 4 layers of which
+# 1 and 2 are dense: each stage holds both kinds (each chunk, interleaved, one).
+MIXED = [("seq_zb_h1", (1, 2, 2, 1), 2, "dots", "packed")]
+MIXED_MORE = [
+    ("seq1f1b", (2, 2, 1, 2), 2, "full", "plain"),
+    ("seq_zb_h1", (2, 2, 1, 2), 2, "none", "packed"),
+    ("seq1f1b_interleaved", (2, 2, 2, 1), 2, "full_layer", "packed"),
+    ("1f1b", (2, 2, 1, 1), 1, "layer", "plain"),
+]
+
+
+def _mixed_config(schedule, mesh, segments, remat):
+    c = context_config(schedule, mesh, segments, remat, "llama")
+    c.model.update(
+        num_layers=4,
+        num_experts=4,
+        experts_per_token=2,
+        expert_d_ff=16,
+        dense_layers=(1, 2),
+        moe_aux_loss=0.1,
+        moe_z_loss=0.01,
+    )
+    config_lib.validate(c, num_devices=int(np.prod(mesh)))
+    return c
+
+
+@pytest.mark.parametrize(
+    "case", MIXED + [pytest.param(c, marks=pytest.mark.slow) for c in MIXED_MORE], ids=_id
+)
+def test_layers_mixing_dense_and_sparse_mlps_match_the_reference(case):
+    """A model whose layers 1 and 2 are dense (Qwen's mlp_only_layers): each layer runs its
+    own MLP wherever the pipeline places it (the split backward's dense MLP gradients in
+    B), loss and every gradient, router losses averaged over the sparse layers."""
+    schedule, mesh, segments, remat, rows = case
+    check(_mixed_config(schedule, mesh, segments, remat), rows == "packed", "llama")
+
+
+def test_a_layer_running_another_layers_mlp_is_caught(monkeypatch):
+    """Each layer given the kind of the layer before it (in the stage order the executor
+    reads): a dense layer runs its (zero) experts, a sparse one its (zero) dense MLP, and
+    the pipeline no longer equals the reference."""
+    real = model.kinds
+
+    def shifted(cfg, positions=None):
+        kinds = real(cfg, positions)
+        return kinds if positions is None else np.roll(kinds, 1)
+
+    monkeypatch.setattr(model, "kinds", shifted)
+    with pytest.raises(AssertionError):
+        check(_mixed_config("seq1f1b", (1, 2, 1, 1), 2, "full"), False, "llama")
+
+
+def test_a_mixed_models_other_mlp_is_zeros_and_flops_are_the_mean():
+    """init: a dense layer's experts and router, a sparse layer's dense MLP, are zeros; the
+    active parameters are the mean over the layers of each kind's."""
+    cfg = dataclasses.replace(CFG, num_layers=3, dense_layers=(1,))
+    layers = model.init_params(cfg, jax.random.key(0))["layers"]
+    for name in ("router", "e_gate", "e_in", "e_out"):
+        assert not np.any(layers[name][1]) and np.all(np.any(layers[name][::2], axis=(1, 2)))
+    for name in model.DENSE_MLP:
+        assert np.any(layers[name][1]) and not np.any(layers[name][::2])
+    sparse, dense = (
+        model.layer_matmul_params(dataclasses.replace(cfg, dense_layers=())),
+        model.layer_matmul_params(dataclasses.replace(cfg, num_experts=0, dense_layers=())),
+    )
+    assert model.layer_matmul_params(cfg) == (2 * sparse + dense) / 3
+
+
 def _moe_config(mesh, schedule="seq1f1b"):
     c = context_config(schedule, mesh, 2, "full", "llama")
     c.model.update(num_experts=4, experts_per_token=2, expert_d_ff=16, moe_aux_loss=0.1)

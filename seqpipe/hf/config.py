@@ -154,13 +154,11 @@ def _need(hf: Mapping, key: str, where: str):
 
 # Where a sliding_window is used whenever set (elsewhere use_sliding_window says).
 SLIDING = ("MistralForCausalLM", "MixtralForCausalLM")
-_ALL_SPARSE = "its layers are all dense or all mixtures of experts"
 WHY = {
     # Training-time noise (Mixtral's): refused rather than ignored, so that a run on
     # these weights trains as they were trained or not at all.
     "router_jitter_noise": "its router adds no noise",
-    "decoder_sparse_step": _ALL_SPARSE,
-    "mlp_only_layers": _ALL_SPARSE,
+    "decoder_sparse_step": "every n-th layer is sparse, n at least 1",
     "qkv_bias": "seqpipe reads Qwen 2 MoE with Q, K and V biases",
     "shared_expert_intermediate_size": "its shared expert is at least 1 wide",
 }
@@ -182,8 +180,7 @@ def _refuse(hf: Mapping, where: str, arch: str) -> None:
         "sliding_window": lambda v: v is not None and arch in SLIDING,
         "layer_types": lambda v: any(t != "full_attention" for t in v or ()),
         "router_jitter_noise": bool,
-        "decoder_sparse_step": lambda v: v != 1,
-        "mlp_only_layers": bool,
+        "decoder_sparse_step": lambda v: v < 1,
         "qkv_bias": lambda v: not v and ARCHITECTURES[arch][1],  # Qwen 2 MoE's key
         "shared_expert_intermediate_size": lambda v: v is not None and v < 1,
     }
@@ -248,6 +245,7 @@ def model_keys(hf: Mapping, where: str = "config.json") -> dict:
         "rope_scaling": scaling,
         "num_experts": 0,
         "shared_expert_d_ff": 0,
+        "dense_layers": (),
     }
     if arch in EXPERTS:
         keys.update(_experts(hf, where, arch))
@@ -269,7 +267,26 @@ def _experts(hf: Mapping, where: str, arch: str) -> dict:
     }
     if arch in SHARED:
         keys["shared_expert_d_ff"] = int(_need(hf, SHARED[arch], where))
+    keys["dense_layers"] = _dense_layers(hf, where)
     return keys
+
+
+def _dense_layers(hf: Mapping, where: str) -> tuple[int, ...]:
+    """The layers whose MLP is dense, as Qwen's MoE models place them: layer i is sparse
+    unless it is in mlp_only_layers or (i + 1) is not a multiple of decoder_sparse_step."""
+    only, step = hf.get("mlp_only_layers") or [], hf.get("decoder_sparse_step") or 1
+    if not isinstance(only, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in only
+    ):
+        raise HFError(f"{where}: mlp_only_layers={only!r} is not a list of layer numbers")
+    layers = hf["num_hidden_layers"]
+    dense = tuple(i for i in range(layers) if i in only or (i + 1) % step)
+    if len(dense) == layers:
+        raise HFError(
+            f"{where}: mlp_only_layers={only} and decoder_sparse_step={step} make every layer "
+            "dense: a model without experts, which seqpipe reads only as a dense architecture"
+        )
+    return dense
 
 
 def _effective(key: str, value, keys: Mapping):
@@ -281,6 +298,8 @@ def _effective(key: str, value, keys: Mapping):
         return value or keys["d_model"] // keys["num_heads"]
     if key == "expert_d_ff":
         return value or keys["d_ff"]
+    if key == "dense_layers":
+        return tuple(value)
     if key == "rope_scaling":
         s = dict(value)
         return (s.get("type", "none"), *(s.get(f) for f in ROPE_FIELDS[s.get("type", "none")]))
@@ -343,8 +362,12 @@ def writes(model: Mapping) -> str:
         a
         for a, (_, *kind) in ARCHITECTURES.items()
         if tuple(kind) == ours
-        # Mixtral always renormalizes the chosen experts' weights
-        and not (experts and EXPERTS[a][1] is True and not model["router_renormalize"])
+        # Mixtral always renormalizes the chosen experts' weights, and has no dense layers
+        and not (
+            experts
+            and EXPERTS[a][1] is True
+            and (not model["router_renormalize"] or model.get("dense_layers"))
+        )
     ]
     if not fits:
         settings = [f"model.qkv_bias={model['qkv_bias']}"] + ["model.qk_norm=True"] * ours[2]
@@ -355,6 +378,8 @@ def writes(model: Mapping) -> str:
             ]
         if shared:
             settings.append(f"model.shared_expert_d_ff={model['shared_expert_d_ff']}")
+        if experts and model.get("dense_layers"):
+            settings.append(f"model.dense_layers={tuple(model['dense_layers'])}")
         raise HFError(
             f"model.mlp={model['mlp']} with {' and '.join(settings)} has no HuggingFace "
             f"architecture seqpipe writes ({', '.join(SUPPORTED)})"
@@ -428,7 +453,7 @@ def hf_config(model: Mapping, dtype: str, base: Mapping | None = None, context: 
         out.update(
             num_experts=model["num_experts"],
             decoder_sparse_step=1,
-            mlp_only_layers=[],
+            mlp_only_layers=list(model.get("dense_layers", ())),
             use_sliding_window=False,
             attention_bias=False,
         )
@@ -440,7 +465,7 @@ def hf_config(model: Mapping, dtype: str, base: Mapping | None = None, context: 
             shared_expert_intermediate_size=model["shared_expert_d_ff"],
             qkv_bias=True,
             decoder_sparse_step=1,
-            mlp_only_layers=[],
+            mlp_only_layers=list(model.get("dense_layers", ())),
             use_sliding_window=False,
         )
     return out

@@ -222,8 +222,13 @@ class Reader:
 
 def _layout(cfg: GPTConfig, arch: str) -> dict:
     """{seqpipe path: (Tensor, one HF tensor's shape in seqpipe, the sizes of the leading
-    axes that run over HF tensors)} of every parameter, as `arch` names them."""
+    axes that run over HF tensors, the layers HF holds it in: None, every one)} of every
+    parameter, as `arch` names them."""
     table = {**TENSORS, **EXPERTS.get(arch, {})}
+    holders = {}
+    if cfg.mixed:  # each layer holds its own MLP's tensors alone (seqpipe's others are zeros)
+        holders = dict.fromkeys(model.DENSE_MLP, frozenset(cfg.dense_layers))
+        holders.update(dict.fromkeys(EXPERTS[arch], frozenset(cfg.sparse_layers)))
     shapes = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
     out = {}
     for path, x in jax.tree_util.tree_leaves_with_path(shapes):
@@ -231,16 +236,18 @@ def _layout(cfg: GPTConfig, arch: str) -> dict:
         if keys[-1] not in table:
             raise HFError(f"{arch} has no tensor for seqpipe's parameter {'.'.join(keys)}")
         t = table[keys[-1]]
-        out[keys] = (t, tuple(x.shape[t.stacked :]), tuple(x.shape[: t.stacked]))
+        shape, lead = tuple(x.shape[t.stacked :]), tuple(x.shape[: t.stacked])
+        out[keys] = (t, shape, lead, holders.get(keys[-1]))
     return out
 
 
 def _names(layout: dict) -> dict[str, tuple[int, ...]]:
     """{HF name: HF shape} of every tensor `layout` needs."""
     names = {}
-    for t, shape, lead in layout.values():
+    for t, shape, lead, holders in layout.values():
         for at in itertools.product(*map(range, lead)):
-            names[t.name.format(*at)] = file_shape(t, shape)
+            if holders is None or at[0] in holders:
+                names[t.name.format(*at)] = file_shape(t, shape)
     return names
 
 
@@ -263,18 +270,20 @@ def open_reader(spec: str, cfg: GPTConfig) -> tuple[Reader, dict]:
     return Reader(directory, _names(layout)), layout
 
 
-def _read_leaf(reader, t: Tensor, shape, dtype, index, lead, layer_at: Callable | None = None):
+def _read_leaf(
+    reader, t: Tensor, shape, dtype, index, lead, holders=None, layer_at: Callable | None = None
+):
     """seqpipe's leaf[index], reading only the HF tensors it covers: index's first slices
     run over `lead` (the layers, then the experts), the others within each tensor (of
-    `shape`). With `layer_at`, layer position i is HF layer layer_at(i), or -1: zeros (a
-    pipeline stage's padding)."""
+    `shape`); zeros in the layers not among `holders` (None: all). With `layer_at`, layer
+    position i is HF layer layer_at(i), or -1: zeros (a pipeline stage's padding)."""
     outer, inner = index[: len(lead)], index[len(lead) :]
     ranges = [range(*s.indices(n)) for s, n in zip(outer, lead, strict=True)]
     blocks = []
     for at in itertools.product(*ranges):
         if at and layer_at is not None:
             at = (layer_at(at[0]), *at[1:])
-        if at and at[0] < 0:
+        if at and (at[0] < 0 or (holders is not None and at[0] not in holders)):
             sizes = [len(range(*s.indices(n))) for s, n in zip(inner, shape, strict=True)]
             blocks.append(np.zeros(sizes, dtype))
             continue
@@ -303,12 +312,12 @@ def load(path: str, dtype: str = "float32") -> tuple[GPTConfig, model.Params]:
     cfg = config_of(str(path), dtype)
     reader, layout = open_reader(str(path), cfg)
     params: dict = {}
-    for keys, (t, shape, lead) in layout.items():
+    for keys, (t, shape, lead, holders) in layout.items():
         full = tuple(slice(0, n) for n in lead + shape)
         node = params
         for k in keys[:-1]:
             node = node.setdefault(k, {})
-        node[keys[-1]] = jnp.asarray(_read_leaf(reader, t, shape, dtype, full, lead))
+        node[keys[-1]] = jnp.asarray(_read_leaf(reader, t, shape, dtype, full, lead, holders))
     return cfg, params
 
 
@@ -324,14 +333,14 @@ def initial_params(spec: str, cfg: GPTConfig, abstract: model.Params, positions)
 
     def leaf(path, x):
         keys = tuple(k.key for k in path)
-        t, shape, _ = layout[keys]
+        t, shape, _, holders = layout[keys]
         lead = x.shape[: t.stacked]  # the state's layer positions, padding included
         blocks = {}  # a block several devices hold (replicated) is read once
 
         def block(index):
             key = tuple((s.start, s.stop) for s in index)
             if key not in blocks:
-                blocks[key] = _read_leaf(reader, t, shape, x.dtype, index, lead, layer_at)
+                blocks[key] = _read_leaf(reader, t, shape, x.dtype, index, lead, holders, layer_at)
             return blocks[key]
 
         return jax.make_array_from_callback(x.shape, x.sharding, block)
@@ -351,11 +360,13 @@ def tensors(cfg: GPTConfig, params: model.Params, dtype: str, arch: str | None =
     of anything shaped as them (their gradients)."""
     arch = arch or writes(_model_keys(cfg))
     layout = _layout(dataclasses.replace(cfg, tensor=1), arch)
-    for keys, (t, _, lead) in layout.items():
+    for keys, (t, _, lead, holders) in layout.items():
         x = params
         for k in keys:
             x = x[k]
         for at in itertools.product(*map(range, lead)):
+            if holders is not None and at[0] not in holders:
+                continue  # the layer's other MLP, zeros HF has no tensor for
             yield t.name.format(*at), to_file(t, np.asarray(x[at]).astype(dtype))
 
 

@@ -42,6 +42,10 @@ from seqpipe.parallel import tensor
 from seqpipe.parallel.sharding import CONTEXT
 
 Params = dict[str, Any]
+DENSE_MLP = ("w_gate", "w_in", "w_out")
+# [N] float32, among a stack's layers where they mix dense and sparse MLPs: 1.0 where the
+# layer's MLP is the mixture. Not a parameter: added where layers run (`with_kinds`).
+KIND = "sparse"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,8 +79,10 @@ class GPTConfig:
     document_mask: bool = True
     head_dim: int = 0  # E, each head's width; 0: d_model / num_heads (Qwen 3 sets its own)
     qk_norm: bool = False  # RMSNorm of each query and key head before RoPE (Qwen 3)
-    # A mixture of experts in every layer's MLP (`seqpipe.models.moe`; swiglu experts).
+    # A mixture of experts in every layer's MLP (`seqpipe.models.moe`; swiglu experts)
+    # but `dense_layers`' (HF's mlp_only_layers), whose MLP is dense, d_ff wide.
     num_experts: int = 0  # 0: a dense MLP
+    dense_layers: tuple[int, ...] = ()
     experts_per_token: int = 2
     expert_d_ff: int = 0  # each expert's hidden width; 0: d_ff
     shared_expert_d_ff: int = 0  # a gated expert every token goes through (Qwen 2 MoE); 0: none
@@ -102,6 +108,7 @@ class GPTConfig:
     def __post_init__(self):
         # A config section (a dict or ConfigDict) becomes the hashable dataclass.
         object.__setattr__(self, "rope_scaling", RopeScaling.from_config(self.rope_scaling))
+        object.__setattr__(self, "dense_layers", tuple(sorted(map(int, self.dense_layers))))
         if not self.head_dim:
             object.__setattr__(self, "head_dim", self.d_model // self.num_heads)
 
@@ -110,6 +117,19 @@ class GPTConfig:
         """H * E: the queries' (and the attention output's) width, d_model unless a head's
         width is set apart from it."""
         return self.num_heads * self.head_dim
+
+    @property
+    def mixed(self) -> bool:
+        """Whether the layers mix dense and mixture-of-experts MLPs: then every layer holds
+        both, the one it does not run zeros (`init_params`), and picks its own by `KIND`."""
+        return bool(self.num_experts and self.dense_layers)
+
+    @property
+    def sparse_layers(self) -> tuple[int, ...]:
+        """The layers whose MLP is the mixture of experts (none in a dense model)."""
+        if not self.num_experts:
+            return ()
+        return tuple(i for i in range(self.num_layers) if i not in self.dense_layers)
 
     @property
     def expert_width(self) -> int:
@@ -186,14 +206,21 @@ def init_params(cfg: GPTConfig, key: jax.Array) -> Params:
         params["layers"].update(q_norm=jnp.ones((n, e), dt), k_norm=jnp.ones((n, e), dt))
     if cfg.num_experts:  # the experts take the dense MLP's place, drawn from keys of their own
         draws = iter(jax.random.split(jax.random.fold_in(key, 9), len(moe.PARAMS + moe.SHARED)))
-        for name in ("w_gate", "w_in", "w_out"):
-            params["layers"].pop(name, None)
-        params["layers"].update(
-            moe.init(cfg, lambda shape, s: normal(shape, s, next(draws)), n, std, out_std)
-        )
+        experts = moe.init(cfg, lambda shape, s: normal(shape, s, next(draws)), n, std, out_std)
+        dense = {k: params["layers"].pop(k) for k in DENSE_MLP if k in params["layers"]}
+        if cfg.mixed:  # each layer's other MLP is zeros, and stays so (it has no gradient)
+            sparse = np.isin(np.arange(n), cfg.sparse_layers)
+            experts = {k: _layers_where(sparse, w) for k, w in experts.items()}
+            experts.update({k: _layers_where(~sparse, w) for k, w in dense.items()})
+        params["layers"].update(experts)
     if cfg.tie_embeddings:
         del params["head"]
     return params
+
+
+def _layers_where(keep: np.ndarray, w: jax.Array) -> jax.Array:
+    """w [N, ...] with the layers where `keep` [N] is false zeroed."""
+    return jnp.where(keep.reshape(-1, *(1,) * (w.ndim - 1)), w, jnp.zeros((), w.dtype))
 
 
 def param_shapes(cfg: GPTConfig) -> Params:
@@ -215,7 +242,25 @@ def param_shapes(cfg: GPTConfig) -> Params:
     if cfg.router_meter:
         meter = jax.ShapeDtypeStruct((cfg.num_layers, len(moe.METERED)), jnp.float32)
         shapes["layers"] = {**shapes["layers"], moe.METER: meter}
+    if cfg.mixed:
+        kinds = jax.ShapeDtypeStruct((cfg.num_layers,), jnp.float32)
+        shapes["layers"] = {**shapes["layers"], KIND: kinds}
     return shapes
+
+
+def kinds(cfg: GPTConfig, positions: np.ndarray | None = None) -> np.ndarray:
+    """`KIND` of the layers at `positions` (canonical layer numbers; -1, a pipeline stage's
+    padding, is dense; default: every layer in order): 1.0 where the MLP is the mixture."""
+    positions = np.arange(cfg.num_layers) if positions is None else np.asarray(positions)
+    return np.isin(positions, cfg.sparse_layers).astype(np.float32)
+
+
+def with_kinds(p_layers: Params, cfg: GPTConfig) -> Params:
+    """A stack of every layer in order with its `KIND` where the layers mix MLPs (a
+    pipeline gives its chunks theirs, `seqpipe.pipeline.executor`)."""
+    if not cfg.mixed or KIND in p_layers:
+        return p_layers
+    return {**p_layers, KIND: jnp.asarray(kinds(cfg))}
 
 
 def metered(params: Params, cfg: GPTConfig) -> Params:
@@ -445,11 +490,24 @@ def _self_attention(mm: _Matmuls, x_BxQxD, k_prefix, v_prefix, offset, cfg, cach
 
 
 def _mlp(mm: _Matmuls, x_BxQxD, cfg, packing=None):
-    """The MLP half of `layer` before its residual add: the down projection's partial sums."""
+    """The MLP half of `layer` before its residual add: the down projection's partial sums.
+    A layer of a model that mixes MLPs runs the one its `KIND` names; its dense one is
+    then not split from its backward (`matmul_shapes`)."""
     h_BxQxD = rms_norm(x_BxQxD, mm.p["mlp_norm"], cfg.norm_eps)
-    if cfg.num_experts:
-        split = packing is not None and packing.context is not None
-        return moe.mlp(mm.p, h_BxQxD, cfg, CONTEXT if split else None)
+    if not cfg.num_experts:
+        return _dense_mlp(mm, h_BxQxD, cfg)
+    split = packing is not None and packing.context is not None
+
+    def sparse(h):
+        return moe.mlp(mm.p, h, cfg, CONTEXT if split else None)
+
+    if not cfg.mixed:
+        return sparse(h_BxQxD)
+    dense = lambda h: _dense_mlp(_Matmuls(mm.p, None, mm.t), h, cfg)  # noqa: E731
+    return jax.lax.cond(mm.p[KIND] > 0, sparse, dense, h_BxQxD)
+
+
+def _dense_mlp(mm: _Matmuls, h_BxQxD, cfg):
     if cfg.mlp == "swiglu":
         gate_BxQxF, up_BxQxF = mm.column_parallel(("w_gate", "w_in"), h_BxQxD)
         ff_BxQxF = swiglu(gate_BxQxF, up_BxQxF)
@@ -578,6 +636,7 @@ def layers(
         # executor's rebuilt vjp gave wrong q and k gradients (caught by the uneven-split
         # oracle test; the cause inside JAX was not pinned down).
         body = jax.checkpoint(body, policy=jax.checkpoint_policies.everything_saveable)
+    p_layers = with_kinds(p_layers, cfg)
     layer_index = jnp.arange(jax.tree.leaves(p_layers)[0].shape[0])
     xs = (layer_index, p_layers, k_prefix_NxBxPxHxE, v_prefix_NxBxPxHxE, taps)
     y, rest = jax.lax.scan(body, x_BxQxD, xs)
@@ -839,13 +898,17 @@ def flops_per_token(cfg: GPTConfig, seq_len: int, causal: bool = False) -> float
 def layer_matmul_params(cfg: GPTConfig) -> int:
     """Weights of one layer's matmuls that a token goes through: Q and O (D x H*E each), K
     and V (D x K*E each), two MLP matrices (three with swiglu); with experts, the router
-    (D x X) and the chosen experts' three each (active parameters). Biases and norm gains
-    are not matmuls."""
+    (D x X) and the chosen experts' three each (active parameters), the mean over the
+    layers where they mix dense and sparse MLPs. Biases and norm gains are not matmuls."""
     d, kv_width = cfg.d_model, cfg.kv_heads * cfg.head_dim
     attention = 2 * d * cfg.q_width + 2 * d * kv_width
-    if cfg.num_experts:
-        experts = cfg.experts_per_token * 3 * d * cfg.expert_width
-        shared = (3 * cfg.shared_expert_d_ff + 1) * d if cfg.shared_expert_d_ff else 0
-        return attention + d * cfg.num_experts + experts + shared
-    mlp = 3 if cfg.mlp == "swiglu" else 2
-    return attention + mlp * d * cfg.d_ff
+    dense = attention + (3 if cfg.mlp == "swiglu" else 2) * d * cfg.d_ff
+    if not cfg.num_experts:
+        return dense
+    experts = cfg.experts_per_token * 3 * d * cfg.expert_width
+    shared = (3 * cfg.shared_expert_d_ff + 1) * d if cfg.shared_expert_d_ff else 0
+    sparse = attention + d * cfg.num_experts + experts + shared
+    if not cfg.mixed:
+        return sparse
+    sparse_count = len(cfg.sparse_layers)  # the mean over the layers
+    return (sparse_count * sparse + (cfg.num_layers - sparse_count) * dense) / cfg.num_layers

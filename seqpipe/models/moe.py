@@ -12,7 +12,7 @@ whole when it runs the segment (across its tensor and context devices). The
 load-balancing loss is Switch Transformer's, as transformers computes it for one layer and
 one sequence: X * sum_e f_e * P_e, f_e the share of the segment's assignments that went to
 expert e (k per token, so f sums to k), P_e its mean router probability. The z-loss is
-the mean of logsumexp(router logits)^2. Each is averaged over the layers and over the
+the mean of logsumexp(router logits)^2. Each is averaged over the mixture's layers and over the
 batch's tokens (a segment weighs as its share of the row), and enters the training
 objective with its coefficient through its gradient alone (`_with_router_losses`): the
 executor's backward runs a unit's vjp, and this adds the router losses' gradients to it
@@ -148,7 +148,7 @@ def router_losses(probs, logits, chosen, cfg, axes: tuple[str, ...], dropped=Non
         count = jax.lax.psum(count, axes)
     count = jax.lax.stop_gradient(count)  # [b, X], k per token of the row's segment
     segment = jnp.sum(count, axis=-1, keepdims=True) / cfg.experts_per_token
-    norm = cfg.num_layers * cfg.router_tokens
+    norm = len(cfg.sparse_layers) * cfg.router_tokens
     aux = cfg.num_experts * jnp.sum(count / segment * jnp.sum(probs, axis=1)) / norm
     z = jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2) / norm
     share = 0.0 if dropped is None else jnp.sum(dropped) / (norm * cfg.experts_per_token)

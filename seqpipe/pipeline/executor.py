@@ -612,12 +612,13 @@ def _on_stages(params: Params, batch, spec: PipelineSpec, mesh, out_specs, scatt
     platform = mesh.devices.flat[0].platform
 
     def local(layers, sh, tok, *packed):  # this stage's [V * n] layers, as V chunks and back
-        chunks = jax.tree.map(lambda w: w.reshape(V, n, *w.shape[1:]), layers)
+        chunks = jax.tree.map(lambda w: w.reshape(V, n, *w.shape[1:]), _with_kinds(layers, spec))
         step = _routed_over(spec, tok, moe.METER in layers)
         with kv_cache.layouts_for(platform):
             if step.forward_only:
                 return stage_step(step, chunks, sh, tok, packed=packed)
             loss, grads, grads_shared = stage_step(step, chunks, sh, tok, scatter, packed)
+        grads = {k: g for k, g in grads.items() if k != model.KIND}
         return loss, jax.tree.map(lambda g: g.reshape(V * n, *g.shape[3:]), grads), grads_shared
 
     rows = P(DATA)
@@ -637,6 +638,17 @@ def _on_stages(params: Params, batch, spec: PipelineSpec, mesh, out_specs, scatt
         check_vma=False,
     )
     return body(params["layers"], shared, tokens_BxL1, *packed)
+
+
+def _with_kinds(layers: Params, spec: PipelineSpec) -> Params:
+    """This stage's layers with each one's `model.KIND` where the model mixes MLPs: the
+    kinds of the layers at its stage-order positions (`seqpipe.parallel.layout`)."""
+    if not spec.cfg.mixed:
+        return layers
+    table = model.kinds(spec.cfg, spec.placement.positions()).reshape(spec.stages, -1)
+    stage = jax.lax.axis_index(STAGE)
+    kinds = jax.lax.dynamic_index_in_dim(jnp.asarray(table), stage, keepdims=False)
+    return {**layers, model.KIND: kinds}
 
 
 def _routed_over(spec: PipelineSpec, tokens_BxL1, metered: bool) -> PipelineSpec:

@@ -534,15 +534,16 @@ def _zero_taps(cfg, lead: tuple) -> dict:
 
 def _split_vjp(fn, p, *args):
     """(outputs, vjp, the matmuls' inputs) of fn(p, *args) -> (*outputs, inputs), the last
-    of `args` being the taps, with p's weight matmuls held constant: vjp gives (d p less
-    the matmuls, *d args), the taps' cotangents last."""
-    mats = {k: w for k, w in p.items() if k in model.MATMULS}
+    of `args` being the taps, with p's tapped weight matmuls held constant: vjp gives (d p
+    less those matmuls, *d args), the taps' cotangents last. (A model mixing MLPs taps
+    none of its MLPs': their weights' gradients come with the rest.)"""
+    mats = {k: w for k, w in p.items() if k in args[-1]}
 
     def tapped(rest, *args):
         *outputs, inputs = fn({**rest, **mats}, *args)
         return tuple(outputs), inputs
 
-    rest = {k: w for k, w in p.items() if k not in model.MATMULS}
+    rest = {k: w for k, w in p.items() if k not in mats}
     return jax.vjp(tapped, rest, *args, has_aux=True)
 
 

@@ -180,7 +180,13 @@ SCHEMA = {
     "mesh.tensor": _POSITIVE_INT,
     "mesh.context": _POSITIVE_INT,
 }
-OWN_RULES = ("mesh.data", "mesh.stage", "pipeline.inflight", "train.inject_nan_at")
+OWN_RULES = (
+    "mesh.data",
+    "mesh.stage",
+    "pipeline.inflight",
+    "train.inject_nan_at",
+    "model.dense_layers",
+)
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -253,6 +259,9 @@ def _model_defaults() -> dict:
         # and router z-loss coefficients; a capacity factor (0: dropless) bounds each
         # expert's assignments in a row's segment to ceil(factor x tokens x k / experts).
         num_experts=0,
+        # Layers whose MLP stays dense (d_ff wide) in a mixture (HF's mlp_only_layers;
+        # decoder_sparse_step n makes all but every n-th dense), e.g. (0, 1, 2).
+        dense_layers=(),
         experts_per_token=2,
         expert_d_ff=0,
         shared_expert_d_ff=0,
@@ -482,13 +491,32 @@ def _require(ok: bool, message: str) -> None:
 
 
 def _validate_experts(m, tensor: int) -> None:
+    layers = m.dense_layers
+    _require(
+        isinstance(layers, tuple | list)
+        and all(isinstance(i, int) and not isinstance(i, bool) for i in layers)
+        and len(set(layers)) == len(layers)
+        and all(0 <= i < m.num_layers for i in layers),
+        f"model.dense_layers={layers!r} must be a tuple of distinct layers in [0, "
+        f"{m.num_layers}), e.g. (0, 1)",
+    )
     if not m.num_experts:
         _require(
             not m.moe_capacity_factor,
             f"model.moe_capacity_factor={m.moe_capacity_factor} caps a mixture's experts, "
             "and model.num_experts=0; set model.num_experts or leave the factor at 0",
         )
+        _require(
+            not layers,
+            f"model.dense_layers={tuple(layers)} names a mixture's dense layers, and "
+            "model.num_experts=0; set model.num_experts or leave model.dense_layers empty",
+        )
         return
+    _require(
+        len(layers) < m.num_layers,
+        f"model.dense_layers makes all {m.num_layers} layers dense; set model.num_experts=0 "
+        "for a dense model",
+    )
     _require(
         m.experts_per_token <= m.num_experts,
         f"model.experts_per_token={m.experts_per_token} is more than model.num_experts="

@@ -29,6 +29,7 @@ restores the run stops with one line instead of starting from scratch over them.
 
 import errno
 import gc
+import json
 import logging
 import os
 import re
@@ -484,7 +485,12 @@ def clean_partial(workdir: str | Path) -> list[str]:
 
 
 def _differences(saved: dict, expected: dict, section: str) -> str:
-    keys = sorted(k for k in set(saved) | set(expected) if saved.get(k) != expected.get(k))
+    """The keys whose values differ as JSON holds them (a tuple is the list it was saved as)."""
+
+    def plain(d, k):
+        return json.loads(json.dumps(d.get(k)))
+
+    keys = sorted(k for k in set(saved) | set(expected) if plain(saved, k) != plain(expected, k))
     return ", ".join(f"{section}.{k}={saved.get(k)!r} saved, {expected.get(k)!r} now" for k in keys)
 
 
