@@ -350,13 +350,21 @@ def test_a_capacity_keeps_each_experts_highest_weights():
 
 
 @pytest.mark.parametrize(
-    "schedule, mesh", [("seq1f1b", (2, 2, 1, 2)), ("seq_zb_h1", (1, 2, 2, 1))], ids=str
+    "schedule, mesh, dispatch",
+    [
+        ("seq1f1b", (2, 2, 1, 2), "all_gather"),
+        ("seq_zb_h1", (1, 2, 2, 1), "all_gather"),
+        ("seq1f1b", (2, 2, 1, 2), "all_to_all"),
+        ("seq_zb_h1", (2, 2, 2, 1), "all_to_all"),
+    ],
+    ids=str,
 )
-def test_a_capacity_drops_what_the_reference_drops(schedule, mesh):
+def test_a_capacity_drops_what_the_reference_drops(schedule, mesh, dispatch):
     """With a capacity factor the pipeline (experts over 2 replicas and tensor 2, or
-    context 2) equals the reference, loss, gradients and each layer's dropped share."""
+    context 2, their tokens gathered or each sent to its expert by all-to-all) equals the
+    reference, loss, gradients and each layer's dropped share."""
     c = _moe_config(mesh, schedule)
-    c.model.update(moe_capacity_factor=1.0)
+    c.model.update(moe_capacity_factor=1.0, moe_dispatch=dispatch)
     check(c, False, "llama")
     # And the reference does drop assignments, a share of them the step reports.
     cfg = dataclasses.replace(executor.make_spec(c).cfg, tensor=1, expert_parallel=1)
@@ -364,6 +372,17 @@ def test_a_capacity_drops_what_the_reference_drops(schedule, mesh):
     tokens = jax.random.randint(jax.random.key(1), (4, SEQ_LEN + 1), 0, 64)
     _, dropped = model.router_metrics(jax.grad(model.loss)(params, tokens, cfg))
     assert 0.01 < float(dropped["dropped"]) < 0.5, dropped
+
+
+def test_all_to_all_buffers_short_of_the_capacity_are_caught(monkeypatch):
+    """The all-to-all's buffers one slot short of what the capacity keeps: the assignments
+    past them are sent nowhere, and the pipeline no longer equals the reference."""
+    real = moe.exchanged
+    monkeypatch.setattr(moe, "exchanged", lambda *args: real(*args[:-1], args[-1] - 1))
+    c = _moe_config((2, 2, 1, 1))
+    c.model.update(moe_capacity_factor=1.0, moe_dispatch="all_to_all")
+    with pytest.raises(AssertionError):
+        check(c, False, "llama")
 
 
 def test_a_device_running_another_devices_experts_is_caught(monkeypatch):
@@ -485,6 +504,23 @@ def test_a_tpu_compile_executes_the_active_experts_alone(monkeypatch):
         (
             {"model.moe_capacity_factor": "1.5"},
             "model.moe_capacity_factor=1.5 caps a mixture's experts, and model.num_experts=0",
+        ),
+        (
+            {"model.num_experts": "4", "model.moe_dispatch": "all_to_all"},
+            "model.moe_dispatch=all_to_all sends each expert a buffer its capacity bounds; set "
+            "model.moe_capacity_factor > 0",
+        ),
+        (
+            {"model.num_experts": "4", "model.dense_layers": "(0, 9)"},
+            "model.dense_layers=(0, 9) must be a tuple of distinct layers in [0, 4)",
+        ),
+        (
+            {"model.num_experts": "4", "model.dense_layers": "(0, 1, 2, 3)"},
+            "model.dense_layers makes all 4 layers dense; set model.num_experts=0",
+        ),
+        (
+            {"model.dense_layers": "(0,)"},
+            "model.dense_layers=(0,) names a mixture's dense layers, and model.num_experts=0",
         ),
     ],
 )

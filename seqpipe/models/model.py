@@ -92,6 +92,10 @@ class GPTConfig:
     # Each expert takes at most ceil(factor x tokens x k / X) of a row's segment's
     # assignments, those of the highest routing weights; 0: dropless.
     moe_capacity_factor: float = 0.0
+    # How tokens reach experts split over data replicas (`moe.mlp`): "all_gather" (every
+    # replica's tokens to every device), or "all_to_all" (each assignment to its expert's
+    # device, in buffers the capacity bounds: it needs moe_capacity_factor > 0).
+    moe_dispatch: str = "all_gather"
     # The tokens of one data replica's batch, which the router losses average over, and
     # the segments of a row they are taken over (() the whole row): set from the batch
     # (`loss`, the executor) and by the pipeline's spec, not by a config.

@@ -111,6 +111,15 @@ def experts(h_TxD, chosen_Txk, weights_Txk, e_gate, e_in, e_out):
     return unsorted.reshape(tokens, k, -1).sum(axis=1)
 
 
+def capacity(cfg, length: int) -> int:
+    """Assignments each expert keeps of a row's segment of `length` tokens."""
+    return math.ceil(cfg.moe_capacity_factor * length * cfg.experts_per_token / cfg.num_experts)
+
+
+def _size(axis: str | None) -> int:
+    return 1 if axis is None else jax.lax.axis_size(axis)
+
+
 def capped(chosen_BxQxk, weights_BxQxk, cfg, axes: tuple[str, ...]):
     """(chosen, weights, assignments dropped [b]) under the capacity factor: of a row's
     segment, whose positions are split over the devices of `axes`, each expert keeps the
@@ -125,13 +134,13 @@ def capped(chosen_BxQxk, weights_BxQxk, cfg, axes: tuple[str, ...]):
         return (jax.lax.all_gather(a, axes, axis=1, tiled=True) if axes else a).reshape(b, -1)
 
     every, weights = gather(chosen_BxQxk), gather(weights_BxQxk)
-    capacity = math.ceil(cfg.moe_capacity_factor * every.shape[1] / x)  # L x k assignments
+    kept = capacity(cfg, every.shape[1] // k)
     order = jnp.lexsort((-weights, every), axis=-1)  # by expert, the highest weights first
     by_expert = jnp.take_along_axis(every, order, axis=-1)
     counts = jnp.zeros((b, x), jnp.int32).at[rows, every].add(1)
     starts = jnp.cumsum(counts, axis=-1) - counts
     rank = jnp.arange(every.shape[1]) - jnp.take_along_axis(starts, by_expert, axis=-1)
-    keep = jnp.zeros_like(rank, bool).at[rows, order].set(rank < capacity)
+    keep = jnp.zeros_like(rank, bool).at[rows, order].set(rank < kept)
     mine = jax.lax.axis_index(axes) if axes else 0
     keep = jax.lax.dynamic_slice_in_dim(keep.reshape(b, -1, q, k), mine, 1, axis=1)[:, 0]
     dropped = jnp.sum(~keep, axis=(1, 2)).astype(jnp.float32)
@@ -184,6 +193,34 @@ def local_experts(h_TxD, chosen_Txk, weights_Txk, e_gate, e_in, e_out, first):
     return experts(h_TxD, chosen, weights_Txk, e_gate, e_in, e_out)
 
 
+def exchanged(h_TxD, chosen_Txk, weights_Txk, e_gate, e_in, e_out, slots: int):
+    """`experts` with the experts split over the data replicas, each assignment sent to its
+    expert's device and its output back by all-to-all (GShard's dispatch): buffers of
+    `slots` assignments per expert, which the capacity bounds (a dropped assignment, id
+    X, is sent nowhere), so each expert runs its slots as one batched matmul."""
+    tokens, k = chosen_Txk.shape
+    local, d = e_gate.shape[0], jax.lax.axis_size(DATA)
+    x, width = local * d, h_TxD.shape[1]
+    flat = chosen_Txk.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # each expert's assignments, in token order
+    counts = jnp.bincount(flat, length=x + 1)
+    rank = jnp.arange(flat.size) - (jnp.cumsum(counts) - counts)[flat[order]]
+    slot = jnp.zeros_like(flat).at[order].set(rank)  # an assignment's place in its buffer
+    at = jnp.where(flat < x, flat * slots + slot, x * slots)  # past the buffers: not sent
+    tokens_of = jnp.arange(flat.size) // k
+    send = jnp.zeros((x * slots, width), h_TxD.dtype).at[at].set(h_TxD[tokens_of], mode="drop")
+    recv = jax.lax.all_to_all(send.reshape(d, local, slots, width), DATA, 0, 0)
+    h = recv.transpose(1, 0, 2, 3).reshape(local, d * slots, width)  # each expert's slots
+    gate = jnp.einsum("esd,edf->esf", h, e_gate)
+    up = jnp.einsum("esd,edf->esf", h, e_in)
+    act = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(h.dtype)
+    y = jnp.einsum("esf,efd->esd", act, e_out).reshape(local, d, slots, width)
+    back = jax.lax.all_to_all(y.transpose(1, 0, 2, 3), DATA, 0, 0).reshape(x * slots, width)
+    y = back.at[at].get(mode="fill", fill_value=0)
+    y = y * weights_Txk.reshape(-1)[:, None].astype(y.dtype)
+    return y.reshape(tokens, k, width).sum(axis=1)
+
+
 def shared_expert(p, h_BxQxD, segment_BxQxD, t: int):
     """Qwen 2 MoE's shared expert, which every token goes through: a SwiGLU MLP scaled by
     sigmoid(h . s_router). Under tensor parallelism its columns split as a dense MLP's
@@ -225,6 +262,10 @@ def mlp(p, h_BxQxD, cfg, context_axis: str | None = None):
     )
     if e == 1:
         y = experts(h, gathered, gathered_weights, p["e_gate"], p["e_in"], p["e_out"])
+    elif cfg.moe_dispatch == "all_to_all":
+        # A row's segment keeps at most `capacity` assignments an expert: b rows, b x that.
+        slots = min(b * capacity(cfg, q * _size(context_axis)), h.shape[0] * cfg.experts_per_token)
+        y = exchanged(h, gathered, gathered_weights, p["e_gate"], p["e_in"], p["e_out"], slots)
     else:
         h, gathered_weights = (tensor.all_gather(x, DATA, 0) for x in (h, gathered_weights))
         gathered = jax.lax.all_gather(gathered, DATA, axis=0, tiled=True)

@@ -126,6 +126,7 @@ SCHEMA = {
     "model.moe_aux_loss": _RATE,
     "model.moe_z_loss": _RATE,
     "model.moe_capacity_factor": _RATE,
+    "model.moe_dispatch": Key(str, choices=("all_gather", "all_to_all")),
     "model.document_mask": Key(bool),
     "model.rope_scaling.type": Key(str, choices=ROPE_SCALINGS),
     "model.rope_scaling.factor": _POSITIVE,
@@ -269,6 +270,9 @@ def _model_defaults() -> dict:
         moe_aux_loss=0.0,
         moe_z_loss=0.0,
         moe_capacity_factor=0.0,
+        # How tokens reach experts split over mesh.data: all_gather (every replica's tokens
+        # to every device) or all_to_all (each one to its experts' device; needs a capacity).
+        moe_dispatch="all_gather",
         # On packed rows (data.packing concat or best_fit), each token attends only within
         # its document (`seqpipe.data.packing`); unpacked rows have no documents to mask by.
         document_mask=True,
@@ -512,6 +516,11 @@ def _validate_experts(m, tensor: int) -> None:
             "model.num_experts=0; set model.num_experts or leave model.dense_layers empty",
         )
         return
+    _require(
+        m.moe_dispatch != "all_to_all" or m.moe_capacity_factor > 0,
+        "model.moe_dispatch=all_to_all sends each expert a buffer its capacity bounds; set "
+        "model.moe_capacity_factor > 0 (e.g. 1.25), or dispatch by all_gather, dropless",
+    )
     _require(
         len(layers) < m.num_layers,
         f"model.dense_layers makes all {m.num_layers} layers dense; set model.num_experts=0 "
