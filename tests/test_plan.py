@@ -213,7 +213,7 @@ def test_the_time_model_prices_the_experts_dispatch_over_data():
     """A unit's forward receives the experts' all-gather and reduce-scatter over the data
     link, its backward as much again per pass; over a step of qwen3_30b_a3b on 8 H200s
     (2 x 4, M = K = 8, full_layer) that is within 1.10x of the 94.3 GB its compiled HLO
-    receives over `data` (docs/models.md)."""
+    receives over `data`, and the all-to-all's the 515.4 GB it exchanges (docs/models.md)."""
     from seqpipe.targets import gpu_topology
 
     c = Candidate(2, 4, 1, "seq1f1b", 8, 8, 1, "full", "full_layer")
@@ -226,6 +226,11 @@ def test_the_time_model_prices_the_experts_dispatch_over_data():
     assert split["F"] - whole["F"] == pytest.approx(ep / rates.data_link)
     assert split["B"] - whole["B"] == pytest.approx(3 * ep / rates.data_link)  # 2 recomputes
     assert 1.0 < 4 * ep * 8 * 8 / 94.3e9 < 1.11
+    # By all-to-all, capacity 1.25: the 515.4 GB the compiled HLO exchanges over `data`.
+    moe = dict(moe_capacity_factor=1.25, moe_dispatch="all_to_all")
+    exchanged = dataclasses.replace(spec.cfg, **moe)
+    ep = timing.expert_dispatch_bytes(exchanged, spec.chunk_layers, 32768 / 8, 2)
+    assert 4 * ep * 8 * 8 / 515.4e9 == pytest.approx(1.0, abs=1e-3)
 
 
 def _heavy_and_lean():

@@ -18,6 +18,8 @@ and K = num_kv_heads K/V heads of width E (`head_dim`, D / H unless set), F = d_
              mlp gelu: w_in [N, D, F], w_out [N, F, D]
              mlp swiglu: w_gate [N, D, F] (gate_proj), w_in (up_proj), w_out (down_proj);
                          the activation is silu(gate) * up
+             with experts (`seqpipe.models.moe`) theirs in the MLP's place; where some
+             layers stay dense (`dense_layers`) every layer holds both, its other one zeros
 RMSNorm as HF Llama's: float32 x * rsqrt(mean(x^2) + norm_eps) * weight. Rotary
 embeddings pair each head's first half with its second (`rotate_half`), positions as
 `rope_scaling` extends them (`seqpipe.kernels.rope`). Attention scores are scaled by 1/sqrt(E);

@@ -243,7 +243,9 @@ def mlp(p, h_BxQxD, cfg, context_axis: str | None = None):
 
     With experts split over the data replicas (`cfg.expert_parallel` > 1) every replica's
     tokens and routing are gathered over `data`, each device runs its own experts'
-    assignments, and a reduce-scatter returns each replica its tokens' sums."""
+    assignments, and a reduce-scatter returns each replica its tokens' sums; or, with
+    `moe_dispatch` all_to_all, each assignment goes to its expert's device and back
+    (`exchanged`)."""
     t, e = cfg.tensor, cfg.expert_parallel
     probs, logits, chosen, weights = route(
         h_BxQxD, p["router"], cfg.experts_per_token, cfg.router_renormalize

@@ -132,7 +132,7 @@ def unit_cost(spec, rows: int, rates: Rates) -> dict:
     # sequence); the backward gathers again and reduce-scatters as much, a recompute again.
     kv = 2 * cfg.local_kv_heads * cfg.head_dim * act
     ctx = 0.0 if c == 1 else n * rows * whole * (k + 1) / (2 * k) * (c - 1) / c * kv
-    ep = expert_dispatch_bytes(cfg, n, tokens, act)
+    ep = expert_dispatch_bytes(cfg, n, tokens, act, c)
     # In sequence, as the roofline per kernel adds up: the matmuls are compute-bound, the
     # rest (most of the bytes) memory-bound.
     f = fwd_flops / rates.flops + fwd_bytes / rates.bytes + (message + tp + ctx) / rates.link
@@ -143,17 +143,24 @@ def unit_cost(spec, rows: int, rates: Rates) -> dict:
     return {"F": f, "B": b, "flops": fwd_flops + bwd_flops, "bytes": fwd_bytes + bwd_bytes}
 
 
-def expert_dispatch_bytes(cfg, layers: int, tokens: float, act: int) -> float:
-    """Bytes one device receives in a forward of `layers` MoE layers over `tokens` (the
-    segment's, gathered over tensor) with the experts split over d = `cfg.expert_parallel`
-    data replicas (`seqpipe.models.moe.mlp`): the all-gather of the others' tokens,
-    routing weights and choices, (d - 1) T (act D + 8 k), and the reduce-scatter of their
-    outputs, (d - 1) T act D. A backward moves as much (the transposes), and again for
-    each forward it re-runs."""
+def expert_dispatch_bytes(cfg, layers: int, tokens: float, act: int, context: int = 1) -> float:
+    """Bytes one device receives in a forward of `layers` layers (the sparse share of
+    them) over `tokens` (the segment's, gathered over tensor) with the experts split over
+    d = `cfg.expert_parallel` data replicas (`seqpipe.models.moe.mlp`). All-gather: the
+    others' tokens, routing weights and choices, (d - 1) T (act D + 8 k), and the
+    reduce-scatter of their outputs, (d - 1) T act D. All-to-all: two exchanges of the
+    buffers, each (d - 1) / d of X slots of act D, the slots bounding a row's segment's
+    kept assignments (f k T in all, times the `context` devices that split the segment,
+    at most X k T). A backward moves as much (the transposes), and again for each
+    forward it re-runs."""
     d = cfg.expert_parallel
     if not cfg.num_experts or d == 1:
         return 0.0
-    return layers * (d - 1) * tokens * (2 * act * cfg.d_model + 8 * cfg.experts_per_token)
+    sparse = layers * len(cfg.sparse_layers) / cfg.num_layers
+    if cfg.moe_dispatch == "all_to_all":
+        slots = min(cfg.moe_capacity_factor * context, cfg.num_experts) * cfg.experts_per_token
+        return sparse * 2 * (d - 1) / d * slots * tokens * act * cfg.d_model
+    return sparse * (d - 1) * tokens * (2 * act * cfg.d_model + 8 * cfg.experts_per_token)
 
 
 _STATS: dict = {}
