@@ -12,7 +12,7 @@ whole when it runs the segment (across its tensor and context devices). The
 load-balancing loss is Switch Transformer's, as transformers computes it for one layer and
 one sequence: X * sum_e f_e * P_e, f_e the share of the segment's assignments that went to
 expert e (k per token, so f sums to k), P_e its mean router probability. The z-loss is
-the mean of logsumexp(router logits)^2. Each is averaged over the mixture's layers and over the
+the mean of logsumexp(router logits)^2. Each is averaged over the sparse layers and over the
 batch's tokens (a segment weighs as its share of the row), and enters the training
 objective with its coefficient through its gradient alone (`_with_router_losses`): the
 executor's backward runs a unit's vjp, and this adds the router losses' gradients to it
