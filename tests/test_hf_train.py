@@ -142,7 +142,11 @@ def test_a_qwen3_model_equals_the_reference(mesh):
     [
         ("qwen3_moe", {"mesh.context": 2}),
         ("qwen2_moe", {"mesh.data": 2, "mesh.tensor": 2, "train.global_batch_size": 8}),
-        ("qwen3_moe_mixed", {"mesh.data": 2, "mesh.tensor": 2, "train.global_batch_size": 8}),
+        pytest.param(
+            "qwen3_moe_mixed",
+            {"mesh.data": 2, "mesh.tensor": 2, "train.global_batch_size": 8},
+            marks=pytest.mark.slow,
+        ),
     ],
     ids=["qwen3_moe-context-2", "qwen2_moe-experts-2-tensor-2", "qwen3_moe_mixed-experts-2"],
 )
