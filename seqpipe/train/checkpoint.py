@@ -111,6 +111,7 @@ NO_PARAMETER = (
     "moe_aux_loss",
     "moe_z_loss",
     "moe_capacity_factor",
+    "moe_dispatch",
 )
 # The optimizer's settings: a resumed run may change them, and is told in a line.
 OPTIMIZER = (
