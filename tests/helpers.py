@@ -15,13 +15,12 @@ import numpy as np
 from seqpipe.run import config as config_lib
 
 REPO = Path(__file__).resolve().parent.parent
-# The trainer subprocesses many tests start compile the same tiny steps: they share a
-# persistent compilation cache, so every compile after the first is a lookup. The test
-# processes themselves keep none: serializing an executable for the cache segfaulted in a
-# long-lived test worker (XLA:CPU, jax 0.12: three full runs, 2026-12-07, in two tests
-# that pass alone), and cold, as in CI, a worker gains little from it
-# (tests/test_tensor.py: 222 s with it, 209 s without).
+# Many tests here compile the same tiny step; a persistent compilation cache (shared with
+# the subprocesses) turns every compile after the first into a lookup. Set while modules are
+# collected, before anything compiles.
 COMPILE_CACHE = Path(tempfile.gettempdir()) / f"seqpipe-test-jax-cache-{os.getuid()}"
+jax.config.update("jax_compilation_cache_dir", str(COMPILE_CACHE))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 # A model small enough that a step is milliseconds: the tests are about the machinery.
 TINY = {
     "data.tokenizer": "byte",
