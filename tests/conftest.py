@@ -21,6 +21,12 @@ import pytest  # noqa: E402
 from seqpipe.models import noise  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _executables_released_between_tests():
+    yield
+    helpers.release_executables_if_crowded()
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _float64_in_a_process_of_its_own():
     """`noise.float64_reference` runs in a helper process, one per test worker: switching

@@ -2,6 +2,7 @@
 environment of a trainer subprocess, the one helper that runs `train.py` as a process,
 TensorBoard event readers, and the oracle's leaf-wise error."""
 
+import gc
 import os
 import struct
 import subprocess
@@ -170,4 +171,26 @@ def float64_reference(params, batch, cfg):
     module; the test process's `noise.float64_reference` sends its calls here)."""
     from seqpipe.models import noise
 
-    return noise.float64_reference(params, batch, cfg)
+    try:
+        return noise.float64_reference(params, batch, cfg)
+    finally:
+        release_executables_if_crowded()
+
+
+# Linux refuses a process more memory maps than vm.max_map_count (65,530 by default), and
+# XLA:CPU maps each executable's code: a test worker that kept every executable it compiled
+# (jax's caches hold them) passed that in a full run and segfaulted in a compile (a
+# pipeline test adds 500 to 1,300 maps; 2026-12-07).
+MAPS_BEFORE_RELEASE = 20_000
+
+
+def release_executables_if_crowded() -> None:
+    """Drop jax's cached executables where this process holds many memory maps."""
+    try:
+        with open("/proc/self/maps") as maps:
+            count = sum(1 for _ in maps)
+    except OSError:  # not Linux
+        return
+    if count > MAPS_BEFORE_RELEASE:
+        jax.clear_caches()
+        gc.collect()
