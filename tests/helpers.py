@@ -1,6 +1,7 @@
 """What many test modules share: the repository, the tiny model's overrides, the
 environment of a trainer subprocess, the one helper that runs `train.py` as a process,
-TensorBoard event readers, and the oracle's leaf-wise error."""
+TensorBoard event readers, the oracle's leaf-wise error, and the release of cached
+executables before a process runs out of memory maps."""
 
 import gc
 import os
@@ -178,9 +179,9 @@ def float64_reference(params, batch, cfg):
 
 
 # Linux refuses a process more memory maps than vm.max_map_count (65,530 by default), and
-# XLA:CPU maps each executable's code: a test worker that kept every executable it compiled
-# (jax's caches hold them) passed that in a full run and segfaulted in a compile (a
-# pipeline test adds 500 to 1,300 maps; 2026-12-07).
+# XLA:CPU maps each executable's code. A test worker keeping every executable it compiled
+# (jax's caches hold them) heads for that limit in a full run, a pipeline test adding 500
+# to 1,300 maps, and workers segfaulted inside XLA two-thirds through (2026-12-07).
 MAPS_BEFORE_RELEASE = 20_000
 
 
