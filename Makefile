@@ -12,7 +12,7 @@ WORKDIR   ?= runs/demo
 PYTHON    ?=
 OLDEST_PYTHON ?= $(firstword $(wildcard $(or $(PYENV_ROOT),$(HOME)/.pyenv)/versions/3.11*/bin/python3) python3.11)
 
-.PHONY: install install-oldest which-python train test test-oldest test-all budgets budgets-update lint bench bench-accelerator bench-device clean
+.PHONY: install install-oldest which-python train test test-oldest test-oracles test-all budgets budgets-update lint bench bench-accelerator bench-device clean
 
 # Each candidate prints "<minor> <path>" when it is a final CPython 3.12+ release with venv
 # and ensurepip and without the free-threaded build (no wheels for that); a pyenv shim of
@@ -49,7 +49,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # The JAX stack at the lower bounds pyproject.toml declares, each pinned exactly, so that
-# those bounds are what CI tests; the dev extra picks jax[tpu] 0.10.2's libtpu on 3.11.
+# those bounds are what CI tests; the dev extra picks jax[tpu] 0.10.2's libtpu on 3.11, and
+# the oracle extra torch 2.13.0 (a CPU build on 3.11) and transformers for make test-oracles.
 install-oldest: $(OLD_STAMP)
 
 $(OLD_STAMP): pyproject.toml
@@ -58,7 +59,7 @@ $(OLD_STAMP): pyproject.toml
 	$(OLD_PY) -c 'import re, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
 	  [print(d.replace(">=", "==")) for d in p["dependencies"] + p["optional-dependencies"]["dev"] \
 	   if re.match(r"(jax|flax|optax|orbax-checkpoint|grain|chex)>=", d)]' > .venv-oldest/lower-bounds.txt
-	$(OLD_PY) -m pip install -q -e '.[dev]' -c .venv-oldest/lower-bounds.txt
+	$(OLD_PY) -m pip install -q -e '.[dev,oracle]' -c .venv-oldest/lower-bounds.txt
 	$(call cuda_compiler,.venv-oldest)
 	touch $(OLD_STAMP)
 
@@ -72,6 +73,11 @@ test: $(STAMP)
 # a resume, a TPU compile (tests marked `oldest`).
 test-oldest: $(OLD_STAMP)
 	$(OLD_PY) -m pytest -n 2 -q -m oldest
+
+# The live oracles (tests marked `transformers`): transformers itself, run here and now, on
+# the Python 3.11 stack, where torch has a CPU build; a missing library fails, not skips.
+test-oracles: $(OLD_STAMP)
+	$(OLD_PY) -m pytest -n 2 -q -m transformers
 
 test-all: $(STAMP)
 	$(PY) -m pytest -n 2 -q -m ''

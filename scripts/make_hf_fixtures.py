@@ -1,7 +1,7 @@
 """Make the HuggingFace oracle fixtures under tests/fixtures/hf with transformers itself.
 
-    .venv/bin/pip install torch==2.13.0 transformers safetensors   # a CPU torch
-    .venv/bin/python scripts/make_hf_fixtures.py [--out tests/fixtures/hf]
+    make install-oldest   # .venv-oldest: Python 3.11 with torch 2.13.0 (CPU) and transformers
+    .venv-oldest/bin/python scripts/make_hf_fixtures.py [--out tests/fixtures/hf] [--gap_only]
 
 Each fixture is a tiny seeded model saved by `save_pretrained` (config.json and safetensors)
 with transformers' float32 logits and loss on fixed tokens (`oracle.npz`, `oracle.json`).
@@ -12,12 +12,24 @@ row 0 (`router_aux`) and, in oracle.json, the smallest gap between a token's k-t
 (k+1)-th router logit over every layer of both oracles (`router_margin`: a near tie could
 pick other experts under float32 rounding).
 
-seqpipe's tests read these files without torch (tests/test_hf.py); when transformers is
-importable they also rebuild the oracle live with `oracle` below.
+oracle.json also holds transformers' own float32 noise: `float64_gap` (max |logit_f32 -
+logit_f64| over oracle.npz's logits) and `float64_gap_packed` (over oracle_packed.npz's), the
+bound seqpipe's float32 error is held to a small multiple of (tests/test_hf.py). The float64
+logits are the same model in float64 throughout (`float64_oracle`): transformers' float64
+path alone (`.double()`) keeps RoPE's inverse frequencies and cos/sin tables, each RMSNorm,
+the attention softmax and the router softmax in float32, so those are computed in float64
+here, the inverse frequencies recomputed in float64 from the config (`inv_freq64`).
+`--gap_only` adds the two gaps to existing fixtures, leaving every other file as it was.
+
+seqpipe's tests read these files without torch (tests/test_hf.py); the tests marked
+`transformers` (make test-oracles) also rebuild the oracle live with `oracle` below.
 """
 
 import argparse
+import contextlib
+import copy
 import json
+import math
 import os
 import shutil
 import sys
@@ -246,6 +258,104 @@ def oracle(model, ids: np.ndarray) -> tuple[np.ndarray, float]:
     return out.logits.float().numpy(), float(out.loss)
 
 
+def inv_freq64(config) -> np.ndarray:
+    """RoPE's inverse frequencies in float64 from the config: the default ones or llama3's
+    scaling (the rope types the fixtures use), as transformers computes them in float32."""
+    rope = config.rope_parameters
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    inv = 1.0 / rope["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    if rope["rope_type"] == "default":
+        return inv
+    if rope["rope_type"] != "llama3":
+        raise ValueError(f"inv_freq64 computes no {rope['rope_type']} rope")
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > old / low, inv / factor, inv)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+    return np.where(medium, smoothed, scaled)
+
+
+@contextlib.contextmanager
+def _float64_throughout():
+    """While it lasts, every float32 cast in transformers' forward (`.float()`,
+    `.to(torch.float32)`, softmax's dtype=torch.float32) gives float64 instead."""
+    to, float_, softmax = torch.Tensor.to, torch.Tensor.float, torch.nn.functional.softmax
+    up = lambda d: torch.float64 if d is torch.float32 else d  # noqa: E731
+
+    def to64(self, *args, **kwargs):
+        args = tuple(up(a) if isinstance(a, torch.dtype) else a for a in args)
+        if "dtype" in kwargs:
+            kwargs["dtype"] = up(kwargs["dtype"])
+        return to(self, *args, **kwargs)
+
+    def softmax64(x, *args, dtype=None, **kwargs):
+        return softmax(x, *args, dtype=up(dtype), **kwargs)
+
+    torch.Tensor.to, torch.Tensor.float = to64, lambda self, *a, **k: self.double()
+    torch.nn.functional.softmax = softmax64
+    try:
+        yield
+    finally:
+        torch.Tensor.to, torch.Tensor.float, torch.nn.functional.softmax = to, float_, softmax
+
+
+def float64_model(model):
+    """A float64 copy of `model` with RoPE's inverse frequencies recomputed in float64 (each
+    float32 buffer `.double()` leaves is checked against them), experts run one by one
+    (torch's grouped_mm, transformers' default for them, takes no float64)."""
+    model64 = copy.deepcopy(model).double()
+    if experts(model):
+        model64.set_experts_implementation("eager")
+    inv = torch.from_numpy(inv_freq64(model.config))
+    for module in model64.modules():
+        if hasattr(module, "inv_freq"):
+            assert torch.allclose(module.inv_freq, inv, rtol=1e-6, atol=0), module
+            module.inv_freq = inv.clone()
+            module.original_inv_freq = inv.clone()
+    return model64
+
+
+def float64_oracle(model, ids: np.ndarray, **inputs) -> np.ndarray:
+    """The logits of `model` computed in float64 throughout (`float64_model` under
+    `_float64_throughout`), on `ids` or on packed rows given `packed_inputs`."""
+    model64 = float64_model(model)
+    with torch.no_grad(), _float64_throughout():
+        out = model64(input_ids=torch.from_numpy(ids), use_cache=False, **inputs)
+    assert out.logits.dtype == torch.float64
+    return out.logits.numpy()
+
+
+def float64_gaps(model, logits: np.ndarray, packed: np.ndarray) -> dict:
+    """{float64_gap, float64_gap_packed}: max |float32 - float64| of oracle.npz's `logits`
+    and oracle_packed.npz's `packed`."""
+    ids = tokens(model.config.vocab_size)
+    docs, pos = packed_rows()
+    packed64 = float64_oracle(model, ids[:, :LENGTH], **packed_inputs(docs, pos))
+    return {
+        "float64_gap": float(np.max(np.abs(logits - float64_oracle(model, ids)))),
+        "float64_gap_packed": float(np.max(np.abs(packed - packed64))),
+    }
+
+
+def write_gaps(name: str, out: Path) -> None:
+    """oracle.json with `float64_gaps` of the fixture's committed logits, the rest as it was."""
+    target = out / name
+    model = build(name)
+    logits = np.load(target / "oracle.npz")["logits"]
+    packed = np.load(target / "oracle_packed.npz")["logits"]
+    ids = tokens(model.config.vocab_size)
+    # the committed model (to 1e-5 as tests/test_hf.py's live check: arcee's GELU differs
+    # by 1.2e-6 from the committed logits on this machine)
+    np.testing.assert_allclose(oracle(model, ids)[0], logits, atol=1e-5, err_msg=name)
+    meta = json.loads((target / "oracle.json").read_text())
+    meta.update(float64_gaps(model, logits, packed))
+    (target / "oracle.json").write_text(json.dumps(meta, indent=1) + "\n")
+    print(f"{name}: float64 gap {meta['float64_gap']:.2e}, packed {meta['float64_gap_packed']:.2e}")
+
+
 # Packed rows of LENGTH tokens (issue 35): documents of these lengths in order, then
 # padding (document 0), positions restarted at each document.
 PACKED_ROWS = ((7, 1, 20, 12), (25, 10))
@@ -293,7 +403,7 @@ def write(name: str, out: Path) -> None:
     if experts(model):
         arrays["router_aux"] = router_aux(model, ids)
     np.savez_compressed(target / "oracle.npz", **arrays)
-    write_packed(model, target)
+    packed = write_packed(model, target)
     meta = {
         "loss": loss,
         "transformers": transformers.__version__,
@@ -302,21 +412,24 @@ def write(name: str, out: Path) -> None:
         "seed": SEED,
     }
     if experts(model):
-        packed = margin(model, ids[:, :LENGTH], **packed_inputs(*packed_rows()))
-        meta["router_margin"] = min(margin(model, ids), packed)
+        packed_margin = margin(model, ids[:, :LENGTH], **packed_inputs(*packed_rows()))
+        meta["router_margin"] = min(margin(model, ids), packed_margin)
+    meta.update(float64_gaps(model, logits, packed))
     (target / "oracle.json").write_text(json.dumps(meta, indent=1) + "\n")
     spread = float(logits.std())
     print(f"{name}: loss {loss:.6f}, logit std {spread:.3f}, files {sorted(os.listdir(target))}")
 
 
-def write_packed(model, target: Path) -> None:
-    """oracle_packed.npz: transformers' logits of PACKED_ROWS over the fixture's tokens."""
+def write_packed(model, target: Path) -> np.ndarray:
+    """oracle_packed.npz: transformers' logits of PACKED_ROWS over the fixture's tokens
+    (returned)."""
     ids = tokens(model.config.vocab_size)[:, :LENGTH]
     docs, pos = packed_rows()
     logits = packed_oracle(model, ids, docs, pos)
     i32 = lambda x: x.astype(np.int32)  # noqa: E731
     arrays = dict(tokens=i32(ids), documents=i32(docs), positions=i32(pos), logits=logits)
     np.savez_compressed(target / "oracle_packed.npz", **arrays)
+    return logits
 
 
 def tokenizer(vocab_size: int):
@@ -348,14 +461,21 @@ if __name__ == "__main__":
     parser.add_argument(
         "--packed_only", action="store_true", help="(re)write only oracle_packed.npz"
     )
+    parser.add_argument(
+        "--gap_only",
+        action="store_true",
+        help="add float64_gap and float64_gap_packed to each oracle.json, nothing else",
+    )
     parser.add_argument("--only", choices=MODELS, help="(re)write this fixture alone")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name in [args.only] if args.only else MODELS:
-        if args.packed_only:
+        if args.gap_only:
+            write_gaps(name, out)
+        elif args.packed_only:
             write_packed(build(name), out / name)
         else:
             write(name, out)
-    if not args.packed_only and not args.only:
+    if not args.packed_only and not args.gap_only and not args.only:
         bf16_copy(out)
