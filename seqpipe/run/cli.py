@@ -222,8 +222,21 @@ def init_distributed(args: argparse.Namespace) -> None:
     runtime_log.capture(args.workdir, logs.log_path(args.workdir, process), process, processes)
     if all(given):
         peers.initialize(args.coordinator, args.num_processes, args.process_id)
-    else:
+        return
+    try:
         peers.initialize()
+    except (RuntimeError, ValueError) as e:
+        # JAX's detection found no coordinator in the launcher's variables (Open MPI 5's
+        # mpirun without mpi4py; jax 0.10 reads Open MPI 4's only), or could not join it.
+        fail(
+            f"could not join the run this launcher's environment describes ({_line(e)}); "
+            "give --coordinator, --num_processes and --process_id instead"
+        )
+
+
+def _line(error: Exception) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0].rstrip(".") if lines else type(error).__name__
 
 
 def _launcher_rank() -> tuple[int, int]:
