@@ -18,7 +18,8 @@ bound seqpipe's float32 error is held to a small multiple of (tests/test_hf.py).
 logits are the same model in float64 throughout (`float64_oracle`): transformers' float64
 path alone (`.double()`) keeps RoPE's inverse frequencies and cos/sin tables, each RMSNorm,
 the attention softmax and the router softmax in float32, so those are computed in float64
-here, the inverse frequencies recomputed in float64 from the config (`inv_freq64`).
+here, the inverse frequencies recomputed in float64 by transformers' own rope function
+(`inv_freq64`).
 `--gap_only` adds the two gaps to existing fixtures, leaving every other file as it was.
 
 seqpipe's tests read these files without torch (tests/test_hf.py); the tests marked
@@ -29,7 +30,6 @@ import argparse
 import contextlib
 import copy
 import json
-import math
 import os
 import shutil
 import sys
@@ -258,24 +258,21 @@ def oracle(model, ids: np.ndarray) -> tuple[np.ndarray, float]:
     return out.logits.float().numpy(), float(out.loss)
 
 
-def inv_freq64(config) -> np.ndarray:
-    """RoPE's inverse frequencies in float64 from the config: the default ones or llama3's
-    scaling (the rope types the fixtures use), as transformers computes them in float32."""
-    rope = config.rope_parameters
-    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    inv = 1.0 / rope["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
-    if rope["rope_type"] == "default":
-        return inv
-    if rope["rope_type"] != "llama3":
-        raise ValueError(f"inv_freq64 computes no {rope['rope_type']} rope")
-    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
-    old = rope["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv
-    scaled = np.where(wavelen > old / low, inv / factor, inv)
-    smooth = (old / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < old / high) & ~(wavelen > old / low)
-    return np.where(medium, smoothed, scaled)
+def inv_freq64(rotary) -> torch.Tensor:
+    """A rotary embedding module's inverse frequencies in float64: transformers' own rope
+    function of its type (default, llama3, linear, yarn, ...) run with `torch.float` and
+    `torch.float32` standing for float64 (it builds them in float32)."""
+    fn = rotary.compute_default_rope_parameters
+    if rotary.rope_type != "default":
+        fn = transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS[rotary.rope_type]
+    single = torch.float32
+    torch.float = torch.float32 = torch.float64
+    try:
+        inv, scaling = fn(rotary.config)
+    finally:
+        torch.float = torch.float32 = single
+    assert inv.dtype == torch.float64 and scaling == rotary.attention_scaling
+    return inv
 
 
 @contextlib.contextmanager
@@ -309,12 +306,11 @@ def float64_model(model):
     model64 = copy.deepcopy(model).double()
     if experts(model):
         model64.set_experts_implementation("eager")
-    inv = torch.from_numpy(inv_freq64(model.config))
     for module in model64.modules():
         if hasattr(module, "inv_freq"):
+            inv = inv_freq64(module)
             assert torch.allclose(module.inv_freq, inv, rtol=1e-6, atol=0), module
-            module.inv_freq = inv.clone()
-            module.original_inv_freq = inv.clone()
+            module.inv_freq, module.original_inv_freq = inv, inv.clone()
     return model64
 
 
