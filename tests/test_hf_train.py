@@ -320,11 +320,11 @@ def test_export_of_a_workdir_without_checkpoints_is_one_line(tmp_path):
     assert not out.exists()
 
 
-@pytest.mark.slow
+@pytest.mark.transformers  # not `slow` as well: make test-oracles runs it, no shard
 def test_export_writes_what_transformers_loads(tmp_path):
     """An export of a checkpoint trained here: transformers' logits equal seqpipe's."""
-    transformers = pytest.importorskip("transformers")
     import torch
+    import transformers
 
     work, out = tmp_path / "run", tmp_path / "export"
     assert run(["--config", SPEC, "--workdir", str(work), *run_args(tmp_path)]).returncode == 0
@@ -378,13 +378,13 @@ def test_a_longer_context_may_change_the_rope():
     )
 
 
-@pytest.mark.slow
+@pytest.mark.transformers  # not `slow` as well: make test-oracles runs it, no shard
 def test_continued_pretraining_end_to_end(tmp_path):
     """Import the GQA Llama (llama3 rope, trained context 16 x 8), train 20 steps of
     seq1f1b on a 2 x 4 mesh at 256 tokens with the rope factor doubled, export: the
     export loads in transformers, whose logits equal seqpipe's at 256 tokens."""
-    transformers = pytest.importorskip("transformers")
     import torch
+    import transformers
 
     text = tmp_path / "corpus.txt"
     text.write_text("".join(p.read_text() for p in sorted((REPO / "seqpipe").glob("*.py"))))
