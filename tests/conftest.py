@@ -1,4 +1,5 @@
-"""Every test runs on CPU with 8 fake XLA devices, set before jax is imported."""
+"""Every test runs on CPU with 8 fake XLA devices, set before jax is imported; `--shard i/N`
+keeps the i-th of N deterministic shards of the selected tests (`make test-shard`)."""
 
 import os
 
@@ -11,14 +12,37 @@ import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
 
-
-import multiprocessing  # noqa: E402
-from concurrent.futures import ProcessPoolExecutor  # noqa: E402
+import subprocess  # noqa: E402
+import zlib  # noqa: E402
 
 import helpers  # noqa: E402
 import pytest  # noqa: E402
 
-from seqpipe.models import noise  # noqa: E402
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--shard",
+        default=None,
+        metavar="I/N",
+        help="run only shard I of N (0 <= I < N): the tests whose id hashes to I",
+    )
+
+
+def shard_of(nodeid: str, count: int) -> int:
+    """A test's shard: the same on every machine, run and worker (CRC-32 of its id)."""
+    return zlib.crc32(nodeid.encode()) % count
+
+
+def pytest_collection_modifyitems(config, items):
+    shard = config.getoption("--shard")
+    if not shard:
+        return
+    index, _, count = shard.partition("/")
+    if not (index.isdigit() and count.isdigit() and int(index) < int(count)):
+        raise pytest.UsageError(f"--shard {shard!r}: give I/N with 0 <= I < N, e.g. 3/8")
+    mine = [shard_of(item.nodeid, int(count)) == int(index) for item in items]
+    config.hook.pytest_deselected(items=[i for i, m in zip(items, mine, strict=True) if not m])
+    items[:] = [i for i, m in zip(items, mine, strict=True) if m]
 
 
 @pytest.fixture(autouse=True)
@@ -27,21 +51,13 @@ def _executables_released_between_tests():
     helpers.release_executables_if_crowded()
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _float64_in_a_process_of_its_own():
-    """`noise.float64_reference` runs in a helper process, one per test worker: switching
-    jax to 64-bit inside a process that also compiles through the persistent compilation
-    cache crashed XLA's executable serialization (2 of 2 full runs, 2026-12-06)."""
-    pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
-    original = noise.float64_reference
-
-    def remote(params, batch, cfg):
-        args = jax.device_get(params), jax.device_get(batch), cfg
-        return pool.submit(helpers.float64_reference, *args).result()
-
-    noise.float64_reference = remote
-    try:
-        yield
-    finally:
-        noise.float64_reference = original
-        pool.shutdown()
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MiB tmpfs: a real file system that fills up (mounting needs root)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)]
+    if os.geteuid() != 0 or subprocess.run(mount, capture_output=True).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+    yield disk
+    subprocess.run(["umount", str(disk)], check=True)

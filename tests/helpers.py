@@ -3,8 +3,9 @@ environment of a trainer subprocess, the one helper that runs `train.py` as a pr
 TensorBoard event readers, the oracle's leaf-wise error, and the release of cached
 executables before a process runs out of memory maps."""
 
-import gc
+import errno
 import os
+import platform
 import struct
 import subprocess
 import sys
@@ -12,11 +13,21 @@ import tempfile
 from pathlib import Path
 
 import jax
-import numpy as np
+import pytest
 
 from seqpipe.run import config as config_lib
+from seqpipe.tools import flops
 
 REPO = Path(__file__).resolve().parent.parent
+# The compilers for chips that are not here: libtpu, JAX's CUDA plugin (`make install`).
+needs_libtpu = pytest.mark.skipif(
+    not (sys.platform == "linux" and platform.machine() == "x86_64"),
+    reason="libtpu exists for Linux x86-64 only",
+)
+needs_plugin = pytest.mark.skipif(
+    sys.platform != "linux" or platform.machine() not in ("x86_64", "aarch64"),
+    reason="JAX's CUDA plugin exists for Linux only",
+)
 # Many tests here compile the same tiny step; a persistent compilation cache (shared with
 # the subprocesses) turns every compile after the first into a lookup. Set while modules are
 # collected, before anything compiles.
@@ -51,6 +62,18 @@ PIPELINED = {
     "pipeline.schedule": "seq1f1b",
     "pipeline.microbatches": "2",
     "pipeline.segments": "2",
+}
+
+# 1 x 8: process 0 holds stages 0-3 and process 1 stages 4-7, so each writes and reads only
+# its own layers: damage in process 1's file is seen by process 1 alone.
+ONE_BY_EIGHT = {
+    **PIPELINED,
+    "mesh.data": "1",
+    "mesh.stage": "8",
+    "model.num_layers": "8",
+    "train.steps": "4",
+    "checkpoint.every": "1",
+    "checkpoint.keep": "0",
 }
 
 
@@ -145,53 +168,37 @@ def run_train(
     )
 
 
-# The oracle tests' tolerances in float32: the loss relative, each gradient leaf's largest
-# difference relative to its largest magnitude (observed about 1e-6). `seqpipe.verify`
-# judges against the float32 noise instead (`tests/test_noise.py`).
-LOSS_RTOL = 1e-5
-GRAD_RTOL = 1e-5
-
-
-def max_relative_error(actual, expected) -> tuple[str, float]:
-    """The worst leaf and its max |actual - expected| / max |expected| (comparisons the
-    oracle tests use; `seqpipe.verify` judges against the float32 noise instead)."""
-    worst = ("", 0.0)
-    for (path, a), e in zip(
-        jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(expected), strict=True
-    ):
-        a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
-        scale = max(float(np.max(np.abs(e))), np.finfo(np.float32).tiny)
-        err = float(np.max(np.abs(a - e))) / scale
-        if err > worst[1] or not np.isfinite(err):
-            worst = (jax.tree_util.keystr(path), err)
-    return worst
-
-
-def float64_reference(params, batch, cfg):
-    """`noise.float64_reference`, for conftest's helper process to run (it imports this
-    module; the test process's `noise.float64_reference` sends its calls here)."""
-    from seqpipe.models import noise
-
-    try:
-        return noise.float64_reference(params, batch, cfg)
-    finally:
-        release_executables_if_crowded()
-
-
 # Linux refuses a process more memory maps than vm.max_map_count (65,530 by default), and
-# XLA:CPU maps each executable's code. A test worker keeping every executable it compiled
-# (jax's caches hold them) heads for that limit in a full run, a pipeline test adding 500
-# to 1,300 maps, and workers segfaulted inside XLA two-thirds through (2026-12-07).
+# XLA:CPU maps each executable's code pages. jax's caches keep every executable a process
+# compiled alive (jit caches keyed by static configs, lowering and compilation caches), as
+# does `tools.flops`'s unit cache: a pipeline test adds 500 to 1,300 maps to its worker, and
+# workers segfaulted inside XLA two-thirds through a full run (2026-12-07). Dropping them
+# when a worker passes 20,000 maps keeps it far from the limit.
 MAPS_BEFORE_RELEASE = 20_000
 
 
 def release_executables_if_crowded() -> None:
-    """Drop jax's cached executables where this process holds many memory maps."""
+    """Drop every cached executable (jax's and `tools.flops`'s) where this process holds
+    many memory maps."""
     try:
         with open("/proc/self/maps") as maps:
             count = sum(1 for _ in maps)
     except OSError:  # not Linux
         return
     if count > MAPS_BEFORE_RELEASE:
-        jax.clear_caches()
-        gc.collect()
+        flops.release()
+
+
+def fill_disk(disk, leave: int) -> None:
+    """Fill the file system up, then give back `leave` bytes."""
+    filler = disk / "filler"
+    # Unbuffered: a buffered file keeps the bytes a short write left over and raises again
+    # when closed, whenever the free space is not a multiple of the chunk.
+    with open(filler, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+    os.truncate(filler, os.path.getsize(filler) - leave)

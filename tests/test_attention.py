@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernel_helpers import in_cache, verify_triton_lowerings
 
 from seqpipe.kernels import attention, blockwise, kv_cache, pallas_gpu, splash
 from seqpipe.kernels.attention import segment_attention
@@ -87,23 +88,10 @@ def test_grouped_blockwise_matches_xla(kv):
     check_segments(cached_small_blocks, (5, 7), h=4, kv=kv)
 
 
-def _in_cache(kp, vp, dtype):
-    """A `kv_cache.Prefix` holding kp, vp in slot 1, layer 2 of two-slot, three-layer caches
-    (stored as words) whose other positions hold 7s, as the executor's neighbours would
-    (slot and layer differ, so reading one for the other fails)."""
-    b, length, h, e = kp.shape
-    base = jnp.full((2, 3, b, length + 5, h, e), 7.0, dtype)
-    words = [
-        kv_cache.to_words(base.at[1, 2, :, :length].set(jax.lax.stop_gradient(x).astype(dtype)))
-        for x in (kp, vp)
-    ]
-    return kv_cache.Prefix(*words, jnp.int32(1), jnp.int32(2))
-
-
 def cached_small_blocks(q, kp, vp, ks, vs):
     """`blockwise.cached_attention` reading the prefix from a cache; kp, vp themselves are
     the sinks, so their cotangents are the prefix's."""
-    cache = _in_cache(kp, vp, q.dtype)
+    cache = in_cache(kp, vp, q.dtype)
     return blockwise.cached_attention(q, cache, kp, vp, ks, vs, kp.shape[1], 4, 3)
 
 
@@ -119,7 +107,7 @@ def test_bfloat16_cache_words_give_blockwise_bit_for_bit():
     own, pre = slice(6, 13), slice(0, 6)
     args = (q[:, own], k[:, pre], v[:, pre], k[:, own], v[:, own])
     want = _out_and_grads(small_blocks)(*args, g[:, own])
-    cache = _in_cache(k[:, pre], v[:, pre], jnp.bfloat16)
+    cache = in_cache(k[:, pre], v[:, pre], jnp.bfloat16)
     assert cache.words_k.dtype == jnp.uint16
     sink = jnp.zeros((2, 9, 3, 8), jnp.bfloat16)
 
@@ -227,7 +215,7 @@ def test_pallas_gpu_in_bfloat16_matches_xla_within_rounding():
 def cached_tiny_tiles(q, kp, vp, ks, vs):
     """`pallas_gpu.cached_attention` reading the prefix from a cache (kp, vp are the
     sinks, so their cotangents are the prefix's)."""
-    cache = _in_cache(kp, vp, q.dtype)
+    cache = in_cache(kp, vp, q.dtype)
     fn = pallas_gpu.cached_attention
     return fn(q, cache, kp, vp, ks, vs, kp.shape[1], TINY_TILES, True)
 
@@ -247,7 +235,7 @@ def test_bfloat16_cache_words_give_pallas_gpu_bit_for_bit():
     args = (q[:, own], k[:, pre], v[:, pre], k[:, own], v[:, own])
     tiles = functools.partial(pallas_gpu.pallas_gpu_attention, blocks=TINY_TILES, interpret=True)
     want = _out_and_grads(tiles)(*args, g[:, own])
-    cache = _in_cache(k[:, pre], v[:, pre], jnp.bfloat16)
+    cache = in_cache(k[:, pre], v[:, pre], jnp.bfloat16)
     assert cache.words_k.dtype == jnp.uint16
     sink = jnp.zeros((2, 9, 3, 8), jnp.bfloat16)
 
@@ -259,22 +247,6 @@ def test_bfloat16_cache_words_give_pallas_gpu_bit_for_bit():
     for name, x, y in zip(NAMES, got, want, strict=True):
         np.testing.assert_array_equal(np.asarray(x[:, : y.shape[1]], np.float32), y, err_msg=name)
     assert not np.asarray(got[2][:, 6:], np.float32).any()
-
-
-def _verify_triton_lowerings(monkeypatch) -> list:
-    """The MLIR verifier's verdict on each Triton module JAX lowers from here on."""
-    from jax._src.pallas.triton import lowering
-
-    verified = []
-    lower = lowering.lower_jaxpr_to_triton_module
-
-    def lower_and_verify(*args, **kwargs):
-        result = lower(*args, **kwargs)
-        verified.append(result.module.operation.verify())
-        return result
-
-    monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", lower_and_verify)
-    return verified
 
 
 def _cached_out_and_grads(sink_shape: tuple):
@@ -299,7 +271,7 @@ def test_pallas_gpu_lowers_to_verified_triton_modules(monkeypatch):
     as arrays and in a K/V cache: JAX lowers the four kernels (forward, prefix dK/dV, own
     dK/dV, dq) to Triton modules that pass MLIR's verifier. This needs no GPU; compiling
     them to PTX and running them does."""
-    verified = _verify_triton_lowerings(monkeypatch)
+    verified = verify_triton_lowerings(monkeypatch)
     shape = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.bfloat16)
     q, prefix = shape((2, 100, 4, 128)), shape((2, 300, 4, 128))
     with compat.gpu_target("NVIDIA H200"):
@@ -324,7 +296,7 @@ def test_grouped_pallas_gpu_lowers_to_verified_triton_modules(monkeypatch):
     """Llama 3.1 8B's grouping (4 query heads per K/V head), bf16, E = 128, the prefix in a
     K/V cache: the K/V index maps (h // 4) and the cache reads lower to Triton modules that
     pass MLIR's verifier."""
-    verified = _verify_triton_lowerings(monkeypatch)
+    verified = verify_triton_lowerings(monkeypatch)
     q = jax.ShapeDtypeStruct((1, 100, 8, 128), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 100, 2, 128), jnp.bfloat16)
     words = jax.ShapeDtypeStruct((2, 3, 1, 400, 2, 128), jnp.uint16)

@@ -5,7 +5,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
-from test_topology import needs_libtpu
+from helpers import needs_libtpu
 
 from seqpipe.pipeline import spec
 from seqpipe.run import attention_auto

@@ -6,7 +6,7 @@ The oracles: a dense softmax with the explicit block-diagonal causal mask writte
 (attention); each document run alone as its own row (the model: no key of another
 document, positions from 0); the reference (`reference.loss_and_grads`) for the pipeline,
 itself checked against the documents run alone. The default run takes an all-pairs sample
-of the schedule matrix; `make test-all` runs all of it.
+of the schedule matrix; the shards run the rest.
 """
 
 import dataclasses
@@ -16,20 +16,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import GRAD_RTOL, LOSS_RTOL, max_relative_error, run_of
+from helpers import run_of
+from kernel_helpers import in_cache
+from oracle import LLAMA, SEQ_LEN, check, make_config, randomized_gains, tensor_config
 from packed_rows import layouts, on_device, packed_batch
-from pairwise import all_pairs, full_product
-from test_attention import _in_cache
-from test_pipeline import LLAMA, SEQ_LEN, make_config, randomized_gains
-from test_tensor import tensor_config
+from pairwise import all_pairs, full_product, sampled
 
 from seqpipe import schedule as schedule_lib
 from seqpipe.kernels import attention, blockwise
 from seqpipe.models import document_mask, model, reference
 from seqpipe.parallel import sharding
 from seqpipe.pipeline import executor
-from seqpipe.tools.verify import canonical_loss_and_grads
 
+LOSS_RTOL = 1e-5  # a loss against the reference
 NAMES = ("out", "dq", "dk_prefix", "dv_prefix", "dk_own", "dv_own")
 TOL = 1e-5
 
@@ -81,7 +80,7 @@ def out_and_grads(fn, arrays, g):
 def cached_small_blocks(q, kp, vp, ks, vs, documents):
     """`blockwise.cached_attention` reading the prefix from a cache (test_attention's);
     kp, vp themselves are the sinks, so their cotangents are the prefix's."""
-    cache = _in_cache(kp, vp, q.dtype)
+    cache = in_cache(kp, vp, q.dtype)
     return blockwise.cached_attention(q, cache, kp, vp, ks, vs, kp.shape[1], 4, 3, documents)
 
 
@@ -313,46 +312,19 @@ def packed_config(schedule, mesh, k, part, remat="full", attention_name="xla", a
     return c
 
 
-def check_packed(config, arch="gpt"):
-    """The pipeline on packed rows against the reference (`xla`), loss and every gradient."""
-    spec = executor.make_spec(config)
-    mesh = sharding.mesh_of(config)
-    params = model.init_params(spec.cfg, jax.random.key(0))
-    if arch == "llama":
-        params = randomized_gains(params)
-    batch = packed_batch(config.train.global_batch_size, SEQ_LEN, spec.cfg.vocab_size)
-    oracle = dataclasses.replace(spec.cfg, attention="xla")
-    ref = jax.jit(reference.loss_and_grads, static_argnums=2)
-    ref_loss, ref_grads = ref(params, {k: jnp.asarray(v) for k, v in batch.items()}, oracle)
-    rows = on_device(batch, sharding.batch_sharding(mesh))
-    step = jax.jit(lambda p, b: canonical_loss_and_grads(p, b, spec, mesh))
-    loss, grads = step(params, rows)
-    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=LOSS_RTOL)
-    leaf, err = max_relative_error(grads, ref_grads)
-    assert err <= GRAD_RTOL, f"gradient {leaf} off by {err:.2e} (relative)"
-    return float(loss)
-
-
 def case_id(case):
     schedule, (d, s), k, *rest = case
     return "-".join([f"{schedule}-{d}x{s}-K{k}", *rest])
 
 
-SAMPLE = all_pairs(FACTORS, valid)
-# Under `make test-all`: every schedule, mesh, K and partition (the default policy,
-# attention and model), besides the sample.
-FULL = [c for c in full_product(FACTORS[:4], valid) if c + ("full", "xla", "gpt") not in SAMPLE]
+# In the shards: every schedule, mesh, K and partition (the default policy, attention and
+# model), besides the sample.
+FULL = [c + ("full", "xla", "gpt") for c in full_product(FACTORS[:4], valid)]
 
 
-@pytest.mark.parametrize("case", SAMPLE, ids=case_id)
+@pytest.mark.parametrize("case", sampled(all_pairs(FACTORS, valid), FULL), ids=case_id)
 def test_packed_pipeline_matches_reference(case):
-    check_packed(packed_config(*case), case[-1])
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("case", FULL, ids=case_id)
-def test_packed_pipeline_matches_reference_full_matrix(case):
-    check_packed(packed_config(*case), case[-1])
+    check(packed_config(*case), packed=True)
 
 
 TENSOR_CASES = [
@@ -364,7 +336,7 @@ TENSOR_CASES = [
 
 @pytest.mark.parametrize("case", TENSOR_CASES, ids=lambda c: f"{c[0]}-{c[1]}-K{c[2]}-{c[3]}-{c[4]}")
 def test_packed_tensor_parallel_pipeline_matches_reference(case):
-    check_packed(tensor_config(*case), case[-1])
+    check(tensor_config(*case), packed=True)
 
 
 def test_micro_batches_and_replicas_each_get_their_own_rows_ids():

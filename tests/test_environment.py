@@ -7,8 +7,8 @@ import os
 
 import numpy as np
 import pytest
+from helpers import fill_disk
 from hostile import read_only_later
-from test_faults import _fill, small_disk  # noqa: F401  (a fixture)
 
 from seqpipe.data import loader
 from seqpipe.run import cli, config
@@ -55,10 +55,10 @@ def test_a_read_only_cache_is_refused_before_tokenizing_and_read_when_filled(tmp
         np.testing.assert_array_equal(loader.load_tokens(c, "")[0], train)
 
 
-def test_a_full_cache_disk_is_one_line_and_leaves_no_partial_file(small_disk):  # noqa: F811
+def test_a_full_cache_disk_is_one_line_and_leaves_no_partial_file(small_disk):
     cache = small_disk / "cache"
     cache.mkdir()
-    _fill(small_disk, leave=16 * 1024)  # the token array needs 116 KB
+    fill_disk(small_disk, leave=16 * 1024)  # the token array needs 116 KB
     with pytest.raises(loader.DataError) as info:
         loader.load_tokens(_config(small_disk.parent, cache), "")
     message = str(info.value)

@@ -1,6 +1,5 @@
 """Faults, for real: NaN steps, SIGKILL in the middle of a checkpoint save, a full disk."""
 
-import errno
 import json
 import os
 import signal
@@ -13,7 +12,16 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from helpers import REPO, read_events, run_of, run_train, subprocess_env, tiny_args, tiny_config
+from helpers import (
+    REPO,
+    fill_disk,
+    read_events,
+    run_of,
+    run_train,
+    subprocess_env,
+    tiny_args,
+    tiny_config,
+)
 
 from seqpipe.parallel import sharding
 from seqpipe.train import checkpoint, optim, trainer
@@ -136,33 +144,6 @@ def test_sigkill_during_a_checkpoint_save_resumes_from_the_previous_one(tmp_path
     assert _logged(workdir) == {r["step"]: r["loss"] for r in straight}
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 4 MiB tmpfs: a real file system that fills up (mounting needs root)."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mount = ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)]
-    if os.geteuid() != 0 or subprocess.run(mount, capture_output=True).returncode:
-        pytest.skip("mounting a small tmpfs needs root")
-    yield disk
-    subprocess.run(["umount", str(disk)], check=True)
-
-
-def _fill(disk, leave: int) -> None:
-    """Fill the file system up, then give back `leave` bytes."""
-    filler = disk / "filler"
-    # Unbuffered: a buffered file keeps the bytes a short write left over and raises again
-    # when closed, whenever the free space is not a multiple of the chunk.
-    with open(filler, "wb", buffering=0) as f:
-        try:
-            while True:
-                f.write(b"\0" * 65536)
-        except OSError as e:
-            if e.errno != errno.ENOSPC:
-                raise
-    os.truncate(filler, os.path.getsize(filler) - leave)
-
-
 @pytest.mark.parametrize(
     "leave, reason",
     # Far too little is refused before orbax starts; a little less than the checkpoint's
@@ -178,7 +159,7 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint(small_disk, leave
     config = tiny_config(**overrides)
     trainer.run(tiny_config(**overrides, **{"train.stop_at": "4"}), str(workdir))
     before = _restore_step(workdir, config, 4)
-    _fill(small_disk, leave)
+    fill_disk(small_disk, leave)
     proc = run_train(workdir, **overrides)
     assert proc.returncode == 1
     # orbax logs its writers' errors itself; the last line is ours.

@@ -1,5 +1,7 @@
 """FLOP accounting: the analytic count by hand, and XLA's executed count against it."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -289,3 +291,15 @@ def test_attention_flops_of_each_implementation(case):
             sum(count(s, int(o), GPT_1B.d_model) for s, o in zip(lengths, offsets, strict=True))
         )
     assert np.asarray(got) / analytic == pytest.approx(EXCESS[case], abs=1e-4)
+
+
+def test_flops_count_the_active_experts():
+    """remat none: the jaxpr's matmuls of the whole step equal the analytic count, which
+    counts each token's chosen experts (and the router), not all of them."""
+    arch = dict(mlp="swiglu", num_experts=4, experts_per_token=2, expert_d_ff=32)
+    spec = _spec(segments=2, remat="none", arch=arch)
+    assert flops.breakdown(spec, rows=1)["matmul"] == pytest.approx(1.0, rel=1e-9)
+    dense = dataclasses.replace(spec.cfg, num_experts=0, d_ff=2 * 32)
+    assert model.layer_matmul_params(spec.cfg) == model.layer_matmul_params(dense) + 64 * 4
+    shared = _spec(segments=2, remat="none", arch={**arch, "shared_expert_d_ff": 16})
+    assert flops.breakdown(shared, rows=1)["matmul"] == pytest.approx(1.0, rel=1e-9)

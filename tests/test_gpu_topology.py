@@ -5,24 +5,16 @@ Pallas GPU attention kernels lowered through Triton to PTX included)."""
 import json
 import math
 import os
-import platform
 import re
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import needs_plugin
 
 from seqpipe.targets import gpu_topology, topology
 from seqpipe.tools import step_cost
 
 REPO = Path(__file__).resolve().parent.parent
-
-# `make install` puts JAX's CUDA plugin in .venv/cuda-compiler on Linux (the wheels exist
-# for Linux only).
-needs_plugin = pytest.mark.skipif(
-    sys.platform != "linux" or platform.machine() not in ("x86_64", "aarch64"),
-    reason="JAX's CUDA plugin exists for Linux only",
-)
 
 
 @pytest.mark.parametrize(

@@ -14,9 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import run_python
-from test_gpu_topology import REPO, needs_plugin
-from test_topology import needs_libtpu
+from helpers import REPO, needs_libtpu, needs_plugin, run_python
+from kernel_helpers import verify_triton_lowerings
 
 from seqpipe.kernels import kv_cache, pallas_gpu, splash
 from seqpipe.targets import compat
@@ -238,9 +237,7 @@ def test_pallas_gpu_with_documents_lowers_to_verified_triton_modules(monkeypatch
     heads on 2 K/V heads): the four kernels with their document bounds (dynamic loop
     bounds, scalar loads), the prefix as arrays and in the K/V cache, lower to Triton
     modules that pass MLIR's verifier."""
-    from test_attention import _verify_triton_lowerings
-
-    verified = _verify_triton_lowerings(monkeypatch)
+    verified = verify_triton_lowerings(monkeypatch)
     shape = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.bfloat16)
     q, kv, prefix = shape((2, 100, 8, 128)), shape((2, 100, 2, 128)), shape((2, 300, 2, 128))
     q_ids, kv_ids = (jax.ShapeDtypeStruct((2, n), jnp.int32) for n in (100, 400))

@@ -4,7 +4,7 @@ parameters or gradients between stages; V = 1 changes nothing."""
 import jax
 import numpy as np
 from helpers import run_of
-from test_pipeline import make_config
+from oracle import make_config
 
 from seqpipe.parallel import layout, sharding
 from seqpipe.run import config as config_lib

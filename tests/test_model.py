@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import GRAD_RTOL, max_relative_error
 
 from seqpipe.kernels.attention import segment_attention
 from seqpipe.models import model
@@ -15,6 +14,21 @@ from seqpipe.models.model import GPTConfig
 
 CFG = GPTConfig(vocab_size=97, num_layers=3, d_model=32, num_heads=4, d_ff=48)
 SEQ = 24
+GRAD_RTOL = 1e-5  # of a leaf's largest magnitude: float32 sums in another order
+
+
+def max_relative_error(actual, expected) -> tuple[str, float]:
+    """The worst leaf and its max |actual - expected| / max |expected|."""
+    worst = ("", 0.0)
+    for (path, a), e in zip(
+        jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(expected), strict=True
+    ):
+        a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
+        scale = max(float(np.max(np.abs(e))), np.finfo(np.float32).tiny)
+        err = float(np.max(np.abs(a - e))) / scale
+        if err > worst[1] or not np.isfinite(err):
+            worst = (jax.tree_util.keystr(path), err)
+    return worst
 
 
 def assert_tree_close(actual, expected):

@@ -11,17 +11,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import PIPELINED, run_of, tiny_config
-from test_context import SEQ_LEN, check, context_config
-from test_flops import _spec
-from test_topology import needs_libtpu
+from helpers import PIPELINED, needs_libtpu, run_of, tiny_config
+from oracle import CONTEXT_SEQ_LEN as SEQ_LEN
+from oracle import check, context_config
+from pairwise import sampled
 
+from seqpipe import schedule as schedule_lib
 from seqpipe.models import model, moe
 from seqpipe.parallel import layout, sharding
 from seqpipe.pipeline import executor
 from seqpipe.run import config as config_lib
 from seqpipe.targets import topology
-from seqpipe.tools import flops
 from seqpipe.train import step, trainer
 
 CFG = model.GPTConfig(
@@ -195,7 +195,7 @@ def test_the_router_losses_are_switch_transformers_per_row():
 
 
 # (schedule, (data, stage, context, tensor), segments, remat, routing, rows); data 2 splits
-# the experts over two devices. The default run takes SAMPLE, `make test-all` MORE too.
+# the experts over two devices. The default run takes SAMPLE, the shards MORE: every schedule.
 SAMPLE = [
     ("seq1f1b", (2, 2, 1, 2), 2, "full", "mixtral", "plain"),
     ("seq_zb_h1", (2, 2, 1, 2), 2, "none", "qwen2", "packed"),
@@ -208,6 +208,8 @@ MORE = [
     ("gpipe", (1, 2, 2, 2), 2, "full", "mixtral", "packed"),
     ("seq1f1b", (2, 2, 1, 2), 2, "dots", "mixtral", "plain"),
     ("seq1f1b", (1, 2, 2, 2), 2, "full_layer", "qwen2", "plain"),
+    ("interleaved_1f1b", (2, 2, 1, 2), 1, "dots", "qwen", "plain"),
+    ("zb_h1", (2, 2, 1, 1), 1, "none", "mixtral", "packed"),
 ]
 
 
@@ -215,9 +217,11 @@ def _id(case):
     return "-".join(map(str, case))
 
 
-@pytest.mark.parametrize(
-    "case", SAMPLE + [pytest.param(c, marks=pytest.mark.slow) for c in MORE], ids=_id
-)
+def test_every_schedule_runs_a_mixture():
+    assert {c[0] for c in SAMPLE + MORE} == set(schedule_lib.SCHEDULES)
+
+
+@pytest.mark.parametrize("case", sampled(SAMPLE, MORE), ids=_id)
 def test_the_pipeline_matches_the_reference(case):
     """Loss and every gradient, router and experts included, with both router losses on:
     tensor-split experts, packed rows, context, the split backward (experts' gradients in
@@ -233,7 +237,7 @@ def test_the_pipeline_matches_the_reference(case):
         moe_z_loss=0.01,
         router_renormalize=routing == "mixtral",
     )
-    check(c, rows == "packed", "llama")
+    check(c, rows == "packed")
 
 
 # (schedule, (data, stage, context, tensor), segments, remat, rows) for 4 layers of which
@@ -262,15 +266,13 @@ def _mixed_config(schedule, mesh, segments, remat):
     return c
 
 
-@pytest.mark.parametrize(
-    "case", MIXED + [pytest.param(c, marks=pytest.mark.slow) for c in MIXED_MORE], ids=_id
-)
+@pytest.mark.parametrize("case", sampled(MIXED, MIXED_MORE), ids=_id)
 def test_layers_mixing_dense_and_sparse_mlps_match_the_reference(case):
     """A model whose layers 1 and 2 are dense (Qwen's mlp_only_layers): each layer runs its
     own MLP wherever the pipeline places it (the split backward's dense MLP gradients in
     B), loss and every gradient, router losses averaged over the sparse layers."""
     schedule, mesh, segments, remat, rows = case
-    check(_mixed_config(schedule, mesh, segments, remat), rows == "packed", "llama")
+    check(_mixed_config(schedule, mesh, segments, remat), rows == "packed")
 
 
 def test_a_layer_running_another_layers_mlp_is_caught(monkeypatch):
@@ -285,7 +287,7 @@ def test_a_layer_running_another_layers_mlp_is_caught(monkeypatch):
 
     monkeypatch.setattr(model, "kinds", shifted)
     with pytest.raises(AssertionError):
-        check(_mixed_config("seq1f1b", (1, 2, 1, 1), 2, "full"), False, "llama")
+        check(_mixed_config("seq1f1b", (1, 2, 1, 1), 2, "full"))
 
 
 def test_a_mixed_models_other_mlp_is_zeros_and_flops_are_the_mean():
@@ -365,7 +367,7 @@ def test_a_capacity_drops_what_the_reference_drops(schedule, mesh, dispatch):
     reference, loss, gradients and each layer's dropped share."""
     c = _moe_config(mesh, schedule)
     c.model.update(moe_capacity_factor=1.0, moe_dispatch=dispatch)
-    check(c, False, "llama")
+    check(c)
     # And the reference does drop assignments, a share of them the step reports.
     cfg = dataclasses.replace(executor.make_spec(c).cfg, tensor=1, expert_parallel=1)
     params = model.metered(model.init_params(cfg, jax.random.key(0)), cfg)
@@ -382,7 +384,7 @@ def test_all_to_all_buffers_short_of_the_capacity_are_caught(monkeypatch):
     c = _moe_config((2, 2, 1, 1))
     c.model.update(moe_capacity_factor=1.0, moe_dispatch="all_to_all")
     with pytest.raises(AssertionError):
-        check(c, False, "llama")
+        check(c)
 
 
 def test_a_device_running_another_devices_experts_is_caught(monkeypatch):
@@ -393,7 +395,7 @@ def test_a_device_running_another_devices_experts_is_caught(monkeypatch):
         moe, "local_experts", lambda h, c, w, g, i, o, first: local(h, c, w, g, i, o, 0)
     )
     with pytest.raises(AssertionError):
-        check(_moe_config((2, 2, 1, 1)), False, "llama")
+        check(_moe_config((2, 2, 1, 1)))
 
 
 def test_a_run_resumes_across_expert_splits(tmp_path):
@@ -440,18 +442,6 @@ def test_each_device_holds_its_experts_alone():
     placed = sharding.state_shardings({"params": shapes}, mesh)["params"]["layers"]
     assert placed["e_in"].shard_shape((4, 4, 32, 64)) == (1, 2, 32, 64)
     assert placed["router"].shard_shape((4, 32, 4)) == (1, 32, 4)
-
-
-def test_flops_count_the_active_experts():
-    """remat none: the jaxpr's matmuls of the whole step equal the analytic count, which
-    counts each token's chosen experts (and the router), not all of them."""
-    arch = dict(mlp="swiglu", num_experts=4, experts_per_token=2, expert_d_ff=32)
-    spec = _spec(segments=2, remat="none", arch=arch)
-    assert flops.breakdown(spec, rows=1)["matmul"] == pytest.approx(1.0, rel=1e-9)
-    dense = dataclasses.replace(spec.cfg, num_experts=0, d_ff=2 * 32)
-    assert model.layer_matmul_params(spec.cfg) == model.layer_matmul_params(dense) + 64 * 4
-    shared = _spec(segments=2, remat="none", arch={**arch, "shared_expert_d_ff": 16})
-    assert flops.breakdown(shared, rows=1)["matmul"] == pytest.approx(1.0, rel=1e-9)
 
 
 @needs_libtpu

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import PIPELINED, REPO, subprocess_env, tiny_args, tiny_config
+from helpers import ONE_BY_EIGHT, PIPELINED, REPO, subprocess_env, tiny_args, tiny_config
 
 from seqpipe.train import checkpoint, trainer
 
@@ -160,19 +160,6 @@ def _launch(workdir, overrides) -> list[subprocess.CompletedProcess]:
         subprocess.CompletedProcess(p.args, p.returncode, out, err)
         for p, (out, err) in zip(procs, outs, strict=True)
     ]
-
-
-# 1 x 8: process 0 holds stages 0-3 and process 1 stages 4-7, so each writes and reads only
-# its own layers: damage in process 1's file is seen by process 1 alone.
-ONE_BY_EIGHT = {
-    **PIPELINED,
-    "mesh.data": "1",
-    "mesh.stage": "8",
-    "model.num_layers": "8",
-    "train.steps": "4",
-    "checkpoint.every": "1",
-    "checkpoint.keep": "0",
-}
 
 
 @pytest.fixture(scope="module")

@@ -131,7 +131,7 @@ def _broken_ratio(config, batch, broken) -> float:
     mesh = sharding.mesh_of(config)
     params = model.init_params(spec.cfg, jax.random.key(0))
     oracle = dataclasses.replace(spec.cfg, attention="xla")
-    ref = jax.jit(reference.loss_and_grads, static_argnums=2)(params, batch, oracle)
+    ref = jax.jit(lambda p, b: reference.loss_and_grads(p, b, oracle))(params, batch)
     truth = noise.float64_reference(params, batch, oracle)
     placed = jax.device_put(batch, sharding.batch_sharding(mesh))
     with broken():

@@ -6,8 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
-from helpers import run_python
-from test_gpu_topology import needs_plugin
+from helpers import needs_plugin, run_python
 
 from seqpipe.tools import accel, predict
 

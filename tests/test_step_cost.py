@@ -6,7 +6,7 @@ import json
 import jax
 import numpy as np
 import pytest
-from test_pipeline import SEQ_LEN, make_config
+from oracle import SEQ_LEN, make_config
 
 from seqpipe.models import model, reference
 from seqpipe.parallel import sharding

@@ -3,21 +3,14 @@ compile-only devices, and train.py --compile_only --topology end to end."""
 
 import json
 import os
-import platform
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import needs_libtpu
 
 from seqpipe.targets import hlo, topology
 
 REPO = Path(__file__).resolve().parent.parent
-
-# libtpu is published for Linux x86-64 only; there it is a test dependency (dev extras).
-needs_libtpu = pytest.mark.skipif(
-    not (sys.platform == "linux" and platform.machine() == "x86_64"),
-    reason="libtpu exists for Linux x86-64 only",
-)
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from helpers import run_of
 from jax.sharding import PartitionSpec as P
-from test_pipeline import make_config
+from oracle import make_config
 
 from seqpipe.parallel import sharding
 from seqpipe.parallel.sharding import DATA, STAGE

@@ -16,8 +16,7 @@ from seqpipe.train import step as step_lib
 
 
 def main(workdir: str, port: str, process_id: int) -> None:
-    from helpers import tiny_config
-    from test_multihost import ONE_BY_EIGHT
+    from helpers import ONE_BY_EIGHT, tiny_config
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(f"127.0.0.1:{port}", 2, process_id)

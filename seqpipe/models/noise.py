@@ -49,7 +49,10 @@ def float64_reference(params, batch, cfg: GPTConfig):
     with jax.enable_x64(True), jax.default_device(cpu):
         params = jax.tree.map(lambda x: jnp.asarray(np.asarray(x, np.float64)), params)
         batch = jax.tree.map(jnp.asarray, host)
-        loss, grads = jax.jit(reference.loss_and_grads, static_argnums=2)(params, batch, cfg)
+        # A closure, not `jit(reference.loss_and_grads, static_argnums=2)`: jax keeps a
+        # long-lived function's executables, one per config, until `jax.clear_caches`.
+        step = jax.jit(lambda p, b: reference.loss_and_grads(p, b, cfg))
+        loss, grads = step(params, batch)
         return float(loss), jax.tree.map(np.asarray, grads)
 
 

@@ -42,7 +42,7 @@ def compare(run, tokens_BxL1, mesh) -> dict:
         params = model.init_params(spec.cfg, jax.random.key(run.train.seed))
     # A mixture's router losses, metered, are compared as its gradients are.
     params = model.metered(params, spec.cfg)
-    ref = jax.jit(reference.loss_and_grads, static_argnums=2)(params, tokens_BxL1, spec.cfg)
+    ref = jax.jit(lambda p, t: reference.loss_and_grads(p, t, spec.cfg))(params, tokens_BxL1)
     result = jax.jit(lambda p, t: canonical_loss_and_grads(p, t, spec, mesh))(params, tokens_BxL1)
     truth = noise.float64_reference(params, tokens_BxL1, spec.cfg)
     verdict = noise.judge(result, ref, truth)
