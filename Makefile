@@ -12,7 +12,7 @@ WORKDIR   ?= runs/demo
 PYTHON    ?=
 OLDEST_PYTHON ?= $(firstword $(wildcard $(or $(PYENV_ROOT),$(HOME)/.pyenv)/versions/3.11*/bin/python3) python3.11)
 
-.PHONY: install install-oldest which-python train test test-oldest test-oracles test-all budgets budgets-update lint bench bench-accelerator bench-device clean
+.PHONY: install install-oldest which-python train test test-shard test-oldest test-oracles test-all budgets budgets-update lint bench bench-accelerator bench-device clean
 
 # Each candidate prints "<minor> <path>" when it is a final CPython 3.12+ release with venv
 # and ensurepip and without the free-threaded build (no wheels for that); a pyenv shim of
@@ -66,21 +66,30 @@ $(OLD_STAMP): pyproject.toml
 train: $(STAMP)
 	$(PY) train.py --config $(CONFIG) --workdir $(WORKDIR)
 
+# The default suite: every test not marked slow (nor transformers, make test-oracles').
 test: $(STAMP)
-	$(PY) -m pytest -n 2 -q
+	$(PY) -m pytest -n 2 -q --durations=25
+
+# The slow tests in SHARDS deterministic shards (a test's shard: CRC-32 of its id mod
+# SHARDS); SHARD=i/SHARDS runs one. CI runs the shard of its commit (docs/testing.md).
+SHARDS ?= 16
+SHARD  ?= 0/$(SHARDS)
+test-shard: $(STAMP)
+	$(PY) -m pytest -n 2 -q -m 'slow and not transformers' --shard=$(SHARD) --durations=10
 
 # The smoke subset on the oldest supported release: the oracle sample, a training run,
 # a resume, a TPU compile (tests marked `oldest`).
 test-oldest: $(OLD_STAMP)
-	$(OLD_PY) -m pytest -n 2 -q -m oldest
+	$(OLD_PY) -m pytest -n 2 -q -m 'oldest and not slow'
 
 # The live oracles (tests marked `transformers`): transformers itself, run here and now, on
 # the Python 3.11 stack, where torch has a CPU build; a missing library fails, not skips.
 test-oracles: $(OLD_STAMP)
 	$(OLD_PY) -m pytest -n 2 -q -m transformers
 
+# Every test but the live oracles, in one run (hours on 2 cores; CI runs it by shards).
 test-all: $(STAMP)
-	$(PY) -m pytest -n 2 -q -m ''
+	$(PY) -m pytest -n 2 -q -m 'not transformers'
 
 # Memory budgets (tests/memory_budgets.json): every row, the paper-size ones included (an
 # hour or more on 2 cores); a rise over a budget exits 1. budgets-update rewrites the file

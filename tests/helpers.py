@@ -98,7 +98,9 @@ def tiny_args(**overrides) -> list[str]:
 
 def subprocess_env(devices: int = 8) -> dict:
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    count = "--xla_force_host_platform_device_count"
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(count)]
+    env["XLA_FLAGS"] = " ".join([*flags, f"{count}={devices}"])
     env["JAX_COMPILATION_CACHE_DIR"] = str(COMPILE_CACHE)
     env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     return env
