@@ -4,107 +4,14 @@
 --compile_only --topology v5p-16    the same for a Cloud TPU slice, from any machine
 --compile_only --topology h200-8     the same for NVIDIA GPUs (8 H200s), from any machine
 --coordinator HOST:PORT --num_processes N --process_id I    one process of N
+
+The command is `seqpipe.train.__main__`; an installed package runs it as
+`python -m seqpipe.train` or `seqpipe-train`.
 """
 
-from seqpipe.host import signals
+import sys
+
+from seqpipe.train.__main__ import _mesh_text, entry, main, summary  # noqa: F401
 
 if __name__ == "__main__":
-    signals.install()  # first: a signal at any moment of the start-up is one line
-
-import json  # noqa: E402
-import sys  # noqa: E402
-
-from seqpipe.errors import TrainingError  # noqa: E402
-from seqpipe.run import cli  # noqa: E402
-from seqpipe.targets import xla_flags  # noqa: E402
-
-
-def _mesh_text(mesh: dict) -> str:
-    """data x stage, and x tensor where it splits, then the context axis where it splits:
-    "2x4", "1x8x8", "1x2, context 4"."""
-    sizes = [mesh["data"], mesh["stage"]] + ([mesh["tensor"]] if mesh["tensor"] > 1 else [])
-    context = mesh.get("context", 1)
-    return "x".join(map(str, sizes)) + (f", context {context}" if context > 1 else "")
-
-
-def summary(result: dict, target=None) -> str:
-    """The --compile_only report in one line (the JSON follows it); `target` is the TPU
-    slice or GPU system compiled for (`seqpipe.targets.topology.parse`), if any."""
-    mem = result["memory_per_device_bytes"]
-    gib = lambda key: f"{mem[key] / 2**30:.2f}"
-    where = "per device"
-    if target is not None:
-        where = f"{target.headline()}, mesh {_mesh_text(result['mesh'])}; per {target.unit}"
-    line = (
-        f"{where}: arguments {gib('arguments')} GiB, outputs {gib('outputs')} GiB (aliased "
-        f"{gib('aliased')}), temporaries {gib('temporaries')} GiB; evaluation temporaries "
-        f"{result['eval_memory_per_device_bytes']['temporaries'] / 2**30:.2f} GiB"
-    )
-    if target is not None:
-        verdict = "fits" if result["fits"] else "DOES NOT FIT"
-        line += (
-            f"; peak {result['peak_memory_per_device_bytes'] / 2**30:.2f} of "
-            f"{result['hbm_per_chip_bytes'] / 2**30:.0f} GiB HBM "
-            f"({100 * result['hbm_fraction']:.0f}%, {verdict})"
-        )
-    counts = ", ".join(f"{k} {v}" for k, v in result["collectives"].items())
-    remat = f"{result['remat']}{' (auto)' if 'remat_auto' in result else ''}"
-    attention = f"{result['attention']} attention"
-    if "attention_auto" in result:  # chosen by fitting the step: say why
-        attention += f" ({result['attention_auto']['line']})"
-    return (
-        f"{line}; {attention}; remat {remat}; "
-        f"{result['flops_per_step']:.3e} model FLOPs per step; collectives: {counts}"
-    )
-
-
-def main(argv: list[str]) -> int:
-    config, args = cli.load_or_exit(argv, "train.py", cli.train_flags, auto_remat=True)
-    target = cli.target_or_exit(args)  # before jax is imported
-    if target is None:
-        cli.quiet_libtpu()
-        xla_flags.apply()  # GPU only, before the backend starts; the user's flags win
-        cli.init_distributed(args)  # imports jax: only after the device count is set
-    else:
-        config = cli.resolve_or_exit(config, target.chips, target)
-    from seqpipe.train import aot, trainer
-
-    if args.compile_only:
-        import jax
-
-        try:
-            if target is None:
-                run = cli.run_or_exit(lambda: aot.resolve(config))
-            else:
-                from seqpipe.targets import topology
-
-                try:
-                    devices = target.devices()
-                except topology.TopologyError as e:
-                    cli.fail(str(e))
-                run = cli.run_or_exit(lambda: aot.resolve(config, devices, target.budget()))
-            result = aot.compile_only(run)
-        except jax.errors.JaxRuntimeError as e:  # the compiler's verdict, not a crash
-            if "RESOURCE_EXHAUSTED" not in str(e):
-                raise
-            cli.fail(f"does not fit: {str(e).splitlines()[0]}", code=1)
-        if target is not None:
-            result.update(target.report(result["peak_memory_per_device_bytes"]))
-        print(summary(result, target))
-        print(json.dumps(result))
-        return 0 if result.get("fits", True) else 1
-    from seqpipe.train import checkpoint
-
-    kept = f"the checkpoints in {checkpoint.directory(args.workdir)} are as they were"
-    signals.set_context("before training", f"{kept}; run again to resume")
-    try:
-        cli.run_or_exit(lambda: trainer.run(config, args.workdir))
-    except TrainingError as e:
-        # Every file is closed by now; what orbax's threads print on the way out would bury
-        # the one line that says what to do.
-        cli.fail(str(e), code=1, at_once=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(entry("train.py"))

@@ -16,7 +16,9 @@ from seqpipe import schedule  # pure Python and NumPy: cheap
 from seqpipe.errors import ConfigError
 from seqpipe.pipeline import remat
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+# A wheel ships configs/ as the folder seqpipe/configs; in a checkout that is a link to
+# configs/, resolved so that messages name configs/.
+CONFIG_DIR = (Path(__file__).resolve().parents[1] / "configs").resolve()
 MESH_AXES = ("data", "stage")  # the axes that may be -1; mesh.tensor is always a size
 SCHEDULES = ("none", *schedule.SCHEDULES)  # "none": no pipeline (mesh.stage = 1)
 PARTITIONS = ("uniform", "flops")
