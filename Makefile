@@ -72,7 +72,7 @@ test: $(STAMP)
 
 # The slow tests in SHARDS deterministic shards (a test's shard: CRC-32 of its id mod
 # SHARDS); SHARD=i/SHARDS runs one. CI runs the shard of its commit (docs/testing.md).
-SHARDS ?= 16
+SHARDS ?= 24
 SHARD  ?= 0/$(SHARDS)
 test-shard: $(STAMP)
 	$(PY) -m pytest -n 2 -q -m 'slow and not transformers' --shard=$(SHARD) --durations=10
