@@ -1,7 +1,7 @@
 """What many test modules share: the repository, the tiny model's overrides, the
 environment of a trainer subprocess, the one helper that runs `train.py` as a process,
-TensorBoard event readers, the oracle's leaf-wise error, and the release of cached
-executables before a process runs out of memory maps."""
+TensorBoard event readers, the compilers for other chips, a disk to fill, and the release
+of cached executables before a process runs out of memory maps."""
 
 import errno
 import os
@@ -171,11 +171,12 @@ def run_train(
 
 
 # Linux refuses a process more memory maps than vm.max_map_count (65,530 by default), and
-# XLA:CPU maps each executable's code pages. jax's caches keep every executable a process
-# compiled alive (jit caches keyed by static configs, lowering and compilation caches), as
-# does `tools.flops`'s unit cache: a pipeline test adds 500 to 1,300 maps to its worker, and
-# workers segfaulted inside XLA two-thirds through a full run (2026-12-07). Dropping them
-# when a worker passes 20,000 maps keeps it far from the limit.
+# XLA:CPU maps each executable's code pages: workers segfaulted inside XLA two-thirds through
+# a full run (2026-12-07). The cause, measured (2026-12-08): jax keeps the executables of a
+# long-lived function jitted with a static config (`jit(reference.loss_and_grads,
+# static_argnums=2)`, one per config, 3 maps each) until `jax.clear_caches`, while a
+# closure's go with it; `tools.flops` keeps its units until `flops.release`. The oracles now
+# jit closures; what other tests keep is dropped when a worker passes 20,000 maps.
 MAPS_BEFORE_RELEASE = 20_000
 
 

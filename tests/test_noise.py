@@ -26,8 +26,9 @@ DEFAULT_DRAWS = 3
 SEQ_LEN = 24
 HF = ("llama_gqa_llama3", "qwen2_bias")
 GQA = dict(num_heads=4, num_kv_heads=2, mlp="swiglu", qkv_bias=True, init_std=0.2)
+MOE = dict(num_experts=4, experts_per_token=2, expert_d_ff=16, moe_aux_loss=0.1)
 # A broken variant must exceed MARGIN times the most a healthy run may reach (the healthy
-# draws reached 2.5x the noise at most, 2026-12-06; the broken ones 7.9e5x at least).
+# draws reached 2.9x the noise at most, 2026-12-08; the broken ones 7.9e5x at least).
 MARGIN = 10
 
 
@@ -44,8 +45,9 @@ def _model(rng: random.Random, c) -> None:
 
 
 def draw(seed: int):
-    """A valid random configuration (schedule, mesh with tensor 1/2/4, segments, partition,
-    remat, model: GPT, GQA or an imported HF one, packed rows or not) and its batch."""
+    """A valid random configuration (schedule, mesh with tensor 1/2/4 and context 1/2,
+    segments, partition, remat, model: GPT, GQA, either with experts, or an imported HF
+    one, packed rows or not) and its batch."""
     rng = random.Random(seed)
     while True:
         c = config_lib.base_config()
@@ -73,7 +75,28 @@ def draw(seed: int):
             config_lib.validate(c)
         except ConfigError:
             continue
+        _context_and_experts(random.Random(seed + DRAWS), c)
         return c, _batch(c, seed)
+
+
+def _context_and_experts(rng: random.Random, c) -> None:
+    """A context split of 2 and a mixture of experts, each in about a third of the draws,
+    from a stream of their own (the draws' other choices stay as they were measured);
+    either is dropped again where the configuration cannot take it."""
+    if rng.random() < 1 / 3 and not c.train.init_from:
+        c.model.update(MOE)
+        try:
+            config_lib.validate(c)
+        except ConfigError:
+            c.model.update(num_experts=0, experts_per_token=2, expert_d_ff=0, moe_aux_loss=0.0)
+    if rng.random() < 1 / 3:
+        c.mesh.context = 2
+        c.train.global_batch_size //= c.mesh.data  # the data axis makes room for context
+        c.mesh.data = 1
+        try:
+            config_lib.validate(c, num_devices=8)
+        except ConfigError:
+            c.mesh.context = 1
 
 
 def _batch(config, seed: int):
@@ -87,7 +110,8 @@ def _describe(config) -> str:
     kv = config.model.num_kv_heads or config.model.num_heads
     where = config.train.init_from or f"{config.model.num_heads}/{kv} heads"
     return (
-        f"{p.schedule} {m.data}x{m.stage}x{m.tensor} M={p.microbatches} K={p.segments} "
+        f"{p.schedule} {m.data}x{m.stage}x{m.context}x{m.tensor} M={p.microbatches} "
+        f"K={p.segments} experts={config.model.num_experts} "
         f"{p.partition} {p.remat} packing={config.data.packing} {where}"
     )
 
@@ -122,6 +146,8 @@ def test_the_draws_cover_what_the_rule_must_hold_for():
     assert seen(lambda c: c.pipeline.schedule) == set(schedule_lib.SCHEDULES)
     assert {c.train.init_from.rsplit("/", 1)[-1] for c in configs} >= {"", *HF}
     assert seen(lambda c: 0 < c.model.num_kv_heads < c.model.num_heads) == {True, False}
+    assert seen(lambda c: c.mesh.context) == {1, 2}
+    assert seen(lambda c: c.model.num_experts > 0) == {True, False}
 
 
 def _broken_ratio(config, batch, broken) -> float:
