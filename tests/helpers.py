@@ -4,6 +4,7 @@ TensorBoard event readers, the compilers for other chips, a disk to fill, and th
 of cached executables before a process runs out of memory maps."""
 
 import errno
+import json
 import os
 import platform
 import struct
@@ -190,6 +191,25 @@ def release_executables_if_crowded() -> None:
         return
     if count > MAPS_BEFORE_RELEASE:
         flops.release()
+
+
+def wait_all(procs, timeout: int = 300) -> list[subprocess.CompletedProcess]:
+    """Each of `procs` (text pipes) waited for, every one killed on a hang."""
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    return [
+        subprocess.CompletedProcess(p.args, p.returncode, out, err)
+        for p, (out, err) in zip(procs, outs, strict=True)
+    ]
+
+
+def logged_losses(workdir) -> dict[int, float]:
+    """step -> loss, as the run logged them in its workdir's metrics.jsonl."""
+    lines = (Path(workdir) / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines)}
 
 
 def fill_disk(disk, leave: int) -> None:

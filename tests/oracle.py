@@ -149,16 +149,18 @@ def initial_params(cfg):
     return jax.jit(init)()
 
 
+def batch_of(rows: int, seq: int, vocab: int, packed: bool):
+    """Random rows of seq + 1 tokens (numpy's generator, seed 1), or packed documents."""
+    if packed:
+        return packed_batch(rows, seq, vocab)
+    return np.random.default_rng(1).integers(0, vocab, (rows, seq + 1), dtype=np.int32)
+
+
 def inputs(config, packed: bool = False):
-    """(spec, mesh, params, batch) of a config: `initial_params`, and random rows (numpy's
-    generator, seed 1) or packed documents."""
+    """(spec, mesh, params, batch) of a config: `initial_params` and `batch_of`."""
     spec = executor.make_spec(config)
     rows, seq = config.train.global_batch_size, config.train.seq_len
-    if packed:
-        batch = packed_batch(rows, seq, spec.cfg.vocab_size)
-    else:
-        rng = np.random.default_rng(1)
-        batch = rng.integers(0, spec.cfg.vocab_size, (rows, seq + 1), dtype=np.int32)
+    batch = batch_of(rows, seq, spec.cfg.vocab_size, packed)
     return spec, sharding.mesh_of(config), initial_params(spec.cfg), batch
 
 
@@ -168,11 +170,7 @@ def references(oracle_cfg, rows: int, seq: int, packed: bool):
     model and rows, computed once a process: cases of one model and batch on other
     schedules and meshes share them."""
     params = initial_params(oracle_cfg)
-    if packed:
-        batch = packed_batch(rows, seq, oracle_cfg.vocab_size)
-    else:
-        rng = np.random.default_rng(1)
-        batch = rng.integers(0, oracle_cfg.vocab_size, (rows, seq + 1), dtype=np.int32)
+    batch = batch_of(rows, seq, oracle_cfg.vocab_size, packed)
     # Closures, jitted here: their executables go with them (jax keeps those of a
     # long-lived function jitted with a static config until `jax.clear_caches`).
     whole = jax.tree.map(jnp.asarray, batch)

@@ -12,7 +12,6 @@ job family of the HNP URI (Open MPI), 61440 + (id mod 4096); the tests pick an i
 is free, and the coordinator's host is the step's first node (SLURM) or the URI's first
 address (Open MPI)."""
 
-import json
 import os
 import socket
 import subprocess
@@ -20,7 +19,15 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import PIPELINED, REPO, subprocess_env, tiny_args, tiny_config
+from helpers import (
+    PIPELINED,
+    REPO,
+    logged_losses,
+    subprocess_env,
+    tiny_args,
+    tiny_config,
+    wait_all,
+)
 
 from seqpipe.train import checkpoint, trainer
 
@@ -144,20 +151,7 @@ def _train(workdir, envs: list[dict], timeout: int = 300) -> list[subprocess.Com
         )
         for env in envs
     ]
-    try:
-        outs = [p.communicate(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    return [
-        subprocess.CompletedProcess(p.args, p.returncode, out, err)
-        for p, (out, err) in zip(procs, outs, strict=True)
-    ]
-
-
-def _losses(workdir) -> dict[int, float]:
-    lines = (workdir / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r["loss"] for r in map(json.loads, lines)}
+    return wait_all(procs, timeout)
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +164,7 @@ def single_losses(tmp_path_factory) -> dict[int, float]:
 
 
 def _assert_losses(workdir, single):
-    losses = _losses(workdir)
+    losses = logged_losses(workdir)
     assert sorted(losses) == sorted(single)
     np.testing.assert_allclose(
         [losses[s] for s in sorted(losses)], [single[s] for s in sorted(losses)], rtol=1e-6

@@ -3,7 +3,6 @@
 1 x 1 x 4 x 2 (data x stage x context x tensor) and reach, step by step, the losses one
 process with 8 devices reaches; both write checkpoints and only process 0 logs."""
 
-import json
 import shutil
 import signal
 import socket
@@ -13,7 +12,16 @@ import time
 
 import numpy as np
 import pytest
-from helpers import ONE_BY_EIGHT, PIPELINED, REPO, subprocess_env, tiny_args, tiny_config
+from helpers import (
+    ONE_BY_EIGHT,
+    PIPELINED,
+    REPO,
+    logged_losses,
+    subprocess_env,
+    tiny_args,
+    tiny_config,
+    wait_all,
+)
 
 from seqpipe.train import checkpoint, trainer
 
@@ -34,11 +42,6 @@ def _process_env() -> dict:
     peer after 30 s: on a loaded machine the run failed. Without it both compile at once.
     """
     return {**subprocess_env(devices=4), "JAX_ENABLE_COMPILATION_CACHE": "false"}
-
-
-def _losses(workdir) -> dict[int, float]:
-    lines = (workdir / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r["loss"] for r in map(json.loads, lines)}
 
 
 # 1 x 8: both processes hold every row (stages spread over hosts, as on a pod);
@@ -82,7 +85,7 @@ def test_two_processes_match_one(tmp_path, data_size, stages, tensor, context):
         r["step"]: r["loss"]
         for r in trainer.run(tiny_config(**overrides), str(tmp_path / "single"))
     }
-    multi_losses = _losses(multi)
+    multi_losses = logged_losses(multi)
     assert sorted(multi_losses) == sorted(single) == list(range(1, STEPS + 1))
     np.testing.assert_allclose(
         [multi_losses[s] for s in sorted(multi_losses)],
@@ -121,7 +124,7 @@ def test_a_signal_to_one_process_stops_both_at_the_same_step(tmp_path, sig, targ
     stopped = int(last.split("at step ")[1].split(";")[0])
     steps = [int(p.name) for p in checkpoint.directory(tmp_path).iterdir() if p.name.isdigit()]
     assert steps == [stopped]
-    assert _losses(tmp_path).keys() == set(range(1, stopped + 1))
+    assert logged_losses(tmp_path).keys() == set(range(1, stopped + 1))
 
 
 def _spawn(workdir, overrides) -> list[subprocess.Popen]:
@@ -150,16 +153,7 @@ def _spawn(workdir, overrides) -> list[subprocess.Popen]:
 
 def _launch(workdir, overrides) -> list[subprocess.CompletedProcess]:
     """`_spawn`, both waited for (killed on a hang)."""
-    procs = _spawn(workdir, overrides)
-    try:
-        outs = [p.communicate(timeout=300) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    return [
-        subprocess.CompletedProcess(p.args, p.returncode, out, err)
-        for p, (out, err) in zip(procs, outs, strict=True)
-    ]
+    return wait_all(_spawn(workdir, overrides))
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +163,7 @@ def trained_two_processes(tmp_path_factory):
     procs = _launch(workdir, {**ONE_BY_EIGHT, "train.stop_at": "2"})
     for p in procs:
         assert p.returncode == 0, p.stderr[-3000:]
-    return workdir, _losses(workdir)
+    return workdir, logged_losses(workdir)
 
 
 def _process_1_data_file(step_dir):
@@ -223,7 +217,7 @@ def test_a_damaged_checkpoint_makes_both_processes_fall_back_to_the_same_step(
     assert f"resumed from {ckpt}/1" in procs[0].stdout.splitlines(), procs[0].stdout
     assert checkpoint.complete_steps(ckpt) == [1, 2, 3]
     assert (ckpt / "2.damaged").is_dir()
-    again = _losses(workdir)
+    again = logged_losses(workdir)
     assert sorted(again) == [1, 2, 3]
     assert again[2] == losses[2]  # the step recomputed from checkpoint 1, bit for bit
 
