@@ -25,6 +25,8 @@ from seqpipe.tools.verify import canonical_loss_and_grads
 SEQ_LEN = 16
 CONTEXT_SEQ_LEN = 32  # 2C pieces of every segment: K = 4 segments of 8 at C = 4
 MODELS = ("gpt", "llama")
+# A loss computed two ways in float32 (a forward-only pipeline, the model), relative.
+LOSS_RTOL = 1e-5
 # Grouped-query attention (4 query heads on 2 K/V heads), a SwiGLU MLP, Q/K/V biases, the
 # head tied to the embedding, another norm epsilon and llama3 rope scaling whose original
 # context (8) is shorter than the sequence: one frequency stretched, one interpolated.

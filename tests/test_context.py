@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from helpers import REPO, run_python, subprocess_env, tiny_config
 from oracle import CONTEXT_SEQ_LEN as SEQ_LEN
-from oracle import LLAMA, check, context_config, randomized_gains
+from oracle import LLAMA, LOSS_RTOL, check, context_config, randomized_gains
 from pairwise import all_pairs, sampled
 
 from seqpipe import schedule as schedule_lib
@@ -32,7 +32,6 @@ from seqpipe.run import config as config_lib
 from seqpipe.train import trainer
 
 HF_GQA = REPO / "tests" / "fixtures" / "hf" / "llama_gqa_llama3"  # made by transformers
-LOSS_RTOL = 1e-5  # a forward-only loss against the model's
 
 
 # (schedule, (data, stage, context, tensor), segments, remat, model, rows, attention)

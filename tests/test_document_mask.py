@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from helpers import run_of
 from kernel_helpers import in_cache
-from oracle import LLAMA, SEQ_LEN, check, make_config, randomized_gains, tensor_config
+from oracle import LLAMA, LOSS_RTOL, SEQ_LEN, check, make_config, randomized_gains, tensor_config
 from packed_rows import layouts, on_device, packed_batch
 from pairwise import all_pairs, full_product, sampled
 
@@ -28,7 +28,6 @@ from seqpipe.models import document_mask, model, reference
 from seqpipe.parallel import sharding
 from seqpipe.pipeline import executor
 
-LOSS_RTOL = 1e-5  # a loss against the reference
 NAMES = ("out", "dq", "dk_prefix", "dv_prefix", "dk_own", "dv_own")
 TOL = 1e-5
 

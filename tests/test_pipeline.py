@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from oracle import MODELS, SEQ_LEN, check, make_config, microbatch_count, references
+from oracle import LOSS_RTOL, MODELS, SEQ_LEN, check, make_config, microbatch_count, references
 from pairwise import all_pairs, full_product, matrix, sampled
 
 from seqpipe import schedule as schedule_lib
@@ -34,7 +34,6 @@ MICROBATCHES = ("fewer", "equal", "more")  # than stages
 VIRTUAL = (1, 2)
 ATTENTION = ("xla", "blockwise")  # the pipelined model's; the others test_attention checks
 FACTORS = (SCHEDULES, MESHES, SEGMENTS, PARTITIONS, MICROBATCHES, VIRTUAL, ATTENTION, MODELS)
-LOSS_RTOL = 1e-5  # the forward-only evaluation's loss against the model's
 
 
 def valid(schedule, mesh, segments, part, relation, virtual, attention="auto", arch="gpt"):

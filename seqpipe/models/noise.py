@@ -23,7 +23,7 @@ from seqpipe.models.model import GPTConfig
 # truth by luck must not make the bound vanish).
 UNIT_ROUNDOFF = 2.0**-24
 # How many times the float32 reference's error a pipeline's may be: 40 drawn healthy
-# configurations reached 2.9, the mildest broken variant 7.9e5 (docs/reliability.md).
+# configurations reached 2.1, the mildest broken variant 7.9e5 (docs/reliability.md).
 FACTOR = 10.0
 
 
